@@ -1,0 +1,523 @@
+"""Move an FSDP2 trainer's weights into a colocated vLLM server over CUDA IPC.
+
+N GPUs are shared by two parties:
+  * N FSDP2 trainer ranks, one Ray actor per GPU (the model sharded over them);
+  * one `vllm serve` with data parallel size N/TP and expert parallelism, its
+    engines pinned to the same GPUs with --device-ids.
+
+One sync, as an RL step does it:
+  1. /sleep                     vLLM frees its KV cache (and its weights at level 2)
+  2. /wake_up?tags=weights      vLLM maps its weight memory back
+  3. send_weights() on every rank: vLLM's IPC trainer engine all-gathers each
+     parameter, packs it into one GPU buffer per rank, and the vLLM engine on
+     each GPU reads that buffer through a CUDA IPC handle
+  4. /wake_up?tags=kv_cache&tags=scheduling   vLLM serves again
+
+Then the proof: vLLM's prompt log-probabilities on every DP rank must match the
+trainer's own forward pass on the same tokens.
+
+    python rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2      # no download
+    python rlhf_ipc_fsdp_ep.py                                # Qwen3-30B-A3B on 4 GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+
+import helpers
+
+GiB = 1024**3
+DEFAULT_PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "The future of AI is",
+    "Reinforcement learning from human feedback",
+]
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="Qwen/Qwen3-30B-A3B",
+        help="a Hugging Face model id (downloaded), a local model directory, or a "
+        "random-weight model built locally with no download: 'tiny' (a small Qwen3-MoE) "
+        "or 'qwen3-30b-a3b-shape' (Qwen3-30B-A3B's shapes)",
+    )
+    p.add_argument("--num-gpus", type=int, default=4, help="GPUs to reserve through Ray; one trainer rank per GPU")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="vLLM tensor parallel size; data parallel size is num-gpus / this, experts split over all GPUs",
+    )
+    p.add_argument(
+        "--packed", action=argparse.BooleanOptionalAction, default=True,
+        help="pack parameters into one reusable IPC buffer per rank instead of one IPC handle per parameter",
+    )
+    p.add_argument(
+        "--packed-buffer-size-bytes", type=int, default=GiB,
+        help="size of each rank's packed IPC buffer; must hold the largest parameter",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.35,
+        help="share of each GPU's memory vLLM may use; the rest is the trainer's",
+    )
+    p.add_argument("--port", type=int, default=8000, help="vLLM server port on 127.0.0.1")
+    p.add_argument(
+        "--sleep-level", type=int, choices=(1, 2), default=2,
+        help="1: vLLM copies its weights to CPU memory while asleep; 2: it discards them. "
+        "2 is safe here because every weight is re-sent, and it skips a full copy each way",
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    p.add_argument(
+        "--prompt", action="append", dest="prompts", metavar="TEXT",
+        help=f"a prompt (repeatable); default: {DEFAULT_PROMPTS}",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="weight syncs to run back to back")
+    p.add_argument(
+        "--logprob-tolerance", type=float, default=0.25,
+        help="largest |trainer - vLLM| log-probability (nats) accepted after a sync. Measured "
+        "on H200 after a sync: 0.016 (tiny, 1 GPU) and 0.12 (tiny, 2 GPUs, mean 0.01); "
+        "before it, with vLLM's dummy weights: 2.5-3.3",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
+    p.add_argument("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
+    p.add_argument("--max-model-len", type=int, help="passed to vllm serve")
+    p.add_argument("--server-log", default="vllm-server.log", help="where the server's output goes")
+    p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to become healthy")
+    p.add_argument("--placement-timeout", type=float, default=60, help="seconds to wait for Ray to place the trainers")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (preset models)")
+    args = p.parse_args(argv)
+    args.prompts = args.prompts or DEFAULT_PROMPTS
+
+    def fail(msg: str):
+        p.error(msg)  # exits with status 2 and the usage line
+
+    if args.num_gpus < 1:
+        fail("--num-gpus must be at least 1")
+    if args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size:
+        fail(
+            f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size "
+            f"{args.tensor_parallel_size}"
+        )
+    if not 0 < args.gpu_memory_utilization < 1:
+        fail("--gpu-memory-utilization must be between 0 and 1")
+    if args.packed_buffer_size_bytes < 1:
+        fail("--packed-buffer-size-bytes must be positive")
+    if args.rounds < 1 or args.max_tokens < 1:
+        fail("--rounds and --max-tokens must be at least 1")
+    return args
+
+
+def resolve_model(model: str, workdir: Path) -> Path:
+    """The model directory: built locally for a preset, as given for a path,
+    downloaded for a Hugging Face id."""
+    if model in helpers.MODEL_PRESETS:
+        return helpers.build_preset_model(model, workdir / model)
+    path = Path(model).expanduser()
+    looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
+    if looks_local:
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"error: model path {model!r} has no config.json (does it exist?)")
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model))
+    except Exception as e:  # offline, unknown id, no access: all end here
+        raise SystemExit(f"error: could not download {model!r}: {e}") from e
+
+
+def check_before_gpu_work(args: argparse.Namespace, model_path: Path) -> None:
+    """The input errors we can catch before anything touches a GPU."""
+    if not helpers.port_is_free(args.port):
+        raise SystemExit(f"error: port {args.port} on 127.0.0.1 is already in use; pass another --port")
+    if args.packed:
+        name, size = helpers.largest_parameter(model_path)
+        if size > args.packed_buffer_size_bytes:
+            raise SystemExit(
+                f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
+                f"the largest parameter, {name} ({size} bytes); pass at least {size}"
+            )
+
+
+# ---------------------------------------------------------------------------
+# The trainer: one FSDP2 rank per GPU
+# ---------------------------------------------------------------------------
+
+
+class FSDPTrainer:
+    """One FSDP2 rank. Started as a Ray actor by start_trainers()."""
+
+    def __init__(self, rank: int, world_size: int, master_port: int, device_type: str = "cuda"):
+        self.rank = rank
+        if device_type == "cuda":
+            torch.cuda.set_device(0)  # Ray made this actor's GPU the only visible one
+            self.device = torch.device("cuda", 0)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        # Loopback rendezvous: all ranks share one node (CUDA IPC needs that
+        # anyway), and the node's own IP has hung the rendezvous on GPU hosts.
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=10),
+            device_id=self.device if device_type == "cuda" else None,
+        )
+        self.model = None
+        self.engine = None
+
+    def placement(self) -> dict:
+        """Which GPU Ray gave this rank."""
+        info = {"rank": self.rank, "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "node": ray.get_runtime_context().get_node_id()}
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
+        return info
+
+    def build_model(self, model_path: str, random_init: bool, seed: int = 0) -> int:
+        """Build the model sharded from the start (never whole on one GPU);
+        return the bytes one full sync moves."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from torch.distributed.fsdp import fully_shard
+
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device=self.device)
+        restore_rotary_tables(model)
+        if random_init:
+            init_random_weights(model, seed)
+        else:
+            load_pretrained_weights(model, model_path, self.rank)
+        self.model = model
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token_i | tokens_<i) for i >= 1, like vLLM's prompt_logprobs.
+        Every rank must call it: FSDP gathers each layer during the forward."""
+        self.model.eval()
+        out = []
+        for ids in sequences:
+            x = torch.tensor([ids], device=self.device)
+            logits = self.model(input_ids=x).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+            out.append(lp.tolist())
+        return out
+
+    def init_weight_transfer(self, url: str, packed: bool, packed_buffer_size_bytes: int) -> None:
+        """Build vLLM's IPC trainer engine on this rank (rank 0 also tells the
+        server to expect packed or unpacked IPC chunks)."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
+            client=helpers.weight_sync_client(url),
+            source=ModuleSource(self.model),
+        )
+
+    def send_weights(self) -> float:
+        """One full sync; every rank takes part. Returns this rank's seconds."""
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.engine.send_weights()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def memory_gib(self) -> dict:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {
+            "trainer_peak_allocated": torch.cuda.max_memory_allocated(self.device) / GiB,
+            "trainer_reserved": torch.cuda.memory_reserved(self.device) / GiB,
+            "device_used": (total - free) / GiB,
+        }
+
+
+def restore_rotary_tables(model: torch.nn.Module) -> None:
+    """to_empty() leaves buffers uninitialised; rebuild the rotary tables,
+    the only buffers these decoders have."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights with a real spread of logits (unlike vLLM's dummy
+    weights, which are near zero), so a missed sync shows in the gate.
+    Each rank fills its own shard; norms get 1."""
+    for i, (name, param) in enumerate(model.named_parameters()):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if "norm" in name:
+            local.fill_(1.0)
+            continue
+        gen = torch.Generator(device=local.device)
+        gen.manual_seed(seed * 1_000_003 + i * 101 + dist.get_rank())
+        std = 1.0 if "embed_tokens" in name else param.shape[-1] ** -0.5
+        local.normal_(0.0, std, generator=gen)
+
+
+def load_pretrained_weights(model: torch.nn.Module, model_path: str, rank: int) -> None:
+    """Rank 0 reads the checkpoint into CPU memory and broadcasts; each rank
+    keeps only its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = {}
+    if rank == 0:
+        full = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).state_dict()
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+
+
+def start_trainers(
+    num_trainers: int,
+    gpus_per_trainer: float = 1,
+    device_type: str = "cuda",
+    placement_timeout_s: float = 60,
+) -> list:
+    """Reserve one GPU per trainer rank on one node and start the ranks.
+
+    Raises RuntimeError if Ray cannot place them in time (too few GPUs)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    have = ray.cluster_resources().get("GPU", 0)
+    if gpus_per_trainer and have < num_trainers * gpus_per_trainer:
+        raise RuntimeError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
+    bundle = {"CPU": 1, **({"GPU": gpus_per_trainer} if gpus_per_trainer else {})}
+    # STRICT_PACK: CUDA IPC only works between processes on one machine.
+    pg = placement_group([bundle] * num_trainers, strategy="STRICT_PACK")
+    if not pg.wait(timeout_seconds=placement_timeout_s):
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not place {num_trainers} trainers with {bundle} each on one node "
+            f"within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
+        )
+    master_port = helpers.free_port()
+    actor_cls = ray.remote(FSDPTrainer)
+    return [
+        actor_cls.options(
+            num_cpus=1,
+            num_gpus=gpus_per_trainer,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        ).remote(rank, num_trainers, master_port, device_type)
+        for rank in range(num_trainers)
+    ]
+
+
+def ray_get_all(refs: list):
+    """ray.get(refs), but raise as soon as any one fails: the others may be
+    blocked in a collective waiting for it, and would hang ray.get."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done[0])
+    return ray.get(refs)
+
+
+# ---------------------------------------------------------------------------
+# The server and the sync
+# ---------------------------------------------------------------------------
+
+
+def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu_ids: list[str]) -> list[str]:
+    """`vllm serve` flags: one DP engine per TP group, experts split over
+    every GPU, memory it can release while the trainer works."""
+    flags = [
+        str(model_path),
+        "--served-model-name", served_name,
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--data-parallel-size", str(args.num_gpus // args.tensor_parallel_size),
+        "--enable-expert-parallel",
+        "--device-ids", ",".join(gpu_ids),
+        "--enable-sleep-mode",
+        "--load-format", "dummy",  # the trainer sends the real weights
+        "--weight-transfer-config", json.dumps({"backend": "ipc"}),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+    ]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    return flags
+
+
+def sync_weights(url: str, trainers: list, sleep_level: int) -> dict[str, float]:
+    """One sync; returns each phase's seconds."""
+    timer = helpers.PhaseTimer()
+    with timer.phase("sleep"):
+        helpers.sleep(url, sleep_level)
+    with timer.phase("wake_weights"):
+        helpers.wake_up(url, ["weights"])
+    with timer.phase("send"):
+        ray_get_all([t.send_weights.remote() for t in trainers])
+    with timer.phase("wake_kv"):
+        state = helpers.wake_up(url, ["kv_cache", "scheduling"])
+    if state["status"] != "awake":
+        raise helpers.ServerError(f"server still asleep after the last wake_up: {state}")
+    return timer.seconds
+
+
+def logprob_gap(url: str, model: str, trainers: list, sequences: list[list[int]], dp_size: int) -> dict:
+    """Compare the trainer's log-probabilities with each DP engine's. Every
+    DP engine holds different experts, so each one is asked."""
+    trainer_lps = ray_get_all([t.prompt_logprobs.remote(sequences) for t in trainers])[0]
+    per_rank = []
+    for dp_rank in range(dp_size):
+        server_lps = [helpers.prompt_logprobs(url, model, seq, dp_rank=dp_rank) for seq in sequences]
+        per_rank.append(helpers.logprob_diff(trainer_lps, server_lps))
+    return {
+        "max_abs": max(d.max_abs for d in per_rank),
+        "mean_abs": sum(d.mean_abs for d in per_rank) / len(per_rank),
+        "max_abs_per_dp_rank": [d.max_abs for d in per_rank],
+    }
+
+
+def sample(url: str, model: str, prompts: list[str], max_tokens: int, label: str) -> list[list[int]]:
+    """Greedy completions, printed; returns prompt+completion token ids."""
+    outs = helpers.completions(url, model, prompts, max_tokens)
+    print(f"--- {label} ---")
+    for prompt, out in zip(prompts, outs):
+        print(f"{prompt!r} -> {out.text!r}")
+    return [o.prompt_token_ids + o.token_ids for o in outs]
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the finally block below always runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))
+    model_path = resolve_model(args.model, workdir)
+    check_before_gpu_work(args, model_path)
+    served_name = args.model
+    dp_size = args.num_gpus // args.tensor_parallel_size
+
+    ray.init(include_dashboard=False)
+    server = None
+    try:
+        print(f"[trainers] reserving {args.num_gpus} GPUs through Ray", flush=True)
+        trainers = start_trainers(args.num_gpus, placement_timeout_s=args.placement_timeout)
+        placements = ray_get_all([t.placement.remote() for t in trainers])
+        gpu_ids = [p["gpu_ids"][0] for p in placements]
+        print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
+        bytes_per_sync = ray_get_all(
+            [t.build_model.remote(str(model_path), args.model in helpers.MODEL_PRESETS, args.seed) for t in trainers]
+        )[0]
+        print(f"[trainers] model sharded over {args.num_gpus} ranks: {bytes_per_sync / 1e9:.2f} GB", flush=True)
+
+        print(f"[server] starting vllm serve; log: {args.server_log}", flush=True)
+        server = helpers.start_server(
+            serve_args(args, model_path, served_name, gpu_ids), port=args.port, log_path=args.server_log
+        )
+        server_start_s = helpers.wait_until_healthy(server, timeout_s=args.server_timeout)
+        print(f"[server] healthy after {server_start_s:.1f} s at {server.url}", flush=True)
+
+        ray_get_all(
+            [t.init_weight_transfer.remote(server.url, args.packed, args.packed_buffer_size_bytes) for t in trainers]
+        )
+        rounds = []
+        for i in range(1, args.rounds + 1):
+            print(f"=== round {i}/{args.rounds} ===", flush=True)
+            sequences = sample(server.url, served_name, args.prompts, args.max_tokens, "before sync")
+            before = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
+            phases = sync_weights(server.url, trainers, args.sleep_level)
+            sequences = sample(server.url, served_name, args.prompts, args.max_tokens, "after sync")
+            after = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
+            rounds.append(round_record(phases, bytes_per_sync, before, after, args.logprob_tolerance))
+            print(
+                f"[gate] max |dlogp| {before['max_abs']:.4f} before -> {after['max_abs']:.4f} after "
+                f"(tolerance {args.logprob_tolerance}): {'pass' if rounds[-1]['gate_passed'] else 'FAIL'}",
+                flush=True,
+            )
+
+        result = {
+            "gpu_name": placements[0]["gpu_name"],
+            "num_gpus": args.num_gpus,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "data_parallel_size": dp_size,
+            "model": args.model,
+            "vllm_version": vllm_version(),
+            "torch_version": torch.__version__,
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+            "date": time.strftime("%Y-%m-%d"),
+            "packed": args.packed,
+            "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
+            "sleep_level": args.sleep_level,
+            "server_start_s": server_start_s,
+            "rounds": rounds,
+            "memory_gib_per_rank": ray_get_all([t.memory_gib.remote() for t in trainers]),
+        }
+        print(helpers.format_summary(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            print(f"[json] {args.json}")
+        return 0 if all(r["gate_passed"] for r in rounds) else 1
+    finally:
+        if server is not None:
+            print("[shutdown] stopping the vLLM server", flush=True)
+            helpers.stop_server(server)
+        ray.shutdown()
+
+
+def round_record(phases: dict, bytes_sent: int, before: dict, after: dict, tolerance: float) -> dict:
+    return {
+        "phases_s": phases,
+        "cycle_s": sum(phases[p] for p in helpers.SYNC_PHASES),
+        "bytes_sent": bytes_sent,
+        "send_gb_per_s": bytes_sent / phases["send"] / 1e9,
+        "max_abs_dlogp_before": before["max_abs"],
+        "mean_abs_dlogp_before": before["mean_abs"],
+        "max_abs_dlogp_after": after["max_abs"],
+        "mean_abs_dlogp_after": after["mean_abs"],
+        "max_abs_dlogp_after_per_dp_rank": after["max_abs_per_dp_rank"],
+        # `<=` is False for NaN, so a NaN never passes.
+        "gate_passed": after["max_abs"] <= tolerance,
+    }
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

