@@ -182,23 +182,28 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+def _wait_group_gone(server: Server, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(server.pgid):
+        server.proc.poll()  # reap the parent so it does not linger as a zombie
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def stop_server(server: Server, grace_s: float = 20.0) -> None:
     """SIGTERM the server's whole process group, SIGKILL what is left after
-    `grace_s`, and reap the parent. Safe to call twice."""
-    pgid = server.pgid
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        server.proc.poll()  # reap the parent so it does not linger as a zombie
-        time.sleep(0.2)
-    if group_members(pgid):
+    `grace_s`, and wait until every process is gone. Safe to call twice."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(server.pgid, sig)
         except ProcessLookupError:
-            pass
+            break
+        if _wait_group_gone(server, wait_s):
+            break
+    else:
+        raise ServerError(f"processes {group_members(server.pgid)} of the vLLM server survived SIGKILL")
     try:
         server.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

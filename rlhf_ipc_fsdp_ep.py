@@ -277,13 +277,14 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights with a real spread of logits (unlike vLLM's dummy
     weights, which are near zero), so a missed sync shows in the gate.
     Each rank fills its own shard; norms get 1."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     for i, (name, param) in enumerate(model.named_parameters()):
         local = param.to_local() if hasattr(param, "to_local") else param
         if "norm" in name:
             local.fill_(1.0)
             continue
         gen = torch.Generator(device=local.device)
-        gen.manual_seed(seed * 1_000_003 + i * 101 + dist.get_rank())
+        gen.manual_seed(seed * 1_000_003 + i * 101 + rank)
         std = 1.0 if "embed_tokens" in name else param.shape[-1] ** -0.5
         local.normal_(0.0, std, generator=gen)
 

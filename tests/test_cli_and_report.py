@@ -1,0 +1,152 @@
+"""Flag validation, input errors caught before GPU work, and the reported numbers."""
+
+import json
+import math
+import socket
+
+import pytest
+
+import helpers
+import rlhf_ipc_fsdp_ep as script
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-gpus", "3", "--tensor-parallel-size", "2"], "--num-gpus 3 is not divisible by --tensor-parallel-size 2"),
+        (["--num-gpus", "0"], "--num-gpus must be at least 1"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be between 0 and 1"),
+        (["--rounds", "0"], "--rounds and --max-tokens must be at least 1"),
+        (["--sleep-level", "3"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script.parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in [
+        "--model", "--num-gpus", "--tensor-parallel-size", "--packed", "--no-packed",
+        "--packed-buffer-size-bytes", "--gpu-memory-utilization", "--port", "--sleep-level",
+        "--max-tokens", "--prompt", "--rounds", "--logprob-tolerance", "--json",
+    ]:
+        assert flag in text
+
+
+def test_defaults_match_the_reference_setup():
+    args = script.parse_args([])
+    assert (args.model, args.num_gpus, args.tensor_parallel_size) == ("Qwen/Qwen3-30B-A3B", 4, 1)
+    assert args.packed and args.packed_buffer_size_bytes == 1024**3
+    assert args.prompts == script.DEFAULT_PROMPTS
+
+
+def test_missing_model_path_is_reported(tmp_path):
+    with pytest.raises(SystemExit, match="has no config.json"):
+        script.resolve_model(str(tmp_path / "nope"), tmp_path)
+
+
+def test_unreachable_hub_model_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="could not download 'nobody/no-such-model'"):
+        script.resolve_model("nobody/no-such-model", tmp_path)
+
+
+def test_presets_are_built_locally(tmp_path):
+    path = script.resolve_model("tiny", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_experts"] == 8 and config["head_dim"] >= 32
+    assert (path / "tokenizer.json").is_file()
+
+
+def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
+    path = script.resolve_model("tiny", tmp_path)
+    name, size = helpers.largest_parameter(path)
+    assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
+    args = script.parse_args(["--packed-buffer-size-bytes", str(size - 1), "--port", str(helpers.free_port())])
+    with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
+        script.check_before_gpu_work(args, path)
+    args.packed_buffer_size_bytes = size
+    script.check_before_gpu_work(args, path)  # exactly enough is fine
+
+
+def test_30b_shape_fits_the_default_buffer(tmp_path):
+    path = script.resolve_model("qwen3-30b-a3b-shape", tmp_path)
+    name, size = helpers.largest_parameter(path)
+    assert name.endswith("experts.gate_up_proj") and size == 128 * 2 * 768 * 2048 * 2 < 1024**3
+
+
+def test_busy_port_is_refused_before_gpu_work(tmp_path):
+    path = script.resolve_model("tiny", tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        args = script.parse_args(["--port", str(sock.getsockname()[1])])
+        with pytest.raises(SystemExit, match="already in use"):
+            script.check_before_gpu_work(args, path)
+
+
+def test_main_stops_on_bad_input_before_starting_anything(tmp_path):
+    with pytest.raises(SystemExit, match="has no config.json"):
+        script.main(["--model", str(tmp_path / "missing")])
+
+
+def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
+    args = script.parse_args(["--num-gpus", "4", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.4"])
+    flags = script.serve_args(args, tmp_path, "m", ["3", "1", "0", "2"])
+    assert flags[0] == str(tmp_path)
+
+    def value(flag):
+        return flags[flags.index(flag) + 1]
+
+    assert value("--data-parallel-size") == "2" and value("--tensor-parallel-size") == "2"
+    assert value("--device-ids") == "3,1,0,2"
+    assert json.loads(value("--weight-transfer-config")) == {"backend": "ipc"}
+    assert value("--load-format") == "dummy" and value("--gpu-memory-utilization") == "0.4"
+    assert "--enable-expert-parallel" in flags and "--enable-sleep-mode" in flags
+    assert "--enforce-eager" not in flags
+
+
+def test_logprob_diff():
+    d = helpers.logprob_diff([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
+    assert (d.max_abs, d.mean_abs, d.count) == (1.0, 0.5, 3)
+    assert math.isnan(helpers.logprob_diff([[0.0]], [[math.nan]]).max_abs)
+    with pytest.raises(ValueError):
+        helpers.logprob_diff([[0.0, 1.0]], [[0.0]])
+
+
+def _round(after_max):
+    phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
+    gap = {"max_abs": after_max, "mean_abs": 0.01, "max_abs_per_dp_rank": [after_max]}
+    return script.round_record(phases, 4 * 10**9, {**gap, "max_abs": 2.0}, gap, tolerance=0.25)
+
+
+def test_round_record_gates_and_derives_rates():
+    r = _round(0.1)
+    assert r["cycle_s"] == 3.0 and r["send_gb_per_s"] == 2.0 and r["gate_passed"] is True
+    assert _round(0.3)["gate_passed"] is False
+    assert _round(math.nan)["gate_passed"] is False  # NaN never passes
+
+
+def test_summary_table_and_json_keys():
+    result = {
+        "gpu_name": "NVIDIA H200", "num_gpus": 2, "model": "tiny", "vllm_version": "0.32.0",
+        "command": "python rlhf_ipc_fsdp_ep.py", "server_start_s": 100.0, "rounds": [_round(0.1), _round(0.3)],
+        "memory_gib_per_rank": [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": 50.0}],
+    }
+    text = helpers.format_summary(result)
+    lines = text.splitlines()
+    assert "2 x NVIDIA H200" in lines[0]
+    row1, row2 = (line for line in lines if line.lstrip().startswith(("1 |", "2 |")))
+    assert row1.endswith("pass") and row2.endswith("FAIL")
+    assert "3.00 s" in row1 and "4.000GB" in row1
+    # The JSON round-trips with the keys promised in the README.
+    loaded = json.loads(json.dumps(result))
+    for key in ("phases_s", "cycle_s", "bytes_sent", "max_abs_dlogp_before", "max_abs_dlogp_after", "gate_passed"):
+        assert key in loaded["rounds"][0]
+    assert set(loaded["rounds"][0]["phases_s"]) == set(helpers.SYNC_PHASES)

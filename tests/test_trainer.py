@@ -1,0 +1,112 @@
+"""The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
+logprob gate against a real vLLM server."""
+
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import helpers
+import rlhf_ipc_fsdp_ep as script
+from conftest import SERVED_NAME
+
+
+def _gather_source(rank, world_size, port, ckpt, random_init, out_dir):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    trainer = script.FSDPTrainer(rank, world_size, port, device_type="cpu")
+    trainer.build_model(str(ckpt), random_init=random_init, seed=3)
+    source = ModuleSource(trainer.model)
+    meta = [(m.name, m.dtype, m.shape) for m in source.metadata()]
+    tensors = {name: t.detach().clone() for name, t in source}
+    torch.save({"meta": meta, "tensors": tensors}, out_dir / f"rank{rank}.pt")
+
+
+def _run_two_ranks(ckpt, random_init, tmp_path):
+    mp.spawn(
+        _gather_source, args=(2, helpers.free_port(), ckpt, random_init, tmp_path), nprocs=2, join=True
+    )
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+def test_module_source_over_fsdp2_yields_the_unsharded_checkpoint(tiny_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path)
+    reference = dict(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters())
+    for got in ranks:
+        assert list(got["tensors"]) == list(reference)  # same names, same order
+        assert [m[0] for m in got["meta"]] == list(reference)
+        for name, ref in reference.items():
+            t = got["tensors"][name]
+            assert t.dtype == ref.dtype == torch.bfloat16, name
+            assert t.shape == ref.shape, name
+            assert torch.equal(t, ref), name
+
+
+def test_random_init_is_one_model_across_ranks(tiny_checkpoint, tmp_path):
+    rank0, rank1 = _run_two_ranks(tiny_checkpoint, random_init=True, tmp_path=tmp_path)
+    for name, t in rank0["tensors"].items():
+        assert torch.equal(t, rank1["tensors"][name]), name
+    experts = rank0["tensors"]["model.layers.0.mlp.experts.gate_up_proj"]
+    # Each rank drew its own shard: the halves differ, none is left empty.
+    assert not torch.equal(experts[:4], experts[4:])
+    assert experts[:4].abs().sum() > 0 and experts[4:].abs().sum() > 0
+    assert torch.equal(rank0["tensors"]["model.norm.weight"], torch.ones_like(rank0["tensors"]["model.norm.weight"]))
+
+
+def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
+    placements = script.ray_get_all([t.placement.remote() for t in cpu_trainers])
+    assert [p["rank"] for p in placements] == [0, 1]
+    assert len({p["node"] for p in placements}) == 1
+    assert all(p["gpu_ids"] == [] for p in placements)  # Ray reports what it gave: no GPUs here
+
+
+def test_too_few_gpus_is_a_clear_error(ray_cluster):
+    with pytest.raises(RuntimeError, match="asked for 2 GPUs but the Ray cluster has 0"):
+        script.start_trainers(2, gpus_per_trainer=1, device_type="cpu")
+
+
+def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not place 16 trainers"):
+        script.start_trainers(16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
+    assert time.monotonic() - start < 30
+
+
+def test_ray_get_all_raises_at_the_first_failure(ray_cluster):
+    """A failed rank must not leave the driver waiting on ranks stuck in a collective."""
+
+    @ray_cluster.remote(num_cpus=0)
+    def fails():
+        raise ValueError("rank 0 died")
+
+    @ray_cluster.remote(num_cpus=0)
+    def hangs():
+        time.sleep(120)
+
+    stuck = hangs.remote()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank 0 died"):
+        script.ray_get_all([stuck, fails.remote()])
+    assert time.monotonic() - start < 30
+    ray_cluster.cancel(stuck, force=True)
+
+
+def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_server, cpu_trainers, tiny_checkpoint):
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
+    outs = helpers.completions(cpu_server.url, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
+    sequences = [o.prompt_token_ids + o.token_ids for o in outs]
+
+    same = script.logprob_gap(cpu_server.url, SERVED_NAME, cpu_trainers, sequences, dp_size=1)
+    assert same["max_abs"] <= 0.25, same
+
+    # The trainer now holds other weights: the server is "stale" and the gate must say so.
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
+    stale = script.logprob_gap(cpu_server.url, SERVED_NAME, cpu_trainers, sequences, dp_size=1)
+    assert stale["max_abs"] > 1.0, stale
+    record = script.round_record(
+        {p: 1.0 for p in helpers.SYNC_PHASES}, 10**9, stale, stale, tolerance=0.25
+    )
+    assert record["gate_passed"] is False
