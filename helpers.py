@@ -100,8 +100,8 @@ def start_server(
     """Start `vllm serve <serve_args>` on 127.0.0.1:port in its own process group.
 
     Output goes to `log_path` (a temp file if None). `env` is merged over this
-    process's environment and SERVER_ENV. CUDA_VISIBLE_DEVICES is removed: a
-    caller inside Ray would otherwise hand the server one GPU; pass
+    process's environment and SERVER_ENV. Ray's GPU mask is popped from it
+    (a caller inside Ray would otherwise hand the server one GPU): pass
     `--device-ids` to choose GPUs instead.
     """
     if not port_is_free(port):
@@ -284,24 +284,18 @@ class Completion:
     token_ids: list[int]
 
 
+def _greedy_completion(url: str, body: dict, dp_rank: int | None) -> dict:
+    """POST /v1/completions at temperature 0; `dp_rank` pins it to one DP engine."""
+    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
+    return _request("POST", url, "/v1/completions", headers=headers, json={"temperature": 0, **body})
+
+
 def completions(
     url: str, model: str, prompts: list[str], max_tokens: int, dp_rank: int | None = None
 ) -> list[Completion]:
     """Greedy completions, one per prompt, with the prompt's and the output's token ids."""
-    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    out = _request(
-        "POST",
-        url,
-        "/v1/completions",
-        headers=headers,
-        json={
-            "model": model,
-            "prompt": prompts,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
-    )
+    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "return_token_ids": True}
+    out = _greedy_completion(url, body, dp_rank)
     by_index = {c["index"]: c for c in out["choices"]}
     return [
         Completion(c["text"], list(c["prompt_token_ids"]), list(c["token_ids"]))
@@ -314,20 +308,8 @@ def prompt_logprobs(
 ) -> list[float]:
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
-    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    out = _request(
-        "POST",
-        url,
-        "/v1/completions",
-        headers=headers,
-        json={
-            "model": model,
-            "prompt": token_ids,
-            "max_tokens": 1,
-            "temperature": 0,
-            "prompt_logprobs": 0,
-        },
-    )
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0}
+    out = _greedy_completion(url, body, dp_rank)
     per_position = out["choices"][0]["prompt_logprobs"]
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.

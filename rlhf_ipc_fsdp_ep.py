@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -163,6 +164,10 @@ def check_before_gpu_work(args: argparse.Namespace, model_path: Path) -> None:
 # ---------------------------------------------------------------------------
 # The trainer: one FSDP2 rank per GPU
 # ---------------------------------------------------------------------------
+
+
+class PlacementError(RuntimeError):
+    """Ray cannot give every trainer rank its GPU on one node."""
 
 
 class FSDPTrainer:
@@ -311,19 +316,19 @@ def start_trainers(
 ) -> list:
     """Reserve one GPU per trainer rank on one node and start the ranks.
 
-    Raises RuntimeError if Ray cannot place them in time (too few GPUs)."""
+    Raises PlacementError if Ray cannot place them in time (too few GPUs)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     have = ray.cluster_resources().get("GPU", 0)
     if gpus_per_trainer and have < num_trainers * gpus_per_trainer:
-        raise RuntimeError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
+        raise PlacementError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
     bundle = {"CPU": 1, **({"GPU": gpus_per_trainer} if gpus_per_trainer else {})}
     # STRICT_PACK: CUDA IPC only works between processes on one machine.
     pg = placement_group([bundle] * num_trainers, strategy="STRICT_PACK")
     if not pg.wait(timeout_seconds=placement_timeout_s):
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(
+        raise PlacementError(
             f"Ray could not place {num_trainers} trainers with {bundle} each on one node "
             f"within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
@@ -425,15 +430,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the finally block below always runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))
-    model_path = resolve_model(args.model, workdir)
-    check_before_gpu_work(args, model_path)
     served_name = args.model
     dp_size = args.num_gpus // args.tensor_parallel_size
-
-    ray.init(include_dashboard=False)
+    workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # built models live here
     server = None
     try:
+        model_path = resolve_model(args.model, workdir)
+        check_before_gpu_work(args, model_path)
+        ray.init(include_dashboard=False)
+
         print(f"[trainers] reserving {args.num_gpus} GPUs through Ray", flush=True)
         trainers = start_trainers(args.num_gpus, placement_timeout_s=args.placement_timeout)
         placements = ray_get_all([t.placement.remote() for t in trainers])
@@ -442,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_sync = ray_get_all(
             [t.build_model.remote(str(model_path), args.model in helpers.MODEL_PRESETS, args.seed) for t in trainers]
         )[0]
-        print(f"[trainers] model sharded over {args.num_gpus} ranks: {bytes_per_sync / 1e9:.2f} GB", flush=True)
+        print(f"[trainers] model sharded over {args.num_gpus} ranks: {bytes_per_sync / 1e9:.3f} GB", flush=True)
 
         print(f"[server] starting vllm serve; log: {args.server_log}", flush=True)
         server = helpers.start_server(
@@ -496,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             print("[shutdown] stopping the vLLM server", flush=True)
             helpers.stop_server(server)
         ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def round_record(phases: dict, bytes_sent: int, before: dict, after: dict, tolerance: float) -> dict:
@@ -521,4 +527,8 @@ def vllm_version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (PlacementError, helpers.ServerError) as e:
+        # Expected failures get one clear line; anything else keeps its traceback.
+        sys.exit(f"error: {e}")

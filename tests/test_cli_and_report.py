@@ -150,3 +150,19 @@ def test_summary_table_and_json_keys():
     for key in ("phases_s", "cycle_s", "bytes_sent", "max_abs_dlogp_before", "max_abs_dlogp_after", "gate_passed"):
         assert key in loaded["rounds"][0]
     assert set(loaded["rounds"][0]["phases_s"]) == set(helpers.SYNC_PHASES)
+
+
+def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):
+    """End to end through the command line: Ray finds no GPU here."""
+    import subprocess
+    import sys
+
+    port = helpers.free_port()
+    proc = subprocess.run(
+        [sys.executable, "rlhf_ipc_fsdp_ep.py", "--model", "tiny", "--num-gpus", "2", "--port", str(port)],
+        cwd=script.__file__.rsplit("/", 1)[0], capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 1
+    assert "error: asked for 2 GPUs but the Ray cluster has 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert helpers.port_is_free(port)

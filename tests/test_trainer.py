@@ -64,13 +64,13 @@ def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
 
 
 def test_too_few_gpus_is_a_clear_error(ray_cluster):
-    with pytest.raises(RuntimeError, match="asked for 2 GPUs but the Ray cluster has 0"):
+    with pytest.raises(script.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
         script.start_trainers(2, gpus_per_trainer=1, device_type="cpu")
 
 
 def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="could not place 16 trainers"):
+    with pytest.raises(script.PlacementError, match="could not place 16 trainers"):
         script.start_trainers(16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
     assert time.monotonic() - start < 30
 
