@@ -284,18 +284,31 @@ class Completion:
     token_ids: list[int]
 
 
-def _greedy_completion(url: str, body: dict, dp_rank: int | None) -> dict:
-    """POST /v1/completions at temperature 0; `dp_rank` pins it to one DP engine."""
+def _completion_request(url: str, body: dict, dp_rank: int | None) -> dict:
+    """POST /v1/completions (greedy unless body sets a temperature); `dp_rank`
+    pins it to one DP engine."""
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
     return _request("POST", url, "/v1/completions", headers=headers, json={"temperature": 0, **body})
 
 
 def completions(
-    url: str, model: str, prompts: list[str], max_tokens: int, dp_rank: int | None = None
+    url: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    dp_rank: int | None = None,
 ) -> list[Completion]:
-    """Greedy completions, one per prompt, with the prompt's and the output's token ids."""
-    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "return_token_ids": True}
-    out = _greedy_completion(url, body, dp_rank)
+    """One completion per prompt (greedy by default), with the prompt's and
+    the output's token ids."""
+    body = {
+        "model": model,
+        "prompt": prompts,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "return_token_ids": True,
+    }
+    out = _completion_request(url, body, dp_rank)
     by_index = {c["index"]: c for c in out["choices"]}
     return [
         Completion(c["text"], list(c["prompt_token_ids"]), list(c["token_ids"]))
@@ -309,7 +322,7 @@ def prompt_logprobs(
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
     body = {"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0}
-    out = _greedy_completion(url, body, dp_rank)
+    out = _completion_request(url, body, dp_rank)
     per_position = out["choices"][0]["prompt_logprobs"]
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.
@@ -482,29 +495,34 @@ SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
 
 def format_summary(result: dict) -> str:
     """A plain-text table of a run's JSON result (see rlhf_ipc_fsdp_ep.py)."""
+    train = any("reward_mean" in r for r in result["rounds"])
     lines = [
         f"model {result['model']} | {result['num_gpus']} x {result['gpu_name']} | "
         f"vLLM {result['vllm_version']} | server start {result['server_start_s']:.1f} s",
         "",
         "round | " + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
-        + " |    cycle |     bytes |   GB/s | max|dlogp| before -> after | gate",
+        + " |    cycle |     bytes |   GB/s | max|dlogp| before -> after | changed | gate"
+        + (" |    train | reward" if train else ""),
     ]
     for i, r in enumerate(result["rounds"], 1):
         ph = r["phases_s"]
-        lines.append(
+        line = (
             f"{i:>5} | "
             + " | ".join(f"{ph[p]:>10.3f} s" for p in SYNC_PHASES)
             + f" | {r['cycle_s']:>6.2f} s | {r['bytes_sent'] / 1e9:>7.3f}GB | "
             f"{r['send_gb_per_s']:>6.2f} | {r['max_abs_dlogp_before']:>13.4f} -> "
-            f"{r['max_abs_dlogp_after']:<8.4f} | {'pass' if r['gate_passed'] else 'FAIL'}"
+            f"{r['max_abs_dlogp_after']:<8.4f} | {'yes' if r['logprobs_changed'] else 'no':>7} | "
+            f"{'pass' if r['gate_passed'] else 'FAIL'}"
         )
-    mem = result.get("memory_gib_per_rank")
-    if mem:
-        lines.append("")
-        lines.append("rank | trainer peak alloc | trainer reserved | GPU used (all processes)")
-        for rank, m in enumerate(mem):
-            lines.append(
-                f"{rank:>4} | {m['trainer_peak_allocated']:>14.2f} GiB | "
-                f"{m['trainer_reserved']:>12.2f} GiB | {m['device_used']:>10.2f} GiB"
-            )
+        if train:
+            line += f" | {ph['train']:>6.2f} s | {r['reward_mean']:.3f}"
+        lines.append(line)
+    lines += ["", "rank | trainer peak alloc | trainer reserved | GPU used (all processes)"]
+    for rank, m in enumerate(result["memory_gib_per_rank"]):
+        lines.append(
+            f"{rank:>4} | {m['trainer_peak_allocated']:>14.2f} GiB | "
+            f"{m['trainer_reserved']:>12.2f} GiB | {m['device_used']:>10.2f} GiB"
+        )
+    if len(result["rounds"]) >= 3:
+        lines.append(f"GPU memory growth, round 2 -> last: {result['memory_growth_gib']:+.3f} GiB")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from pathlib import Path
 import ray
 import torch
 import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 
 import helpers
 
@@ -100,6 +101,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "on H200 after a sync: 0.016 (tiny, 1 GPU) and 0.12 (tiny, 2 GPUs, mean 0.01); "
         "before it, with vLLM's dummy weights: 2.5-3.3",
     )
+    p.add_argument(
+        "--train", action="store_true",
+        help="each round: sample from vLLM, score with a toy reward, take one policy-gradient "
+        "AdamW step while vLLM sleeps, then sync (the trainer keeps fp32 master weights)",
+    )
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (--train)")
+    p.add_argument("--samples-per-prompt", type=int, default=4, help="completions per prompt per round (--train)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--train)")
+    p.add_argument(
+        "--memory-growth-tolerance-gib", type=float, default=0.5,
+        help="fail if GPU memory after a sync grows more than this from round 2 to the last",
+    )
+    p.add_argument(
+        "--check-coverage", action="store_true",
+        help="debug: before round 1, zero every vLLM parameter, sync, and fail unless every "
+        "parameter on every DP rank was written (slow: vLLM hashes every tensor)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
     p.add_argument("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
     p.add_argument("--max-model-len", type=int, help="passed to vllm serve")
@@ -124,8 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail("--gpu-memory-utilization must be between 0 and 1")
     if args.packed_buffer_size_bytes < 1:
         fail("--packed-buffer-size-bytes must be positive")
-    if args.rounds < 1 or args.max_tokens < 1:
-        fail("--rounds and --max-tokens must be at least 1")
+    if args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1:
+        fail("--rounds, --max-tokens and --samples-per-prompt must be at least 1")
     return args
 
 
@@ -203,18 +221,23 @@ class FSDPTrainer:
             info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
         return info
 
-    def build_model(self, model_path: str, random_init: bool, seed: int = 0) -> int:
+    def build_model(self, model_path: str, random_init: bool, seed: int = 0, trainable: bool = False) -> int:
         """Build the model sharded from the start (never whole on one GPU);
-        return the bytes one full sync moves."""
+        return the bytes one full sync moves (bf16).
+
+        `trainable` keeps fp32 master weights (bf16 compute): AdamW steps of
+        a realistic size vanish in bf16 weights. What vLLM gets is still bf16."""
         from transformers import AutoConfig, AutoModelForCausalLM
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         config = AutoConfig.from_pretrained(model_path)
+        master_dtype = torch.float32 if trainable else torch.bfloat16
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(config, dtype=master_dtype)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
         model.to_empty(device=self.device)
         restore_rotary_tables(model)
         if random_init:
@@ -222,7 +245,8 @@ class FSDPTrainer:
         else:
             load_pretrained_weights(model, model_path, self.rank)
         self.model = model
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        self.optimizer = None
+        return sum(p.numel() * torch.bfloat16.itemsize for p in model.parameters())
 
     @torch.no_grad()
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -237,17 +261,51 @@ class FSDPTrainer:
             out.append(lp.tolist())
         return out
 
+    def train_step(self, samples: list[dict], lr: float) -> float:
+        """One policy-gradient (REINFORCE) step with AdamW on vLLM's samples:
+        loss = -mean_i(advantage_i * mean log p(completion_i)). Every rank
+        takes its share of the batch; FSDP averages the gradients. Each sample
+        is {"prompt_ids", "completion_ids", "advantage"}. Returns the loss."""
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.model.train()
+        world = dist.get_world_size()
+        mine = samples[self.rank :: world]
+        # Every rank must run the same number of forward passes (each one
+        # all-gathers every layer): pad the short ranks with weight-0 samples.
+        padding = -(-len(samples) // world) - len(mine)
+        weights = [1.0] * len(mine) + [0.0] * padding
+        mine = mine + samples[:1] * padding
+        loss = torch.zeros((), device=self.device)
+        for weight, sample in zip(weights, mine):
+            ids = sample["prompt_ids"] + sample["completion_ids"]
+            x = torch.tensor([ids], device=self.device)
+            logits = self.model(input_ids=x).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+            completion_lp = lp[len(sample["prompt_ids"]) - 1 :].mean()
+            # Scaled so that FSDP's mean over ranks is the mean over the batch.
+            loss = loss - weight * sample["advantage"] * completion_lp * world / len(samples)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total.item() / world
+
+    def weight_source(self) -> "ModuleSource":
+        """What vLLM receives: the parameters as bf16, whatever the master dtype."""
+        return BF16Source(self.model)
+
     def init_weight_transfer(self, url: str, packed: bool, packed_buffer_size_bytes: int) -> None:
         """Build vLLM's IPC trainer engine on this rank (rank 0 also tells the
         server to expect packed or unpacked IPC chunks)."""
-        from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         self.engine = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
             client=helpers.weight_sync_client(url),
-            source=ModuleSource(self.model),
+            source=self.weight_source(),
         )
 
     def send_weights(self) -> float:
@@ -265,6 +323,18 @@ class FSDPTrainer:
             "trainer_reserved": torch.cuda.memory_reserved(self.device) / GiB,
             "device_used": (total - free) / GiB,
         }
+
+
+class BF16Source(ModuleSource):
+    """vLLM's ModuleSource (one all-gather per parameter), cast to bf16: fp32
+    master weights would double the bytes sent and overflow the packed buffer."""
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(m.name, torch.bfloat16, m.shape) for m in super().metadata()]
+
+    def __iter__(self):
+        for name, tensor in super().__iter__():
+            yield name, tensor.to(torch.bfloat16)
 
 
 def restore_rotary_tables(model: torch.nn.Module) -> None:
@@ -381,11 +451,17 @@ def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu
     return flags
 
 
-def sync_weights(url: str, trainers: list, sleep_level: int) -> dict[str, float]:
-    """One sync; returns each phase's seconds."""
+def sync_weights(url: str, trainers: list, sleep_level: int, while_asleep=None) -> tuple[dict[str, float], object]:
+    """One sync: sleep, [while_asleep(), e.g. a training step], wake weights,
+    send, wake KV cache and scheduling. Returns (seconds per phase, what
+    while_asleep returned)."""
     timer = helpers.PhaseTimer()
     with timer.phase("sleep"):
         helpers.sleep(url, sleep_level)
+    trained = None
+    if while_asleep is not None:
+        with timer.phase("train"):
+            trained = while_asleep()
     with timer.phase("wake_weights"):
         helpers.wake_up(url, ["weights"])
     with timer.phase("send"):
@@ -394,31 +470,65 @@ def sync_weights(url: str, trainers: list, sleep_level: int) -> dict[str, float]
         state = helpers.wake_up(url, ["kv_cache", "scheduling"])
     if state["status"] != "awake":
         raise helpers.ServerError(f"server still asleep after the last wake_up: {state}")
-    return timer.seconds
+    return timer.seconds, trained
+
+
+def check_sync_coverage(url: str, trainers: list, sleep_level: int) -> dict:
+    """Zero every vLLM parameter on every DP rank, sync, and list the ones the
+    sync did not write (vLLM's /weight_checker; slow: it hashes every tensor)."""
+    helpers.sleep(url, sleep_level)
+    helpers.wake_up(url, ["weights"])
+    helpers.weight_checker(url, "reset")
+    zeros = helpers.weight_checker(url, "checksum")["checksums"]
+    ray_get_all([t.send_weights.remote() for t in trainers])
+    written = set(helpers.weight_checker(url, "compare", baseline=zeros)["mismatches"])
+    helpers.wake_up(url, ["kv_cache", "scheduling"])
+    return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
 
 
 def logprob_gap(url: str, model: str, trainers: list, sequences: list[list[int]], dp_size: int) -> dict:
     """Compare the trainer's log-probabilities with each DP engine's. Every
     DP engine holds different experts, so each one is asked."""
     trainer_lps = ray_get_all([t.prompt_logprobs.remote(sequences) for t in trainers])[0]
-    per_rank = []
-    for dp_rank in range(dp_size):
-        server_lps = [helpers.prompt_logprobs(url, model, seq, dp_rank=dp_rank) for seq in sequences]
-        per_rank.append(helpers.logprob_diff(trainer_lps, server_lps))
+    server_lps = [
+        [helpers.prompt_logprobs(url, model, seq, dp_rank=dp_rank) for seq in sequences]
+        for dp_rank in range(dp_size)
+    ]
+    per_rank = [helpers.logprob_diff(trainer_lps, lps) for lps in server_lps]
     return {
         "max_abs": max(d.max_abs for d in per_rank),
         "mean_abs": sum(d.mean_abs for d in per_rank) / len(per_rank),
         "max_abs_per_dp_rank": [d.max_abs for d in per_rank],
+        "trainer": trainer_lps,
+        "server": server_lps,
     }
 
 
-def sample(url: str, model: str, prompts: list[str], max_tokens: int, label: str) -> list[list[int]]:
-    """Greedy completions, printed; returns prompt+completion token ids."""
-    outs = helpers.completions(url, model, prompts, max_tokens)
+def reward(text: str) -> float:
+    """The toy task: write plain words. The share of characters that are a-z
+    or a space (0 for an empty completion). Replace with your own."""
+    if not text:
+        return 0.0
+    return sum(("a" <= c <= "z") or c == " " for c in text) / len(text)
+
+
+def training_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float]:
+    """Samples for FSDPTrainer.train_step, with advantage = reward - batch mean
+    (REINFORCE with a mean baseline); also returns the mean reward."""
+    rewards = [reward(c.text) for c in batch]
+    mean = sum(rewards) / len(rewards)
+    samples = [
+        {"prompt_ids": c.prompt_token_ids, "completion_ids": c.token_ids, "advantage": r - mean}
+        for c, r in zip(batch, rewards)
+        if c.token_ids
+    ]
+    return samples, mean
+
+
+def print_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
     print(f"--- {label} ---")
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, batch):
         print(f"{prompt!r} -> {out.text!r}")
-    return [o.prompt_token_ids + o.token_ids for o in outs]
 
 
 # ---------------------------------------------------------------------------
@@ -444,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         placements = ray_get_all([t.placement.remote() for t in trainers])
         gpu_ids = [p["gpu_ids"][0] for p in placements]
         print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
+        random_init = args.model in helpers.MODEL_PRESETS
         bytes_per_sync = ray_get_all(
-            [t.build_model.remote(str(model_path), args.model in helpers.MODEL_PRESETS, args.seed) for t in trainers]
+            [t.build_model.remote(str(model_path), random_init, args.seed, args.train) for t in trainers]
         )[0]
         print(f"[trainers] model sharded over {args.num_gpus} ranks: {bytes_per_sync / 1e9:.3f} GB", flush=True)
 
@@ -459,21 +570,40 @@ def main(argv: list[str] | None = None) -> int:
         ray_get_all(
             [t.init_weight_transfer.remote(server.url, args.packed, args.packed_buffer_size_bytes) for t in trainers]
         )
+        coverage = None
+        if args.check_coverage:
+            coverage = check_sync_coverage(server.url, trainers, args.sleep_level)
+            print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}", flush=True)
+
+        # Training samples several completions per prompt; otherwise one greedy each.
+        prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
+        temperature = args.temperature if args.train else 0.0
         rounds = []
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
-            sequences = sample(server.url, served_name, args.prompts, args.max_tokens, "before sync")
+            batch = helpers.completions(server.url, served_name, prompts, args.max_tokens, temperature=temperature)
+            if i == 1:
+                print_texts("before the first sync", args.prompts, batch)
+            sequences = [c.prompt_token_ids + c.token_ids for c in batch]
             before = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
-            phases = sync_weights(server.url, trainers, args.sleep_level)
-            sequences = sample(server.url, served_name, args.prompts, args.max_tokens, "after sync")
+            train_step, reward_mean = None, None
+            if args.train:
+                samples, reward_mean = training_samples(batch)
+                train_step = lambda: ray_get_all([t.train_step.remote(samples, args.lr) for t in trainers])[0]  # noqa: E731
+            phases, loss = sync_weights(server.url, trainers, args.sleep_level, while_asleep=train_step)
             after = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
-            rounds.append(round_record(phases, bytes_per_sync, before, after, args.logprob_tolerance))
-            print(
-                f"[gate] max |dlogp| {before['max_abs']:.4f} before -> {after['max_abs']:.4f} after "
-                f"(tolerance {args.logprob_tolerance}): {'pass' if rounds[-1]['gate_passed'] else 'FAIL'}",
-                flush=True,
+            memory = ray_get_all([t.memory_gib.remote() for t in trainers])
+            # Round 1 replaces vLLM's dummy weights; later rounds change them only by training.
+            weights_updated = i == 1 or args.train
+            rounds.append(
+                round_record(phases, bytes_per_sync, before, after, args.logprob_tolerance, memory, weights_updated)
             )
+            if args.train:
+                rounds[-1].update(reward_mean=reward_mean, loss=loss)
+            print_round(rounds[-1], args.logprob_tolerance)
+        print_texts("after the last sync", args.prompts, helpers.completions(server.url, served_name, args.prompts, args.max_tokens))
 
+        growth = memory_growth_gib(rounds)
         result = {
             "gpu_name": placements[0]["gpu_name"],
             "num_gpus": args.num_gpus,
@@ -487,15 +617,21 @@ def main(argv: list[str] | None = None) -> int:
             "packed": args.packed,
             "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
             "sleep_level": args.sleep_level,
+            "train": args.train,
             "server_start_s": server_start_s,
+            "coverage": coverage,
             "rounds": rounds,
-            "memory_gib_per_rank": ray_get_all([t.memory_gib.remote() for t in trainers]),
+            "memory_gib_per_rank": rounds[-1]["memory_gib_per_rank"],
+            "memory_growth_gib": growth,
         }
         print(helpers.format_summary(result))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
             print(f"[json] {args.json}")
-        return 0 if all(r["gate_passed"] for r in rounds) else 1
+        failures = failed_checks(result, args.memory_growth_tolerance_gib)
+        for failure in failures:
+            print(f"FAILED: {failure}", file=sys.stderr)
+        return 1 if failures else 0
     finally:
         if server is not None:
             print("[shutdown] stopping the vLLM server", flush=True)
@@ -504,7 +640,21 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def round_record(phases: dict, bytes_sent: int, before: dict, after: dict, tolerance: float) -> dict:
+# ---------------------------------------------------------------------------
+# Bookkeeping
+# ---------------------------------------------------------------------------
+
+
+def round_record(
+    phases: dict, bytes_sent: int, before: dict, after: dict, tolerance: float, memory: list[dict], weights_updated: bool
+) -> dict:
+    """One round's numbers, as they go into the JSON. `before`/`after` are
+    logprob_gap() results on the same token sequences; `weights_updated` says
+    whether vLLM should now hold other weights than before the sync."""
+    # A sync that silently did nothing leaves vLLM's log-probabilities exactly
+    # as they were. (Asked of vLLM only: its outputs repeat bit for bit on the
+    # same weights, while the trainer's HF MoE forward need not.)
+    server_changed = before["server"] != after["server"]
     return {
         "phases_s": phases,
         "cycle_s": sum(phases[p] for p in helpers.SYNC_PHASES),
@@ -515,9 +665,48 @@ def round_record(phases: dict, bytes_sent: int, before: dict, after: dict, toler
         "max_abs_dlogp_after": after["max_abs"],
         "mean_abs_dlogp_after": after["mean_abs"],
         "max_abs_dlogp_after_per_dp_rank": after["max_abs_per_dp_rank"],
+        "weights_updated": weights_updated,
+        "logprobs_changed": server_changed,
         # `<=` is False for NaN, so a NaN never passes.
-        "gate_passed": after["max_abs"] <= tolerance,
+        "gate_passed": after["max_abs"] <= tolerance and (server_changed or not weights_updated),
+        "mem_reserved_gib": [m["trainer_reserved"] for m in memory],
+        "memory_gib_per_rank": memory,
     }
+
+
+def print_round(record: dict, tolerance: float) -> None:
+    changed = "vLLM logprobs changed" if record["logprobs_changed"] else "vLLM logprobs unchanged"
+    if record["weights_updated"] and not record["logprobs_changed"]:
+        changed += " although the weights were updated (a sync that did nothing, or a step too small to change a bf16 weight)"
+    reward_text = f", reward {record['reward_mean']:.3f}" if "reward_mean" in record else ""
+    print(
+        f"[gate] max |dlogp| {record['max_abs_dlogp_before']:.4f} before -> "
+        f"{record['max_abs_dlogp_after']:.4f} after (tolerance {tolerance}), {changed}{reward_text}: "
+        f"{'pass' if record['gate_passed'] else 'FAIL'}",
+        flush=True,
+    )
+
+
+def memory_growth_gib(rounds: list[dict]) -> float:
+    """Largest growth, on any GPU, of the memory used by all processes after a
+    sync, from round 2 to the last round. Round 1 is left out: it allocates
+    what every later round reuses (optimizer state, IPC buffer, NCCL buffers)."""
+    if len(rounds) < 3:
+        return 0.0
+    first, last = rounds[1]["memory_gib_per_rank"], rounds[-1]["memory_gib_per_rank"]
+    return max(b["device_used"] - a["device_used"] for a, b in zip(first, last))
+
+
+def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
+    failures = [f"round {i}: logprob gate" for i, r in enumerate(result["rounds"], 1) if not r["gate_passed"]]
+    if result["coverage"] and result["coverage"]["unwritten"]:
+        failures.append(f"the sync did not write {len(result['coverage']['unwritten'])} vLLM parameters")
+    if not result["memory_growth_gib"] <= memory_tolerance_gib:
+        failures.append(
+            f"GPU memory grew {result['memory_growth_gib']:.2f} GiB from round 2 to the last "
+            f"(tolerance {memory_tolerance_gib} GiB)"
+        )
+    return failures
 
 
 def vllm_version() -> str:

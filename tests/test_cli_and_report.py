@@ -16,7 +16,8 @@ import rlhf_ipc_fsdp_ep as script
         (["--num-gpus", "3", "--tensor-parallel-size", "2"], "--num-gpus 3 is not divisible by --tensor-parallel-size 2"),
         (["--num-gpus", "0"], "--num-gpus must be at least 1"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be between 0 and 1"),
-        (["--rounds", "0"], "--rounds and --max-tokens must be at least 1"),
+        (["--rounds", "0"], "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
+        (["--samples-per-prompt", "0"], "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
         (["--sleep-level", "3"], "invalid choice"),
     ],
 )
@@ -34,7 +35,8 @@ def test_help_explains_every_flag(capsys):
     for flag in [
         "--model", "--num-gpus", "--tensor-parallel-size", "--packed", "--no-packed",
         "--packed-buffer-size-bytes", "--gpu-memory-utilization", "--port", "--sleep-level",
-        "--max-tokens", "--prompt", "--rounds", "--logprob-tolerance", "--json",
+        "--max-tokens", "--prompt", "--rounds", "--logprob-tolerance", "--json", "--train", "--lr",
+        "--samples-per-prompt", "--temperature", "--memory-growth-tolerance-gib", "--check-coverage",
     ]:
         assert flag in text
 
@@ -120,36 +122,98 @@ def test_logprob_diff():
         helpers.logprob_diff([[0.0, 1.0]], [[0.0]])
 
 
-def _round(after_max):
+MEMORY = [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": 50.0}]
+
+
+def _gap(max_abs, trainer=(-1.0,), server=(-1.0,)):
+    return {"max_abs": max_abs, "mean_abs": 0.01, "max_abs_per_dp_rank": [max_abs],
+            "trainer": [list(trainer)], "server": [[list(server)]]}
+
+
+def _round(after_max, weights_updated=True, server_moved=True, memory=MEMORY):
     phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
-    gap = {"max_abs": after_max, "mean_abs": 0.01, "max_abs_per_dp_rank": [after_max]}
-    return script.round_record(phases, 4 * 10**9, {**gap, "max_abs": 2.0}, gap, tolerance=0.25)
+    before = _gap(2.0)
+    after = _gap(after_max, server=(-2.0,) if server_moved else (-1.0,))
+    return script.round_record(phases, 4 * 10**9, before, after, 0.25, memory, weights_updated)
 
 
 def test_round_record_gates_and_derives_rates():
     r = _round(0.1)
     assert r["cycle_s"] == 3.0 and r["send_gb_per_s"] == 2.0 and r["gate_passed"] is True
+    assert r["logprobs_changed"] is True and r["mem_reserved_gib"] == [2.0]
     assert _round(0.3)["gate_passed"] is False
     assert _round(math.nan)["gate_passed"] is False  # NaN never passes
 
 
+def test_a_sync_that_did_nothing_fails_the_round():
+    # The trainer's weights moved but vLLM's log-probabilities did not.
+    stale = _round(0.1, weights_updated=True, server_moved=False)
+    assert stale["logprobs_changed"] is False and stale["gate_passed"] is False
+    # Nothing trained, nothing changed: fine (e.g. a second sync of the same weights).
+    assert _round(0.1, weights_updated=False, server_moved=False)["gate_passed"] is True
+
+
+def _memory(device_used):
+    return [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": device_used}]
+
+
+def test_memory_growth_is_measured_from_round_2():
+    rounds = [_round(0.1, memory=_memory(u)) for u in (40.0, 50.0, 50.1, 50.3)]
+    assert script.memory_growth_gib(rounds) == pytest.approx(0.3)  # round 1's 10 GiB of setup excluded
+    assert script.memory_growth_gib(rounds[:2]) == 0.0
+
+
+def test_failed_checks_name_what_failed():
+    ok = {"rounds": [_round(0.1)], "coverage": None, "memory_growth_gib": 0.1}
+    assert script.failed_checks(ok, 0.5) == []
+    bad = {"rounds": [_round(0.1), _round(0.9)], "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
+           "memory_growth_gib": 2.0}
+    assert script.failed_checks(bad, 0.5) == [
+        "round 2: logprob gate",
+        "the sync did not write 1 vLLM parameters",
+        "GPU memory grew 2.00 GiB from round 2 to the last (tolerance 0.5 GiB)",
+    ]
+    assert script.failed_checks({**ok, "memory_growth_gib": math.nan}, 0.5)  # NaN is a failure
+
+
+def test_reward_and_advantages():
+    assert script.reward("") == 0.0
+    assert script.reward("ab c") == 1.0
+    assert script.reward("aB1!") == 0.25
+    batch = [
+        helpers.Completion("abcd", [1, 2], [3, 4]),
+        helpers.Completion("AB!!", [1, 2], [5, 6]),
+        helpers.Completion("", [1, 2], []),  # no tokens: nothing to learn from
+    ]
+    samples, mean = script.training_samples(batch)
+    assert mean == pytest.approx(1 / 3)
+    assert [s["completion_ids"] for s in samples] == [[3, 4], [5, 6]]
+    assert [s["advantage"] for s in samples] == pytest.approx([2 / 3, -1 / 3])
+
+
 def test_summary_table_and_json_keys():
+    rounds = [_round(0.1), _round(0.3, server_moved=False), _round(0.1)]
+    for r, reward in zip(rounds, (0.5, 0.6, 0.7)):
+        r["phases_s"]["train"] = 1.5
+        r.update(reward_mean=reward, loss=0.1)
     result = {
         "gpu_name": "NVIDIA H200", "num_gpus": 2, "model": "tiny", "vllm_version": "0.32.0",
-        "command": "python rlhf_ipc_fsdp_ep.py", "server_start_s": 100.0, "rounds": [_round(0.1), _round(0.3)],
-        "memory_gib_per_rank": [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": 50.0}],
+        "command": "python rlhf_ipc_fsdp_ep.py", "server_start_s": 100.0, "rounds": rounds,
+        "memory_gib_per_rank": MEMORY, "memory_growth_gib": 0.25,
     }
     text = helpers.format_summary(result)
     lines = text.splitlines()
     assert "2 x NVIDIA H200" in lines[0]
-    row1, row2 = (line for line in lines if line.lstrip().startswith(("1 |", "2 |")))
-    assert row1.endswith("pass") and row2.endswith("FAIL")
-    assert "3.00 s" in row1 and "4.000GB" in row1
+    row1, row2, _ = (line for line in lines if line.lstrip().startswith(("1 |", "2 |", "3 |")))
+    assert "| pass |" in row1 and "| FAIL |" in row2
+    assert "3.00 s" in row1 and "4.000GB" in row1 and row1.endswith("1.50 s | 0.500")
+    assert "GPU memory growth, round 2 -> last: +0.250 GiB" in text
     # The JSON round-trips with the keys promised in the README.
     loaded = json.loads(json.dumps(result))
-    for key in ("phases_s", "cycle_s", "bytes_sent", "max_abs_dlogp_before", "max_abs_dlogp_after", "gate_passed"):
+    for key in ("phases_s", "cycle_s", "bytes_sent", "max_abs_dlogp_before", "max_abs_dlogp_after", "gate_passed",
+                "reward_mean", "logprobs_changed", "mem_reserved_gib"):
         assert key in loaded["rounds"][0]
-    assert set(loaded["rounds"][0]["phases_s"]) == set(helpers.SYNC_PHASES)
+    assert set(helpers.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
 
 
 def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):

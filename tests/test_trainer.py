@@ -107,6 +107,44 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_ser
     stale = script.logprob_gap(cpu_server.url, SERVED_NAME, cpu_trainers, sequences, dp_size=1)
     assert stale["max_abs"] > 1.0, stale
     record = script.round_record(
-        {p: 1.0 for p in helpers.SYNC_PHASES}, 10**9, stale, stale, tolerance=0.25
+        {p: 1.0 for p in helpers.SYNC_PHASES}, 10**9, same, stale, 0.25, memory=[], weights_updated=True
     )
     assert record["gate_passed"] is False
+
+
+SAMPLES = [
+    {"prompt_ids": [5, 17, 99], "completion_ids": [300, 42, 7, 8], "advantage": 0.5},
+    {"prompt_ids": [11, 12], "completion_ids": [13, 14, 15], "advantage": -0.25},
+    {"prompt_ids": [200, 201, 202, 203], "completion_ids": [2], "advantage": -0.25},
+]
+
+
+def _train_once(rank, world_size, port, ckpt, out_dir):
+    trainer = script.FSDPTrainer(rank, world_size, port, device_type="cpu")
+    trainer.build_model(str(ckpt), random_init=False, trainable=True)
+    before = {name: t.clone() for name, t in trainer.weight_source()}
+    loss = trainer.train_step(SAMPLES, lr=1e-2)
+    after = {name: t.clone() for name, t in trainer.weight_source()}
+    masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
+    torch.save({"loss": loss, "before": before, "after": after, "masters": masters}, out_dir / f"w{world_size}r{rank}.pt")
+
+
+def test_train_step_on_fsdp2_moves_the_weights_that_vllm_receives(tiny_checkpoint, tmp_path):
+    port = helpers.free_port()
+    mp.spawn(_train_once, args=(2, port, tiny_checkpoint, tmp_path), nprocs=2, join=True)
+    mp.spawn(_train_once, args=(1, helpers.free_port(), tiny_checkpoint, tmp_path), nprocs=1, join=True)
+    two, one = torch.load(tmp_path / "w2r0.pt"), torch.load(tmp_path / "w1r0.pt")
+
+    # The batch split over 2 ranks is the same step as the whole batch on 1.
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-3)
+    assert two["loss"] != 0
+    for name, master in two["masters"].items():
+        assert master.dtype == torch.float32, name  # fp32 master weights while training
+        sent = two["after"][name]
+        assert sent.dtype == torch.bfloat16, name  # vLLM gets bf16
+        assert torch.equal(sent, master.to(torch.bfloat16)), name
+    changed = [n for n in two["before"] if not torch.equal(two["before"][n], two["after"][n])]
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
+        assert name in changed
+
