@@ -501,7 +501,7 @@ def format_summary(result: dict) -> str:
         f"vLLM {result['vllm_version']} | server start {result['server_start_s']:.1f} s",
         "",
         "round | " + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
-        + " |    cycle |     bytes |   GB/s | max|dlogp| before -> after | changed | gate"
+        + " |    cycle |     bytes |   GB/s | mean|dlogp| before -> after | max after | changed | gate"
         + (" |    train | reward" if train else ""),
     ]
     for i, r in enumerate(result["rounds"], 1):
@@ -510,8 +510,9 @@ def format_summary(result: dict) -> str:
             f"{i:>5} | "
             + " | ".join(f"{ph[p]:>10.3f} s" for p in SYNC_PHASES)
             + f" | {r['cycle_s']:>6.2f} s | {r['bytes_sent'] / 1e9:>7.3f}GB | "
-            f"{r['send_gb_per_s']:>6.2f} | {r['max_abs_dlogp_before']:>13.4f} -> "
-            f"{r['max_abs_dlogp_after']:<8.4f} | {'yes' if r['logprobs_changed'] else 'no':>7} | "
+            f"{r['send_gb_per_s']:>6.2f} | {r['mean_abs_dlogp_before']:>14.4f} -> "
+            f"{r['mean_abs_dlogp_after']:<8.4f} | {r['max_abs_dlogp_after']:>9.4f} | "
+            f"{'yes' if r['logprobs_changed'] else 'no':>7} | "
             f"{'pass' if r['gate_passed'] else 'FAIL'}"
         )
         if train:

@@ -96,10 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=1, help="weight syncs to run back to back")
     p.add_argument(
-        "--logprob-tolerance", type=float, default=0.25,
-        help="largest |trainer - vLLM| log-probability (nats) accepted after a sync. Measured "
-        "on H200 after a sync: 0.016 (tiny, 1 GPU) and 0.12 (tiny, 2 GPUs, mean 0.01); "
-        "before it, with vLLM's dummy weights: 2.5-3.3",
+        "--logprob-mean-tolerance", type=float, default=0.1,
+        help="largest accepted mean |trainer - vLLM| log-probability (nats) after a sync. "
+        "Measured on H200 after a sync: 0.005-0.010 (tiny), 0.053 (30B-A3B shape); with vLLM's "
+        "dummy weights: 0.58-1.29",
+    )
+    p.add_argument(
+        "--logprob-max-tolerance", type=float, default=1.0,
+        help="largest accepted single-token |trainer - vLLM| log-probability after a sync, a guard "
+        "against gross errors. Measured: bf16 outliers up to 0.49 on sampled tokens with equal "
+        "weights; 2.2-3.3 with dummy weights",
     )
     p.add_argument(
         "--train", action="store_true",
@@ -578,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         # Training samples several completions per prompt; otherwise one greedy each.
         prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
         temperature = args.temperature if args.train else 0.0
+        tolerances = {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance}
         rounds = []
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
@@ -596,11 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             # Round 1 replaces vLLM's dummy weights; later rounds change them only by training.
             weights_updated = i == 1 or args.train
             rounds.append(
-                round_record(phases, bytes_per_sync, before, after, args.logprob_tolerance, memory, weights_updated)
+                round_record(phases, bytes_per_sync, before, after, tolerances, memory, weights_updated)
             )
             if args.train:
                 rounds[-1].update(reward_mean=reward_mean, loss=loss)
-            print_round(rounds[-1], args.logprob_tolerance)
+            print_round(rounds[-1], tolerances)
         print_texts("after the last sync", args.prompts, helpers.completions(server.url, served_name, args.prompts, args.max_tokens))
 
         growth = memory_growth_gib(rounds)
@@ -646,11 +653,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def round_record(
-    phases: dict, bytes_sent: int, before: dict, after: dict, tolerance: float, memory: list[dict], weights_updated: bool
+    phases: dict, bytes_sent: int, before: dict, after: dict, tolerances: dict, memory: list[dict], weights_updated: bool
 ) -> dict:
     """One round's numbers, as they go into the JSON. `before`/`after` are
-    logprob_gap() results on the same token sequences; `weights_updated` says
-    whether vLLM should now hold other weights than before the sync."""
+    logprob_gap() results on the same token sequences; `tolerances` has the
+    "mean" and "max" bounds; `weights_updated` says whether vLLM should now
+    hold other weights than before the sync.
+
+    The gate is on the mean: single sampled tokens differ by up to ~0.5 nats
+    in bf16 even with equal weights, while wrong weights move every token."""
     # A sync that silently did nothing leaves vLLM's log-probabilities exactly
     # as they were. (Asked of vLLM only: its outputs repeat bit for bit on the
     # same weights, while the trainer's HF MoE forward need not.)
@@ -668,20 +679,24 @@ def round_record(
         "weights_updated": weights_updated,
         "logprobs_changed": server_changed,
         # `<=` is False for NaN, so a NaN never passes.
-        "gate_passed": after["max_abs"] <= tolerance and (server_changed or not weights_updated),
+        "gate_passed": after["mean_abs"] <= tolerances["mean"]
+        and after["max_abs"] <= tolerances["max"]
+        and (server_changed or not weights_updated),
         "mem_reserved_gib": [m["trainer_reserved"] for m in memory],
         "memory_gib_per_rank": memory,
     }
 
 
-def print_round(record: dict, tolerance: float) -> None:
+def print_round(record: dict, tolerances: dict) -> None:
     changed = "vLLM logprobs changed" if record["logprobs_changed"] else "vLLM logprobs unchanged"
     if record["weights_updated"] and not record["logprobs_changed"]:
         changed += " although the weights were updated (a sync that did nothing, or a step too small to change a bf16 weight)"
     reward_text = f", reward {record['reward_mean']:.3f}" if "reward_mean" in record else ""
     print(
-        f"[gate] max |dlogp| {record['max_abs_dlogp_before']:.4f} before -> "
-        f"{record['max_abs_dlogp_after']:.4f} after (tolerance {tolerance}), {changed}{reward_text}: "
+        f"[gate] |dlogp| mean {record['mean_abs_dlogp_before']:.4f} before -> "
+        f"{record['mean_abs_dlogp_after']:.4f} after (tolerance {tolerances['mean']}), max "
+        f"{record['max_abs_dlogp_before']:.4f} -> {record['max_abs_dlogp_after']:.4f} "
+        f"(tolerance {tolerances['max']}), {changed}{reward_text}: "
         f"{'pass' if record['gate_passed'] else 'FAIL'}",
         flush=True,
     )

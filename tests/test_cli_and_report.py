@@ -35,7 +35,8 @@ def test_help_explains_every_flag(capsys):
     for flag in [
         "--model", "--num-gpus", "--tensor-parallel-size", "--packed", "--no-packed",
         "--packed-buffer-size-bytes", "--gpu-memory-utilization", "--port", "--sleep-level",
-        "--max-tokens", "--prompt", "--rounds", "--logprob-tolerance", "--json", "--train", "--lr",
+        "--max-tokens", "--prompt", "--rounds", "--logprob-mean-tolerance",
+        "--logprob-max-tolerance", "--json", "--train", "--lr",
         "--samples-per-prompt", "--temperature", "--memory-growth-tolerance-gib", "--check-coverage",
     ]:
         assert flag in text
@@ -125,24 +126,34 @@ def test_logprob_diff():
 MEMORY = [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": 50.0}]
 
 
-def _gap(max_abs, trainer=(-1.0,), server=(-1.0,)):
-    return {"max_abs": max_abs, "mean_abs": 0.01, "max_abs_per_dp_rank": [max_abs],
-            "trainer": [list(trainer)], "server": [[list(server)]]}
+def _gap(max_abs, mean_abs=0.01, server=(-1.0,)):
+    return {"max_abs": max_abs, "mean_abs": mean_abs, "max_abs_per_dp_rank": [max_abs],
+            "trainer": [[-1.0]], "server": [[list(server)]]}
 
 
-def _round(after_max, weights_updated=True, server_moved=True, memory=MEMORY):
+TOLERANCES = {"mean": 0.1, "max": 1.0}
+
+
+def _round(after_max, after_mean=0.01, weights_updated=True, server_moved=True, memory=MEMORY):
     phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
-    before = _gap(2.0)
-    after = _gap(after_max, server=(-2.0,) if server_moved else (-1.0,))
-    return script.round_record(phases, 4 * 10**9, before, after, 0.25, memory, weights_updated)
+    before = _gap(2.0, mean_abs=1.0)
+    after = _gap(after_max, mean_abs=after_mean, server=(-2.0,) if server_moved else (-1.0,))
+    return script.round_record(phases, 4 * 10**9, before, after, TOLERANCES, memory, weights_updated)
+
+
+def test_default_tolerances_are_the_documented_ones():
+    args = script.parse_args([])
+    assert {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance} == TOLERANCES
 
 
 def test_round_record_gates_and_derives_rates():
-    r = _round(0.1)
+    r = _round(0.3)  # a single-token outlier below the max guard passes
     assert r["cycle_s"] == 3.0 and r["send_gb_per_s"] == 2.0 and r["gate_passed"] is True
     assert r["logprobs_changed"] is True and r["mem_reserved_gib"] == [2.0]
-    assert _round(0.3)["gate_passed"] is False
+    assert _round(0.3, after_mean=0.2)["gate_passed"] is False  # every token off: wrong weights
+    assert _round(1.5)["gate_passed"] is False  # one token grossly off
     assert _round(math.nan)["gate_passed"] is False  # NaN never passes
+    assert _round(0.3, after_mean=math.nan)["gate_passed"] is False
 
 
 def test_a_sync_that_did_nothing_fails_the_round():
@@ -166,7 +177,7 @@ def test_memory_growth_is_measured_from_round_2():
 def test_failed_checks_name_what_failed():
     ok = {"rounds": [_round(0.1)], "coverage": None, "memory_growth_gib": 0.1}
     assert script.failed_checks(ok, 0.5) == []
-    bad = {"rounds": [_round(0.1), _round(0.9)], "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
+    bad = {"rounds": [_round(0.1), _round(0.9, after_mean=0.5)], "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
            "memory_growth_gib": 2.0}
     assert script.failed_checks(bad, 0.5) == [
         "round 2: logprob gate",
@@ -192,7 +203,7 @@ def test_reward_and_advantages():
 
 
 def test_summary_table_and_json_keys():
-    rounds = [_round(0.1), _round(0.3, server_moved=False), _round(0.1)]
+    rounds = [_round(0.1), _round(0.3, after_mean=0.02, server_moved=False), _round(0.1)]
     for r, reward in zip(rounds, (0.5, 0.6, 0.7)):
         r["phases_s"]["train"] = 1.5
         r.update(reward_mean=reward, loss=0.1)
