@@ -106,8 +106,7 @@ def start_server(
     """
     if not port_is_free(port):
         raise ServerError(
-            f"port {port} on 127.0.0.1 is already in use; stop what holds it or "
-            f"pass another --port"
+            f"port {port} on 127.0.0.1 is already in use; stop what holds it or pass another --port"
         )
     if log_path is None:
         log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1]
@@ -251,9 +250,7 @@ def is_sleeping(url: str) -> bool:
 
 
 def get_world_size(url: str, include_dp: bool = True) -> int:
-    return _request("GET", url, "/get_world_size", params={"include_dp": include_dp})[
-        "world_size"
-    ]
+    return _request("GET", url, "/get_world_size", params={"include_dp": include_dp})["world_size"]
 
 
 def start_weight_update(url: str) -> None:
@@ -316,9 +313,7 @@ def completions(
     ]
 
 
-def prompt_logprobs(
-    url: str, model: str, token_ids: list[int], dp_rank: int | None = None
-) -> list[float]:
+def prompt_logprobs(url: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
     body = {"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0}
@@ -326,7 +321,7 @@ def prompt_logprobs(
     per_position = out["choices"][0]["prompt_logprobs"]
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.
-    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:])]
+    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
 
 
 def weight_sync_client(url: str):
@@ -464,7 +459,7 @@ def logprob_diff(reference: list[list[float]], other: list[list[float]]) -> Logp
     for ref, oth in zip(reference, other, strict=True):
         if len(ref) != len(oth):
             raise ValueError(f"prompt lengths differ: {len(ref)} vs {len(oth)}")
-        diffs += [abs(a - b) for a, b in zip(ref, oth)]
+        diffs += [abs(a - b) for a, b in zip(ref, oth, strict=True)]
     if not diffs:
         raise ValueError("no tokens to compare")
     worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
@@ -500,7 +495,8 @@ def format_summary(result: dict) -> str:
         f"model {result['model']} | {result['num_gpus']} x {result['gpu_name']} | "
         f"vLLM {result['vllm_version']} | server start {result['server_start_s']:.1f} s",
         "",
-        "round | " + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
+        "round | "
+        + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
         + " |    cycle |     bytes |   GB/s | mean|dlogp| before -> after | max after | changed | gate"
         + (" |    train | reward" if train else ""),
     ]

@@ -14,7 +14,8 @@ One sync, as an RL step does it:
   4. /wake_up?tags=kv_cache&tags=scheduling   vLLM serves again
 
 Then the proof: vLLM's prompt log-probabilities on every DP rank must match the
-trainer's own forward pass on the same tokens.
+trainer's own forward pass on the same tokens. With --train, each round first
+takes one policy-gradient step while vLLM sleeps, as an RL loop does.
 
     python rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2      # no download
     python rlhf_ipc_fsdp_ep.py                                # Qwen3-30B-A3B on 4 GPUs
@@ -23,6 +24,7 @@ trainer's own forward pass on the same tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import shutil
@@ -66,70 +68,102 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "random-weight model built locally with no download: 'tiny' (a small Qwen3-MoE) "
         "or 'qwen3-30b-a3b-shape' (Qwen3-30B-A3B's shapes)",
     )
-    p.add_argument("--num-gpus", type=int, default=4, help="GPUs to reserve through Ray; one trainer rank per GPU")
     p.add_argument(
-        "--tensor-parallel-size", type=int, default=1,
+        "--num-gpus", type=int, default=4, help="GPUs to reserve through Ray; one trainer rank per GPU"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
         help="vLLM tensor parallel size; data parallel size is num-gpus / this, experts split over all GPUs",
     )
     p.add_argument(
-        "--packed", action=argparse.BooleanOptionalAction, default=True,
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="pack parameters into one reusable IPC buffer per rank instead of one IPC handle per parameter",
     )
     p.add_argument(
-        "--packed-buffer-size-bytes", type=int, default=GiB,
+        "--packed-buffer-size-bytes",
+        type=int,
+        default=GiB,
         help="size of each rank's packed IPC buffer; must hold the largest parameter",
     )
     p.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.35,
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.35,
         help="share of each GPU's memory vLLM may use; the rest is the trainer's",
     )
     p.add_argument("--port", type=int, default=8000, help="vLLM server port on 127.0.0.1")
     p.add_argument(
-        "--sleep-level", type=int, choices=(1, 2), default=2,
+        "--sleep-level",
+        type=int,
+        choices=(1, 2),
+        default=2,
         help="1: vLLM copies its weights to CPU memory while asleep; 2: it discards them. "
         "2 is safe here because every weight is re-sent, and it skips a full copy each way",
     )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     p.add_argument(
-        "--prompt", action="append", dest="prompts", metavar="TEXT",
+        "--prompt",
+        action="append",
+        dest="prompts",
+        metavar="TEXT",
         help=f"a prompt (repeatable); default: {DEFAULT_PROMPTS}",
     )
     p.add_argument("--rounds", type=int, default=1, help="weight syncs to run back to back")
     p.add_argument(
-        "--logprob-mean-tolerance", type=float, default=0.1,
+        "--logprob-mean-tolerance",
+        type=float,
+        default=0.1,
         help="largest accepted mean |trainer - vLLM| log-probability (nats) after a sync. "
         "Measured on H200 after a sync: 0.005-0.010 (tiny), 0.053 (30B-A3B shape); with vLLM's "
         "dummy weights: 0.58-1.29",
     )
     p.add_argument(
-        "--logprob-max-tolerance", type=float, default=1.0,
+        "--logprob-max-tolerance",
+        type=float,
+        default=1.0,
         help="largest accepted single-token |trainer - vLLM| log-probability after a sync, a guard "
         "against gross errors. Measured: bf16 outliers up to 0.49 on sampled tokens with equal "
         "weights; 2.2-3.3 with dummy weights",
     )
     p.add_argument(
-        "--train", action="store_true",
+        "--train",
+        action="store_true",
         help="each round: sample from vLLM, score with a toy reward, take one policy-gradient "
         "AdamW step while vLLM sleeps, then sync (the trainer keeps fp32 master weights)",
     )
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (--train)")
-    p.add_argument("--samples-per-prompt", type=int, default=4, help="completions per prompt per round (--train)")
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=4, help="completions per prompt per round (--train)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--train)")
     p.add_argument(
-        "--memory-growth-tolerance-gib", type=float, default=0.5,
+        "--memory-growth-tolerance-gib",
+        type=float,
+        default=0.5,
         help="fail if GPU memory after a sync grows more than this from round 2 to the last",
     )
     p.add_argument(
-        "--check-coverage", action="store_true",
+        "--check-coverage",
+        action="store_true",
         help="debug: before round 1, zero every vLLM parameter, sync, and fail unless every "
         "parameter on every DP rank was written (slow: vLLM hashes every tensor)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
-    p.add_argument("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)"
+    )
     p.add_argument("--max-model-len", type=int, help="passed to vllm serve")
     p.add_argument("--server-log", default="vllm-server.log", help="where the server's output goes")
-    p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to become healthy")
-    p.add_argument("--placement-timeout", type=float, default=60, help="seconds to wait for Ray to place the trainers")
+    p.add_argument(
+        "--server-timeout", type=float, default=1200, help="seconds to wait for the server to become healthy"
+    )
+    p.add_argument(
+        "--placement-timeout", type=float, default=60, help="seconds to wait for Ray to place the trainers"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (preset models)")
     args = p.parse_args(argv)
     args.prompts = args.prompts or DEFAULT_PROMPTS
@@ -221,7 +255,11 @@ class FSDPTrainer:
 
     def placement(self) -> dict:
         """Which GPU Ray gave this rank."""
-        info = {"rank": self.rank, "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "node": ray.get_runtime_context().get_node_id()}
+        info = {
+            "rank": self.rank,
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "node": ray.get_runtime_context().get_node_id(),
+        }
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
             info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
@@ -254,18 +292,17 @@ class FSDPTrainer:
         self.optimizer = None
         return sum(p.numel() * torch.bfloat16.itemsize for p in model.parameters())
 
-    @torch.no_grad()
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+    def _token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """log p(token_i | tokens_<i) for i >= 1, like vLLM's prompt_logprobs.
         Every rank must call it: FSDP gathers each layer during the forward."""
+        x = torch.tensor([ids], device=self.device)
+        logits = self.model(input_ids=x).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         self.model.eval()
-        out = []
-        for ids in sequences:
-            x = torch.tensor([ids], device=self.device)
-            logits = self.model(input_ids=x).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
-            out.append(lp.tolist())
-        return out
+        return [self._token_logprobs(ids).tolist() for ids in sequences]
 
     def train_step(self, samples: list[dict], lr: float) -> float:
         """One policy-gradient (REINFORCE) step with AdamW on vLLM's samples:
@@ -283,11 +320,8 @@ class FSDPTrainer:
         weights = [1.0] * len(mine) + [0.0] * padding
         mine = mine + samples[:1] * padding
         loss = torch.zeros((), device=self.device)
-        for weight, sample in zip(weights, mine):
-            ids = sample["prompt_ids"] + sample["completion_ids"]
-            x = torch.tensor([ids], device=self.device)
-            logits = self.model(input_ids=x).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+        for weight, sample in zip(weights, mine, strict=True):
+            lp = self._token_logprobs(sample["prompt_ids"] + sample["completion_ids"])
             completion_lp = lp[len(sample["prompt_ids"]) - 1 :].mean()
             # Scaled so that FSDP's mean over ranks is the mean over the batch.
             loss = loss - weight * sample["advantage"] * completion_lp * world / len(samples)
@@ -309,7 +343,9 @@ class FSDPTrainer:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         self.engine = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
+            IPCTrainerInitInfo(
+                rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes
+            ),
             client=helpers.weight_sync_client(url),
             source=self.weight_source(),
         )
@@ -440,15 +476,22 @@ def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu
     every GPU, memory it can release while the trainer works."""
     flags = [
         str(model_path),
-        "--served-model-name", served_name,
-        "--tensor-parallel-size", str(args.tensor_parallel_size),
-        "--data-parallel-size", str(args.num_gpus // args.tensor_parallel_size),
+        "--served-model-name",
+        served_name,
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--data-parallel-size",
+        str(args.num_gpus // args.tensor_parallel_size),
         "--enable-expert-parallel",
-        "--device-ids", ",".join(gpu_ids),
+        "--device-ids",
+        ",".join(gpu_ids),
         "--enable-sleep-mode",
-        "--load-format", "dummy",  # the trainer sends the real weights
-        "--weight-transfer-config", json.dumps({"backend": "ipc"}),
-        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--load-format",
+        "dummy",  # the trainer sends the real weights
+        "--weight-transfer-config",
+        json.dumps({"backend": "ipc"}),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
     ]
     if args.enforce_eager:
         flags.append("--enforce-eager")
@@ -457,7 +500,9 @@ def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu
     return flags
 
 
-def sync_weights(url: str, trainers: list, sleep_level: int, while_asleep=None) -> tuple[dict[str, float], object]:
+def sync_weights(
+    url: str, trainers: list, sleep_level: int, while_asleep=None
+) -> tuple[dict[str, float], object]:
     """One sync: sleep, [while_asleep(), e.g. a training step], wake weights,
     send, wake KV cache and scheduling. Returns (seconds per phase, what
     while_asleep returned)."""
@@ -510,6 +555,11 @@ def logprob_gap(url: str, model: str, trainers: list, sequences: list[list[int]]
     }
 
 
+def train_all_ranks(trainers: list, samples: list[dict], lr: float) -> float:
+    """FSDPTrainer.train_step on every rank; returns the loss."""
+    return ray_get_all([t.train_step.remote(samples, lr) for t in trainers])[0]
+
+
 def reward(text: str) -> float:
     """The toy task: write plain words. The share of characters that are a-z
     or a space (0 for an empty completion). Replace with your own."""
@@ -525,7 +575,7 @@ def training_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float
     mean = sum(rewards) / len(rewards)
     samples = [
         {"prompt_ids": c.prompt_token_ids, "completion_ids": c.token_ids, "advantage": r - mean}
-        for c, r in zip(batch, rewards)
+        for c, r in zip(batch, rewards, strict=True)
         if c.token_ids
     ]
     return samples, mean
@@ -533,7 +583,8 @@ def training_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float
 
 def print_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
     print(f"--- {label} ---")
-    for prompt, out in zip(prompts, batch):
+    # With --train the batch holds several samples per prompt; the first of each is shown.
+    for prompt, out in zip(prompts, batch, strict=False):
         print(f"{prompt!r} -> {out.text!r}")
 
 
@@ -545,7 +596,7 @@ def print_texts(label: str, prompts: list[str], batch: list[helpers.Completion])
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the finally block below always runs.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     served_name = args.model
     dp_size = args.num_gpus // args.tensor_parallel_size
     workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # built models live here
@@ -564,7 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_sync = ray_get_all(
             [t.build_model.remote(str(model_path), random_init, args.seed, args.train) for t in trainers]
         )[0]
-        print(f"[trainers] model sharded over {args.num_gpus} ranks: {bytes_per_sync / 1e9:.3f} GB", flush=True)
+        print(
+            f"[trainers] model sharded over {args.num_gpus} ranks: {bytes_per_sync / 1e9:.3f} GB", flush=True
+        )
 
         print(f"[server] starting vllm serve; log: {args.server_log}", flush=True)
         server = helpers.start_server(
@@ -574,12 +627,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[server] healthy after {server_start_s:.1f} s at {server.url}", flush=True)
 
         ray_get_all(
-            [t.init_weight_transfer.remote(server.url, args.packed, args.packed_buffer_size_bytes) for t in trainers]
+            [
+                t.init_weight_transfer.remote(server.url, args.packed, args.packed_buffer_size_bytes)
+                for t in trainers
+            ]
         )
         coverage = None
         if args.check_coverage:
             coverage = check_sync_coverage(server.url, trainers, args.sleep_level)
-            print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}", flush=True)
+            print(
+                f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}",
+                flush=True,
+            )
 
         # Training samples several completions per prompt; otherwise one greedy each.
         prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
@@ -588,7 +647,9 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
-            batch = helpers.completions(server.url, served_name, prompts, args.max_tokens, temperature=temperature)
+            batch = helpers.completions(
+                server.url, served_name, prompts, args.max_tokens, temperature=temperature
+            )
             if i == 1:
                 print_texts("before the first sync", args.prompts, batch)
             sequences = [c.prompt_token_ids + c.token_ids for c in batch]
@@ -596,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             train_step, reward_mean = None, None
             if args.train:
                 samples, reward_mean = training_samples(batch)
-                train_step = lambda: ray_get_all([t.train_step.remote(samples, args.lr) for t in trainers])[0]  # noqa: E731
+                train_step = functools.partial(train_all_ranks, trainers, samples, args.lr)
             phases, loss = sync_weights(server.url, trainers, args.sleep_level, while_asleep=train_step)
             after = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
             memory = ray_get_all([t.memory_gib.remote() for t in trainers])
@@ -608,7 +669,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.train:
                 rounds[-1].update(reward_mean=reward_mean, loss=loss)
             print_round(rounds[-1], tolerances)
-        print_texts("after the last sync", args.prompts, helpers.completions(server.url, served_name, args.prompts, args.max_tokens))
+        print_texts(
+            "after the last sync",
+            args.prompts,
+            helpers.completions(server.url, served_name, args.prompts, args.max_tokens),
+        )
 
         growth = memory_growth_gib(rounds)
         result = {
@@ -645,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             helpers.stop_server(server)
         ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous_sigterm)
 
 
 # ---------------------------------------------------------------------------
@@ -653,7 +719,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def round_record(
-    phases: dict, bytes_sent: int, before: dict, after: dict, tolerances: dict, memory: list[dict], weights_updated: bool
+    phases: dict,
+    bytes_sent: int,
+    before: dict,
+    after: dict,
+    tolerances: dict,
+    memory: list[dict],
+    weights_updated: bool,
 ) -> dict:
     """One round's numbers, as they go into the JSON. `before`/`after` are
     logprob_gap() results on the same token sequences; `tolerances` has the
@@ -690,7 +762,10 @@ def round_record(
 def print_round(record: dict, tolerances: dict) -> None:
     changed = "vLLM logprobs changed" if record["logprobs_changed"] else "vLLM logprobs unchanged"
     if record["weights_updated"] and not record["logprobs_changed"]:
-        changed += " although the weights were updated (a sync that did nothing, or a step too small to change a bf16 weight)"
+        changed += (
+            " although the weights were updated (a sync that did nothing, or a step too small "
+            "to change a bf16 weight)"
+        )
     reward_text = f", reward {record['reward_mean']:.3f}" if "reward_mean" in record else ""
     print(
         f"[gate] |dlogp| mean {record['mean_abs_dlogp_before']:.4f} before -> "
@@ -709,7 +784,7 @@ def memory_growth_gib(rounds: list[dict]) -> float:
     if len(rounds) < 3:
         return 0.0
     first, last = rounds[1]["memory_gib_per_rank"], rounds[-1]["memory_gib_per_rank"]
-    return max(b["device_used"] - a["device_used"] for a, b in zip(first, last))
+    return max(b["device_used"] - a["device_used"] for a, b in zip(first, last, strict=True))
 
 
 def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:

@@ -31,11 +31,15 @@ def cpu_serve_args(model_dir, *extra):
     """The script's flags minus what vLLM cannot do on CPU (sleep mode, DP MoE)."""
     return [
         str(model_dir),
-        "--served-model-name", SERVED_NAME,
+        "--served-model-name",
+        SERVED_NAME,
         "--enforce-eager",
-        "--max-model-len", "512",
-        "--max-num-seqs", "8",
-        "--weight-transfer-config", '{"backend": "ipc"}',
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--weight-transfer-config",
+        '{"backend": "ipc"}',
         *extra,
     ]
 

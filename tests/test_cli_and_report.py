@@ -13,7 +13,10 @@ import rlhf_ipc_fsdp_ep as script
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--num-gpus", "3", "--tensor-parallel-size", "2"], "--num-gpus 3 is not divisible by --tensor-parallel-size 2"),
+        (
+            ["--num-gpus", "3", "--tensor-parallel-size", "2"],
+            "--num-gpus 3 is not divisible by --tensor-parallel-size 2",
+        ),
         (["--num-gpus", "0"], "--num-gpus must be at least 1"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be between 0 and 1"),
         (["--rounds", "0"], "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
@@ -33,11 +36,27 @@ def test_help_explains_every_flag(capsys):
         script.parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in [
-        "--model", "--num-gpus", "--tensor-parallel-size", "--packed", "--no-packed",
-        "--packed-buffer-size-bytes", "--gpu-memory-utilization", "--port", "--sleep-level",
-        "--max-tokens", "--prompt", "--rounds", "--logprob-mean-tolerance",
-        "--logprob-max-tolerance", "--json", "--train", "--lr",
-        "--samples-per-prompt", "--temperature", "--memory-growth-tolerance-gib", "--check-coverage",
+        "--model",
+        "--num-gpus",
+        "--tensor-parallel-size",
+        "--packed",
+        "--no-packed",
+        "--packed-buffer-size-bytes",
+        "--gpu-memory-utilization",
+        "--port",
+        "--sleep-level",
+        "--max-tokens",
+        "--prompt",
+        "--rounds",
+        "--logprob-mean-tolerance",
+        "--logprob-max-tolerance",
+        "--json",
+        "--train",
+        "--lr",
+        "--samples-per-prompt",
+        "--temperature",
+        "--memory-growth-tolerance-gib",
+        "--check-coverage",
     ]:
         assert flag in text
 
@@ -71,7 +90,9 @@ def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     path = script.resolve_model("tiny", tmp_path)
     name, size = helpers.largest_parameter(path)
     assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
-    args = script.parse_args(["--packed-buffer-size-bytes", str(size - 1), "--port", str(helpers.free_port())])
+    args = script.parse_args(
+        ["--packed-buffer-size-bytes", str(size - 1), "--port", str(helpers.free_port())]
+    )
     with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
         script.check_before_gpu_work(args, path)
     args.packed_buffer_size_bytes = size
@@ -100,7 +121,9 @@ def test_main_stops_on_bad_input_before_starting_anything(tmp_path):
 
 
 def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
-    args = script.parse_args(["--num-gpus", "4", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.4"])
+    args = script.parse_args(
+        ["--num-gpus", "4", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.4"]
+    )
     flags = script.serve_args(args, tmp_path, "m", ["3", "1", "0", "2"])
     assert flags[0] == str(tmp_path)
 
@@ -127,8 +150,13 @@ MEMORY = [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used"
 
 
 def _gap(max_abs, mean_abs=0.01, server=(-1.0,)):
-    return {"max_abs": max_abs, "mean_abs": mean_abs, "max_abs_per_dp_rank": [max_abs],
-            "trainer": [[-1.0]], "server": [[list(server)]]}
+    return {
+        "max_abs": max_abs,
+        "mean_abs": mean_abs,
+        "max_abs_per_dp_rank": [max_abs],
+        "trainer": [[-1.0]],
+        "server": [[list(server)]],
+    }
 
 
 TOLERANCES = {"mean": 0.1, "max": 1.0}
@@ -177,8 +205,11 @@ def test_memory_growth_is_measured_from_round_2():
 def test_failed_checks_name_what_failed():
     ok = {"rounds": [_round(0.1)], "coverage": None, "memory_growth_gib": 0.1}
     assert script.failed_checks(ok, 0.5) == []
-    bad = {"rounds": [_round(0.1), _round(0.9, after_mean=0.5)], "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
-           "memory_growth_gib": 2.0}
+    bad = {
+        "rounds": [_round(0.1), _round(0.9, after_mean=0.5)],
+        "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
+        "memory_growth_gib": 2.0,
+    }
     assert script.failed_checks(bad, 0.5) == [
         "round 2: logprob gate",
         "the sync did not write 1 vLLM parameters",
@@ -204,13 +235,19 @@ def test_reward_and_advantages():
 
 def test_summary_table_and_json_keys():
     rounds = [_round(0.1), _round(0.3, after_mean=0.02, server_moved=False), _round(0.1)]
-    for r, reward in zip(rounds, (0.5, 0.6, 0.7)):
+    for r, reward in zip(rounds, (0.5, 0.6, 0.7), strict=True):
         r["phases_s"]["train"] = 1.5
         r.update(reward_mean=reward, loss=0.1)
     result = {
-        "gpu_name": "NVIDIA H200", "num_gpus": 2, "model": "tiny", "vllm_version": "0.32.0",
-        "command": "python rlhf_ipc_fsdp_ep.py", "server_start_s": 100.0, "rounds": rounds,
-        "memory_gib_per_rank": MEMORY, "memory_growth_gib": 0.25,
+        "gpu_name": "NVIDIA H200",
+        "num_gpus": 2,
+        "model": "tiny",
+        "vllm_version": "0.32.0",
+        "command": "python rlhf_ipc_fsdp_ep.py",
+        "server_start_s": 100.0,
+        "rounds": rounds,
+        "memory_gib_per_rank": MEMORY,
+        "memory_growth_gib": 0.25,
     }
     text = helpers.format_summary(result)
     lines = text.splitlines()
@@ -221,8 +258,17 @@ def test_summary_table_and_json_keys():
     assert "GPU memory growth, round 2 -> last: +0.250 GiB" in text
     # The JSON round-trips with the keys promised in the README.
     loaded = json.loads(json.dumps(result))
-    for key in ("phases_s", "cycle_s", "bytes_sent", "max_abs_dlogp_before", "max_abs_dlogp_after", "gate_passed",
-                "reward_mean", "logprobs_changed", "mem_reserved_gib"):
+    for key in (
+        "phases_s",
+        "cycle_s",
+        "bytes_sent",
+        "max_abs_dlogp_before",
+        "max_abs_dlogp_after",
+        "gate_passed",
+        "reward_mean",
+        "logprobs_changed",
+        "mem_reserved_gib",
+    ):
         assert key in loaded["rounds"][0]
     assert set(helpers.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
 
@@ -235,7 +281,10 @@ def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):
     port = helpers.free_port()
     proc = subprocess.run(
         [sys.executable, "rlhf_ipc_fsdp_ep.py", "--model", "tiny", "--num-gpus", "2", "--port", str(port)],
-        cwd=script.__file__.rsplit("/", 1)[0], capture_output=True, text=True, timeout=180,
+        cwd=script.__file__.rsplit("/", 1)[0],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 1
     assert "error: asked for 2 GPUs but the Ray cluster has 0" in proc.stderr

@@ -38,7 +38,7 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
     second = helpers.completions(cpu_server.url, SERVED_NAME, prompts, max_tokens=6)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    for prompt, c in zip(prompts, first):
+    for prompt, c in zip(prompts, first, strict=True):
         assert c.prompt_token_ids == tok(prompt).input_ids
         assert len(c.token_ids) == 6
 
@@ -65,7 +65,7 @@ def _listening_sockets(pids):
         except OSError:
             continue
     found = []
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
@@ -81,7 +81,9 @@ def test_server_listens_on_loopback_only(cpu_server):
     sockets = _listening_sockets(helpers.group_members(cpu_server.pgid))
     http = [ip for ip, port in sockets if port == cpu_server.port]
     assert http == ["0100007F"]  # 127.0.0.1, little-endian hex
-    exposed = [(ip, port) for ip, port in sockets if ip not in ("0100007F", "0" * 24 + "01000000", "0" * 31 + "1")]
+    exposed = [
+        (ip, port) for ip, port in sockets if ip not in ("0100007F", "0" * 24 + "01000000", "0" * 31 + "1")
+    ]
     assert not exposed, f"server listens beyond loopback: {exposed}"
 
 
@@ -134,7 +136,11 @@ def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path):
     # Seen on CPU: reset leaves the attention and router linears' checksums as
     # they were (CPU-specific weight handling), so only these are asserted here;
     # --check-coverage itself needs a GPU.
-    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight", "lm_head.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.experts.routed_experts.w13_weight",
+        "lm_head.weight",
+    ):
         assert f"dp0:pp0:pcp0:tp0:{name}" in changed, sorted(changed)
 
     members = helpers.group_members(server.pgid)

@@ -24,9 +24,7 @@ def _gather_source(rank, world_size, port, ckpt, random_init, out_dir):
 
 
 def _run_two_ranks(ckpt, random_init, tmp_path):
-    mp.spawn(
-        _gather_source, args=(2, helpers.free_port(), ckpt, random_init, tmp_path), nprocs=2, join=True
-    )
+    mp.spawn(_gather_source, args=(2, helpers.free_port(), ckpt, random_init, tmp_path), nprocs=2, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
@@ -34,7 +32,9 @@ def test_module_source_over_fsdp2_yields_the_unsharded_checkpoint(tiny_checkpoin
     from transformers import AutoModelForCausalLM
 
     ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path)
-    reference = dict(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters())
+    reference = dict(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters()
+    )
     for got in ranks:
         assert list(got["tensors"]) == list(reference)  # same names, same order
         assert [m[0] for m in got["meta"]] == list(reference)
@@ -53,7 +53,9 @@ def test_random_init_is_one_model_across_ranks(tiny_checkpoint, tmp_path):
     # Each rank drew its own shard: the halves differ, none is left empty.
     assert not torch.equal(experts[:4], experts[4:])
     assert experts[:4].abs().sum() > 0 and experts[4:].abs().sum() > 0
-    assert torch.equal(rank0["tensors"]["model.norm.weight"], torch.ones_like(rank0["tensors"]["model.norm.weight"]))
+    assert torch.equal(
+        rank0["tensors"]["model.norm.weight"], torch.ones_like(rank0["tensors"]["model.norm.weight"])
+    )
 
 
 def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
@@ -94,9 +96,30 @@ def test_ray_get_all_raises_at_the_first_failure(ray_cluster):
     ray_cluster.cancel(stuck, force=True)
 
 
-def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_server, cpu_trainers, tiny_checkpoint):
+def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(ray_cluster, tiny_checkpoint):
+    """Rank 1 waits in FSDP's all-gather for rank 0, which dies: the driver must
+    hear of it at once instead of waiting for the collective's timeout."""
+    trainers = script.start_trainers(2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60)
+    try:
+        script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True) for t in trainers])
+        waiting = trainers[1].prompt_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
+        ray_cluster.kill(trainers[0])
+        start = time.monotonic()
+        with pytest.raises(ray_cluster.exceptions.RayActorError):
+            script.ray_get_all([trainers[0].placement.remote(), waiting])
+        assert time.monotonic() - start < 30
+    finally:
+        for t in trainers:
+            ray_cluster.kill(t)
+
+
+def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
+    cpu_server, cpu_trainers, tiny_checkpoint
+):
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
-    outs = helpers.completions(cpu_server.url, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
+    outs = helpers.completions(
+        cpu_server.url, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8
+    )
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
 
     defaults = script.parse_args([])
@@ -128,7 +151,10 @@ def _train_once(rank, world_size, port, ckpt, out_dir):
     loss = trainer.train_step(SAMPLES, lr=1e-2)
     after = {name: t.clone() for name, t in trainer.weight_source()}
     masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
-    torch.save({"loss": loss, "before": before, "after": after, "masters": masters}, out_dir / f"w{world_size}r{rank}.pt")
+    torch.save(
+        {"loss": loss, "before": before, "after": after, "masters": masters},
+        out_dir / f"w{world_size}r{rank}.pt",
+    )
 
 
 def test_train_step_on_fsdp2_moves_the_weights_that_vllm_receives(tiny_checkpoint, tmp_path):
@@ -146,7 +172,11 @@ def test_train_step_on_fsdp2_moves_the_weights_that_vllm_receives(tiny_checkpoin
         assert sent.dtype == torch.bfloat16, name  # vLLM gets bf16
         assert torch.equal(sent, master.to(torch.bfloat16)), name
     changed = [n for n in two["before"] if not torch.equal(two["before"][n], two["after"][n])]
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.gate.weight",
+    ):
         assert name in changed
-
