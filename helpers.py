@@ -109,7 +109,8 @@ def start_server(
             f"port {port} on 127.0.0.1 is already in use; stop what holds it or pass another --port"
         )
     if log_path is None:
-        log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1]
+        fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
+        os.close(fd)
     log_path = Path(log_path)
     full_env = {**os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("CUDA_VISIBLE_DEVICES", None)

@@ -644,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
         temperature = args.temperature if args.train else 0.0
         tolerances = {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance}
+        vllm_has_trainer_weights = coverage is not None  # the coverage check synced once
         rounds = []
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
@@ -651,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.url, served_name, prompts, args.max_tokens, temperature=temperature
             )
             if i == 1:
-                print_texts("before the first sync", args.prompts, batch)
+                print_texts("round 1, before its sync", args.prompts, batch)
             sequences = [c.prompt_token_ids + c.token_ids for c in batch]
             before = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
             train_step, reward_mean = None, None
@@ -661,8 +662,9 @@ def main(argv: list[str] | None = None) -> int:
             phases, loss = sync_weights(server.url, trainers, args.sleep_level, while_asleep=train_step)
             after = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
             memory = ray_get_all([t.memory_gib.remote() for t in trainers])
-            # Round 1 replaces vLLM's dummy weights; later rounds change them only by training.
-            weights_updated = i == 1 or args.train
+            # The first sync replaces vLLM's dummy weights; after that only training changes them.
+            weights_updated = args.train or not vllm_has_trainer_weights
+            vllm_has_trainer_weights = True
             rounds.append(
                 round_record(phases, bytes_per_sync, before, after, tolerances, memory, weights_updated)
             )
