@@ -154,7 +154,6 @@ def _gap(max_abs, mean_abs=0.01, server=(-1.0,)):
         "max_abs": max_abs,
         "mean_abs": mean_abs,
         "max_abs_per_dp_rank": [max_abs],
-        "trainer": [[-1.0]],
         "server": [[list(server)]],
     }
 
