@@ -388,7 +388,6 @@ MODEL_PRESETS = {
         "max_position_embeddings": 40960,
     },
 }
-TINY_QWEN3_MOE = MODEL_PRESETS["tiny"]
 
 _TOKENIZER_CORPUS = (
     "The capital of France is Paris. The future of AI is bright. Hello, my name is "

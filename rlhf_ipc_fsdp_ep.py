@@ -472,25 +472,20 @@ def ray_get_all(refs: list):
 def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu_ids: list[str]) -> list[str]:
     """`vllm serve` flags: one DP engine per TP group, experts split over
     every GPU, memory it can release while the trainer works."""
+    # fmt: off
     flags = [
         str(model_path),
-        "--served-model-name",
-        served_name,
-        "--tensor-parallel-size",
-        str(args.tensor_parallel_size),
-        "--data-parallel-size",
-        str(args.num_gpus // args.tensor_parallel_size),
+        "--served-model-name", served_name,
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--data-parallel-size", str(args.num_gpus // args.tensor_parallel_size),
         "--enable-expert-parallel",
-        "--device-ids",
-        ",".join(gpu_ids),
+        "--device-ids", ",".join(gpu_ids),
         "--enable-sleep-mode",
-        "--load-format",
-        "dummy",  # the trainer sends the real weights
-        "--weight-transfer-config",
-        json.dumps({"backend": "ipc"}),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
+        "--load-format", "dummy",  # the trainer sends the real weights
+        "--weight-transfer-config", json.dumps({"backend": "ipc"}),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
     ]
+    # fmt: on
     if args.enforce_eager:
         flags.append("--enforce-eager")
     if args.max_model_len:
@@ -516,10 +511,15 @@ def sync_weights(
     with timer.phase("send"):
         ray_get_all([t.send_weights.remote() for t in trainers])
     with timer.phase("wake_kv"):
-        state = helpers.wake_up(url, ["kv_cache", "scheduling"])
+        wake_for_serving(url)
+    return timer.seconds, trained
+
+
+def wake_for_serving(url: str) -> None:
+    """Wake the KV cache and the scheduler; the server must then be fully awake."""
+    state = helpers.wake_up(url, ["kv_cache", "scheduling"])
     if state["status"] != "awake":
         raise helpers.ServerError(f"server still asleep after the last wake_up: {state}")
-    return timer.seconds, trained
 
 
 def check_sync_coverage(url: str, trainers: list, sleep_level: int) -> dict:
@@ -531,7 +531,7 @@ def check_sync_coverage(url: str, trainers: list, sleep_level: int) -> dict:
     zeros = helpers.weight_checker(url, "checksum")["checksums"]
     ray_get_all([t.send_weights.remote() for t in trainers])
     written = set(helpers.weight_checker(url, "compare", baseline=zeros)["mismatches"])
-    helpers.wake_up(url, ["kv_cache", "scheduling"])
+    wake_for_serving(url)
     return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
 
 
