@@ -325,6 +325,15 @@ def prompt_logprobs(url: str, model: str, token_ids: list[int], dp_rank: int | N
     return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
 
 
+def collective_rpc(url: str, method: str, *args: str, timeout: float = 600) -> list:
+    """POST /collective_rpc: call `method` on the worker of every engine
+    (string arguments only). Returns the first DP engine's results; an error
+    on any engine fails the call."""
+    body = {"method": method, "args": list(args), "timeout": timeout}
+    out = _request("POST", url, "/collective_rpc", timeout=timeout + 30, json=body)
+    return out["results"] if out else []
+
+
 def weight_sync_client(url: str):
     """vLLM's HTTPVLLMWeightSyncClient, except that a failing route raises
     ServerError quoting the server's reply instead of a bare HTTP status."""
@@ -335,6 +344,86 @@ def weight_sync_client(url: str):
             _request("POST", self.base_url, f"/{path}", timeout=self.timeout, json=json)
 
     return WeightSyncClient(url)
+
+
+class DirectLoadClient:
+    """The same four calls as vLLM's HTTPVLLMWeightSyncClient, sent to the
+    server's direct loader (direct_load.py) through /collective_rpc instead of
+    vLLM's weight routes. Used on trainer rank 0, the only one that posts."""
+
+    def __init__(self, url: str, trainer_gpu_uuids: list[str], timeout: float = 600) -> None:
+        self.url = url
+        self.trainer_gpu_uuids = list(trainer_gpu_uuids)
+        self.timeout = timeout
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        if not init_info.get("packed"):
+            raise ValueError("the direct loader reads packed IPC buffers: use packed=True")
+
+    def start_weight_update(self) -> None:
+        collective_rpc(self.url, "direct_load_start", timeout=self.timeout)
+
+    def update_weights(self, update_info: dict) -> None:
+        import base64
+        import pickle
+
+        update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids}
+        payload = base64.b64encode(pickle.dumps(update)).decode()
+        collective_rpc(self.url, "direct_load_chunk", payload, timeout=self.timeout)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        collective_rpc(self.url, "direct_load_finish", timeout=self.timeout)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
+
+
+class TimedSource:
+    """Wraps a weight source; adds the seconds spent producing its tensors
+    (FSDP gathers and casts) to seconds["source"]. `synchronize` waits for the
+    device, so GPU time counts and not only the kernel launches."""
+
+    def __init__(self, source, seconds: dict[str, float], synchronize) -> None:
+        self._source = source
+        self._seconds = seconds
+        self._synchronize = synchronize
+
+    def metadata(self):
+        return self._source.metadata()
+
+    def __iter__(self):
+        items = iter(self._source)
+        while True:
+            start = time.perf_counter()
+            item = next(items, None)
+            self._synchronize()
+            self._seconds["source"] = self._seconds.get("source", 0.0) + time.perf_counter() - start
+            if item is None:
+                return
+            yield item
+
+
+class TimedClient:
+    """Wraps a weight sync client; adds the seconds spent in each of its calls
+    (the server's share of a send, as the sender sees it) to `seconds`."""
+
+    def __init__(self, client, seconds: dict[str, float]) -> None:
+        self._client = client
+        self._seconds = seconds
+
+    def __getattr__(self, name: str):
+        call = getattr(self._client, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                key = f"server_{name}"
+                self._seconds[key] = self._seconds.get(key, 0.0) + time.perf_counter() - start
+                self._seconds[f"{key}_calls"] = self._seconds.get(f"{key}_calls", 0) + 1
+
+        return timed
 
 
 # ---------------------------------------------------------------------------
@@ -445,6 +534,26 @@ def largest_parameter(model_path: str | os.PathLike) -> tuple[str, int]:
 # ---------------------------------------------------------------------------
 
 
+def other_processes_gpu_memory(gpu_uuid: str) -> float:
+    """Bytes of GPU memory that processes other than this one use on the GPU
+    with this UUID (NVML; NaN if NVML cannot tell)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            uuid = gpu_uuid if gpu_uuid.startswith("GPU-") else f"GPU-{gpu_uuid}"
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if os.getpid() not in {p.pid for p in procs}:
+                return math.nan  # NVML sees another PID namespace: it cannot tell us apart
+            return float(sum(p.usedGpuMemory or 0 for p in procs if p.pid != os.getpid()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, no permission, a container hiding PIDs
+        return math.nan
+
+
 @dataclass
 class LogprobDiff:
     max_abs: float
@@ -514,11 +623,12 @@ def format_summary(result: dict) -> str:
         if train:
             line += f" | {ph['train']:>6.2f} s | {r['reward_mean']:.3f}"
         lines.append(line)
-    lines += ["", "rank | trainer peak alloc | trainer reserved | GPU used (all processes)"]
+    lines += ["", "GPU | trainer peak alloc | trainer reserved | server (NVML) | GPU used (all processes)"]
     for rank, m in enumerate(result["memory_gib_per_rank"]):
         lines.append(
-            f"{rank:>4} | {m['trainer_peak_allocated']:>14.2f} GiB | "
-            f"{m['trainer_reserved']:>12.2f} GiB | {m['device_used']:>10.2f} GiB"
+            f"{rank:>3} | {m['trainer_peak_allocated']:>14.2f} GiB | "
+            f"{m['trainer_reserved']:>12.2f} GiB | {m.get('server_used', math.nan):>9.2f} GiB | "
+            f"{m['device_used']:>10.2f} GiB"
         )
     if len(result["rounds"]) >= 3:
         lines.append(f"GPU memory growth, round 2 -> last: {result['memory_growth_gib']:+.3f} GiB")

@@ -26,22 +26,26 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shlex
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, materialize_full_tensor
 
 import helpers
 
+HERE = Path(__file__).resolve().parent
 GiB = 1024**3
 DEFAULT_PROMPTS = [
     "Hello, my name is",
@@ -76,6 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="vLLM tensor parallel size; data parallel size is num-gpus / this, experts split over all GPUs",
+    )
+    p.add_argument(
+        "--weight-loader",
+        choices=("direct", "vllm"),
+        default="direct",
+        help="who loads the weights into vLLM. direct: the server's direct loader (direct_load.py); "
+        "each GPU gets only its own experts, copied in one piece per layer (about 1 s for 30B-A3B on "
+        "2 H200). vllm: vLLM's own /update_weights route, one loader call per expert (about 25 s)",
     )
     p.add_argument(
         "--packed",
@@ -182,6 +194,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail("--gpu-memory-utilization must be between 0 and 1")
     if args.packed_buffer_size_bytes < 1:
         fail("--packed-buffer-size-bytes must be positive")
+    if args.weight_loader == "direct" and not args.packed:
+        fail("--weight-loader direct reads packed buffers: drop --no-packed or pass --weight-loader vllm")
+    if args.weight_loader == "direct" and args.tensor_parallel_size != 1:
+        fail("--weight-loader direct needs --tensor-parallel-size 1; pass --weight-loader vllm")
     if args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1:
         fail("--rounds, --max-tokens and --samples-per-prompt must be at least 1")
     return args
@@ -332,35 +348,65 @@ class FSDPTrainer:
         dist.all_reduce(total)
         return total.item() / world
 
-    def weight_source(self) -> "ModuleSource":
-        """What vLLM receives: the parameters as bf16, whatever the master dtype."""
+    def weight_source(self, loader: str = "vllm") -> "ModuleSource":
+        """What vLLM receives, as bf16 whatever the master dtype: every
+        parameter whole for vLLM's loader; for the direct loader, each rank's
+        own experts and every other parameter whole."""
+        if loader == "direct":
+            return LocalExpertSource(self.model, dist.get_world_size())
         return BF16Source(self.model)
 
-    def init_weight_transfer(self, url: str, packed: bool, packed_buffer_size_bytes: int) -> None:
-        """Build vLLM's IPC trainer engine on this rank (rank 0 also tells the
-        server to expect packed or unpacked IPC chunks)."""
+    def init_weight_transfer(
+        self,
+        url: str,
+        loader: str,
+        packed: bool,
+        packed_buffer_size_bytes: int,
+        trainer_gpu_uuids: list[str],
+    ) -> None:
+        """Build vLLM's IPC trainer engine on this rank. Its client (used on
+        rank 0 only) talks to vLLM's weight routes or to the direct loader."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
+        if loader == "direct":
+            client = helpers.DirectLoadClient(url, trainer_gpu_uuids)
+        else:
+            client = helpers.weight_sync_client(url)
+        # Where a send's time goes, filled in by the wrappers (see send_weights).
+        self.send_seconds: dict[str, float] = {}
         self.engine = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(
                 rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes
             ),
-            client=helpers.weight_sync_client(url),
-            source=self.weight_source(),
+            client=helpers.TimedClient(client, self.send_seconds),
+            source=helpers.TimedSource(self.weight_source(loader), self.send_seconds, self._synchronize),
         )
 
-    def send_weights(self) -> None:
+    def send_weights(self) -> dict[str, float]:
         """One full sync; every rank takes part. Returns once this GPU's work is
-        done, so the driver's clock around it measures the whole send."""
+        done, with where this rank's time went: `source` (gathering and casting
+        the tensors), `server_*` (waiting on the server, rank 0 only) and
+        `total`; the rest is packing and the trainer ranks' handshakes."""
+        self.send_seconds.clear()
+        start = time.perf_counter()
         self.engine.send_weights()
-        torch.cuda.synchronize()
+        self._synchronize()
+        return {**self.send_seconds, "total": time.perf_counter() - start}
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def memory_gib(self) -> dict:
+        """This GPU's memory: the trainer's peak and reserved (PyTorch), what
+        the other processes on it use (the vLLM engine; from NVML), and the
+        device total in use."""
         free, total = torch.cuda.mem_get_info(self.device)
         return {
             "trainer_peak_allocated": torch.cuda.max_memory_allocated(self.device) / GiB,
             "trainer_reserved": torch.cuda.memory_reserved(self.device) / GiB,
+            "server_used": helpers.other_processes_gpu_memory(str(self.placement()["gpu_uuid"])) / GiB,
             "device_used": (total - free) / GiB,
         }
 
@@ -374,6 +420,43 @@ class BF16Source(ModuleSource):
 
     def __iter__(self):
         for name, tensor in super().__iter__():
+            yield name, tensor.to(torch.bfloat16)
+
+
+class LocalExpertSource(BF16Source):
+    """What the direct loader receives from one rank: every parameter whole
+    (one all-gather each), except the fused expert tensors, of which each rank
+    sends its own FSDP shard without any gather. FSDP2 shards dim 0, so rank r
+    holds experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
+    gives the engine on rank r's GPU. Every rank yields the same names and
+    shapes, as vLLM's packed IPC producer requires."""
+
+    EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+    def __init__(self, module: torch.nn.Module, world_size: int) -> None:
+        super().__init__(module)
+        self._world_size = world_size
+        for name, param in module.named_parameters():
+            if self._is_local(name, param) and param.shape[0] % world_size:
+                raise ValueError(
+                    f"{name} has {param.shape[0]} experts, not divisible by {world_size} GPUs: "
+                    "the direct loader needs an even split; pass --weight-loader vllm"
+                )
+
+    def _is_local(self, name: str, param: torch.Tensor) -> bool:
+        return name.endswith(self.EXPERT_SUFFIXES) and hasattr(param, "to_local")
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(name, torch.bfloat16, (p.shape[0] // self._world_size, *p.shape[1:]))
+            if self._is_local(name, p)
+            else ParamMeta(name, torch.bfloat16, tuple(p.shape))
+            for name, p in self._module.named_parameters()
+        ]
+
+    def __iter__(self):
+        for name, param in self._module.named_parameters():
+            tensor = param.to_local() if self._is_local(name, param) else materialize_full_tensor(param)
             yield name, tensor.to(torch.bfloat16)
 
 
@@ -456,12 +539,31 @@ def start_trainers(
 
 def ray_get_all(refs: list):
     """ray.get(refs), but raise as soon as any one fails: the others may be
-    blocked in a collective waiting for it, and would hang ray.get."""
+    blocked in a collective waiting for it, and would hang ray.get. A rank's
+    ServerError (the server refused or died) is raised as itself."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, helpers.ServerError):
+                raise helpers.ServerError(f"a trainer rank: {e.cause}") from None
+            raise
     return ray.get(refs)
+
+
+def send_all(trainers: list) -> list[dict]:
+    """send_weights() on every rank; returns each rank's time breakdown. If
+    one rank fails, the others may wait for it in a collective: raise at once.
+    vLLM then holds some new and some old weights, and is still asleep: the
+    caller must not serve from it (main() stops it on the way out)."""
+    try:
+        return ray_get_all([t.send_weights.remote() for t in trainers])
+    except helpers.ServerError as e:
+        raise helpers.ServerError(
+            f"the send failed part way; vLLM holds a mix of old and new weights: {e}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -483,6 +585,8 @@ def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu
         "--enable-sleep-mode",
         "--load-format", "dummy",  # the trainer sends the real weights
         "--weight-transfer-config", json.dumps({"backend": "ipc"}),
+        # The direct loader, reached through /collective_rpc (see direct_load.py).
+        "--worker-extension-cls", "direct_load.DirectLoadWorker",
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
     ]
     # fmt: on
@@ -493,12 +597,16 @@ def serve_args(args: argparse.Namespace, model_path: Path, served_name: str, gpu
     return flags
 
 
-def sync_weights(
-    url: str, trainers: list, sleep_level: int, while_asleep=None
-) -> tuple[dict[str, float], object]:
+@dataclass
+class Sync:
+    phases: dict[str, float]  # seconds per phase
+    send_per_rank: list[dict]  # where each rank's send time went (FSDPTrainer.send_weights)
+    trained: object = None  # what while_asleep returned
+
+
+def sync_weights(url: str, trainers: list, sleep_level: int, while_asleep=None) -> Sync:
     """One sync: sleep, [while_asleep(), e.g. a training step], wake weights,
-    send, wake KV cache and scheduling. Returns (seconds per phase, what
-    while_asleep returned)."""
+    send, wake KV cache and scheduling."""
     timer = helpers.PhaseTimer()
     with timer.phase("sleep"):
         helpers.sleep(url, sleep_level)
@@ -509,10 +617,10 @@ def sync_weights(
     with timer.phase("wake_weights"):
         helpers.wake_up(url, ["weights"])
     with timer.phase("send"):
-        ray_get_all([t.send_weights.remote() for t in trainers])
+        send_per_rank = send_all(trainers)
     with timer.phase("wake_kv"):
         wake_for_serving(url)
-    return timer.seconds, trained
+    return Sync(timer.seconds, send_per_rank, trained)
 
 
 def wake_for_serving(url: str) -> None:
@@ -529,7 +637,7 @@ def check_sync_coverage(url: str, trainers: list, sleep_level: int) -> dict:
     helpers.wake_up(url, ["weights"])
     helpers.weight_checker(url, "reset")
     zeros = helpers.weight_checker(url, "checksum")["checksums"]
-    ray_get_all([t.send_weights.remote() for t in trainers])
+    send_all(trainers)
     written = set(helpers.weight_checker(url, "compare", baseline=zeros)["mismatches"])
     wake_for_serving(url)
     return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
@@ -590,12 +698,28 @@ def print_texts(label: str, prompts: list[str], batch: list[helpers.Completion])
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@dataclass
+class Job:
+    """What colocated_job() started: the trainer ranks with the model sharded
+    over them, and the vLLM server on the same GPUs."""
+
+    trainers: list
+    server: helpers.Server
+    served_name: str
+    dp_size: int
+    gpu_name: str
+    gpu_uuids: list[str]
+    bytes_per_sync: int
+    server_start_s: float
+
+
+@contextmanager
+def colocated_job(args: argparse.Namespace):
+    """Reserve the GPUs, start a trainer rank on each with the model sharded
+    over them, start `vllm serve` on the same GPUs; on exit (error, Ctrl-C or
+    SIGTERM included) stop the server's whole process group and Ray."""
     # SIGTERM unwinds like Ctrl-C, so the finally block below always runs.
     previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    served_name = args.model
-    dp_size = args.num_gpus // args.tensor_parallel_size
     workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # built models live here
     server = None
     try:
@@ -618,20 +742,59 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"[server] starting vllm serve; log: {args.server_log}", flush=True)
         server = helpers.start_server(
-            serve_args(args, model_path, served_name, gpu_ids), port=args.port, log_path=args.server_log
+            serve_args(args, model_path, args.model, gpu_ids),
+            port=args.port,
+            log_path=args.server_log,
+            # The server's workers import the direct loader (direct_load.py) from here.
+            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
         )
         server_start_s = helpers.wait_until_healthy(server, timeout_s=args.server_timeout)
         print(f"[server] healthy after {server_start_s:.1f} s at {server.url}", flush=True)
-
-        ray_get_all(
-            [
-                t.init_weight_transfer.remote(server.url, args.packed, args.packed_buffer_size_bytes)
-                for t in trainers
-            ]
+        yield Job(
+            trainers=trainers,
+            server=server,
+            served_name=args.model,
+            dp_size=args.num_gpus // args.tensor_parallel_size,
+            gpu_name=placements[0]["gpu_name"],
+            gpu_uuids=[p["gpu_uuid"] for p in placements],
+            bytes_per_sync=bytes_per_sync,
+            server_start_s=server_start_s,
         )
+    finally:
+        if server is not None:
+            if server.proc.poll() is not None:
+                print(
+                    f"[shutdown] the vLLM server had exited with code {server.proc.returncode}; "
+                    f"last lines of {server.log_path}:\n{helpers.log_tail(server, 15)}",
+                    flush=True,
+                )
+            print("[shutdown] stopping the vLLM server", flush=True)
+            helpers.stop_server(server)
+        ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def init_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> None:
+    """Every trainer rank builds vLLM's IPC trainer engine for `loader`."""
+    ray_get_all(
+        [
+            t.init_weight_transfer.remote(
+                job.server.url, loader, args.packed, args.packed_buffer_size_bytes, job.gpu_uuids
+            )
+            for t in job.trainers
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with colocated_job(args) as job:
+        url, trainers = job.server.url, job.trainers
+        init_weight_transfer(job, args, args.weight_loader)
         coverage = None
         if args.check_coverage:
-            coverage = check_sync_coverage(server.url, trainers, args.sleep_level)
+            coverage = check_sync_coverage(url, trainers, args.sleep_level)
             print(
                 f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}",
                 flush=True,
@@ -646,54 +809,41 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
             batch = helpers.completions(
-                server.url, served_name, prompts, args.max_tokens, temperature=temperature
+                url, job.served_name, prompts, args.max_tokens, temperature=temperature
             )
             if i == 1:
                 print_texts("round 1, before its sync", args.prompts, batch)
             sequences = [c.prompt_token_ids + c.token_ids for c in batch]
-            before = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
+            before = logprob_gap(url, job.served_name, trainers, sequences, job.dp_size)
             train_step, reward_mean = None, None
             if args.train:
                 samples, reward_mean = training_samples(batch)
                 train_step = functools.partial(train_all_ranks, trainers, samples, args.lr)
-            phases, loss = sync_weights(server.url, trainers, args.sleep_level, while_asleep=train_step)
-            after = logprob_gap(server.url, served_name, trainers, sequences, dp_size)
+            sync = sync_weights(url, trainers, args.sleep_level, while_asleep=train_step)
+            after = logprob_gap(url, job.served_name, trainers, sequences, job.dp_size)
             memory = ray_get_all([t.memory_gib.remote() for t in trainers])
             # The first sync replaces vLLM's dummy weights; after that only training changes them.
             weights_updated = args.train or not vllm_has_trainer_weights
             vllm_has_trainer_weights = True
             rounds.append(
-                round_record(phases, bytes_per_sync, before, after, tolerances, memory, weights_updated)
+                round_record(sync, job.bytes_per_sync, before, after, tolerances, memory, weights_updated)
             )
             if args.train:
-                rounds[-1].update(reward_mean=reward_mean, loss=loss)
+                rounds[-1].update(reward_mean=reward_mean, loss=sync.trained)
             print_round(rounds[-1], tolerances)
         print_texts(
             "after the last sync",
             args.prompts,
-            helpers.completions(server.url, served_name, args.prompts, args.max_tokens),
+            helpers.completions(url, job.served_name, args.prompts, args.max_tokens),
         )
 
-        growth = memory_growth_gib(rounds)
         result = {
-            "gpu_name": placements[0]["gpu_name"],
-            "num_gpus": args.num_gpus,
-            "tensor_parallel_size": args.tensor_parallel_size,
-            "data_parallel_size": dp_size,
-            "model": args.model,
-            "vllm_version": vllm_version(),
-            "torch_version": torch.__version__,
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-            "date": time.strftime("%Y-%m-%d"),
-            "packed": args.packed,
-            "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
-            "sleep_level": args.sleep_level,
+            **run_facts(job, args),
             "train": args.train,
-            "server_start_s": server_start_s,
             "coverage": coverage,
             "rounds": rounds,
             "memory_gib_per_rank": rounds[-1]["memory_gib_per_rank"],
-            "memory_growth_gib": growth,
+            "memory_growth_gib": memory_growth_gib(rounds),
         }
         print(helpers.format_summary(result))
         if args.json:
@@ -703,13 +853,26 @@ def main(argv: list[str] | None = None) -> int:
         for failure in failures:
             print(f"FAILED: {failure}", file=sys.stderr)
         return 1 if failures else 0
-    finally:
-        if server is not None:
-            print("[shutdown] stopping the vLLM server", flush=True)
-            helpers.stop_server(server)
-        ray.shutdown()
-        shutil.rmtree(workdir, ignore_errors=True)
-        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def run_facts(job: Job, args: argparse.Namespace) -> dict:
+    """What a reader needs to reproduce a result: hardware, versions, command, settings."""
+    return {
+        "gpu_name": job.gpu_name,
+        "num_gpus": args.num_gpus,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": job.dp_size,
+        "model": args.model,
+        "vllm_version": vllm_version(),
+        "torch_version": torch.__version__,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "weight_loader": args.weight_loader,
+        "packed": args.packed,
+        "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
+        "sleep_level": args.sleep_level,
+        "server_start_s": job.server_start_s,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -718,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def round_record(
-    phases: dict,
+    sync: Sync,
     bytes_sent: int,
     before: dict,
     after: dict,
@@ -726,7 +889,9 @@ def round_record(
     memory: list[dict],
     weights_updated: bool,
 ) -> dict:
-    """One round's numbers, as they go into the JSON. `before`/`after` are
+    """One round's numbers, as they go into the JSON. `sync` is what
+    sync_weights returned; `bytes_sent` the bf16 size of the model (what one
+    trainer's model holds, whichever loader moves it). `before`/`after` are
     logprob_gap() results on the same token sequences; `tolerances` has the
     "mean" and "max" bounds; `weights_updated` says whether vLLM should now
     hold other weights than before the sync.
@@ -737,8 +902,10 @@ def round_record(
     # as they were. (Asked of vLLM only: its outputs repeat bit for bit on the
     # same weights, while the trainer's HF MoE forward need not.)
     server_changed = before["server"] != after["server"]
+    phases = sync.phases
     return {
         "phases_s": phases,
+        "send_breakdown_s": sync.send_per_rank,
         "cycle_s": sum(phases[p] for p in helpers.SYNC_PHASES),
         "bytes_sent": bytes_sent,
         "send_gb_per_s": bytes_sent / phases["send"] / 1e9,

@@ -40,6 +40,8 @@ def cpu_serve_args(model_dir, *extra):
         "8",
         "--weight-transfer-config",
         '{"backend": "ipc"}',
+        "--worker-extension-cls",
+        "direct_load.DirectLoadWorker",
         *extra,
     ]
 
@@ -49,7 +51,7 @@ def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
         cpu_serve_args(model_dir, *extra),
         port=helpers.free_port(),
         log_path=tmp_path / "server.log",
-        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
+        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "PYTHONPATH": str(ROOT)},
         launcher=CPU_LAUNCHER,
     )
     if wait:

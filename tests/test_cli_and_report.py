@@ -22,6 +22,12 @@ import rlhf_ipc_fsdp_ep as script
         (["--rounds", "0"], "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
         (["--samples-per-prompt", "0"], "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
         (["--sleep-level", "3"], "invalid choice"),
+        (["--no-packed"], "--weight-loader direct reads packed buffers"),
+        (
+            ["--num-gpus", "4", "--tensor-parallel-size", "2"],
+            "--weight-loader direct needs --tensor-parallel-size 1",
+        ),
+        (["--weight-loader", "nccl"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -57,6 +63,7 @@ def test_help_explains_every_flag(capsys):
         "--temperature",
         "--memory-growth-tolerance-gib",
         "--check-coverage",
+        "--weight-loader",
     ]:
         assert flag in text
 
@@ -65,6 +72,7 @@ def test_defaults_match_the_reference_setup():
     args = script.parse_args([])
     assert (args.model, args.num_gpus, args.tensor_parallel_size) == ("Qwen/Qwen3-30B-A3B", 4, 1)
     assert args.packed and args.packed_buffer_size_bytes == 1024**3
+    assert args.weight_loader == "direct"
     assert args.prompts == script.DEFAULT_PROMPTS
 
 
@@ -123,6 +131,7 @@ def test_main_stops_on_bad_input_before_starting_anything(tmp_path):
 def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     args = script.parse_args(
         ["--num-gpus", "4", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.4"]
+        + ["--weight-loader", "vllm"]
     )
     flags = script.serve_args(args, tmp_path, "m", ["3", "1", "0", "2"])
     assert flags[0] == str(tmp_path)
@@ -135,6 +144,7 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     assert json.loads(value("--weight-transfer-config")) == {"backend": "ipc"}
     assert value("--load-format") == "dummy" and value("--gpu-memory-utilization") == "0.4"
     assert "--enable-expert-parallel" in flags and "--enable-sleep-mode" in flags
+    assert value("--worker-extension-cls") == "direct_load.DirectLoadWorker"
     assert "--enforce-eager" not in flags
 
 
@@ -165,7 +175,8 @@ def _round(after_max, after_mean=0.01, weights_updated=True, server_moved=True, 
     phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
     before = _gap(2.0, mean_abs=1.0)
     after = _gap(after_max, mean_abs=after_mean, server=(-2.0,) if server_moved else (-1.0,))
-    return script.round_record(phases, 4 * 10**9, before, after, TOLERANCES, memory, weights_updated)
+    sync = script.Sync(phases, send_per_rank=[{"source": 0.5, "total": 2.0}])
+    return script.round_record(sync, 4 * 10**9, before, after, TOLERANCES, memory, weights_updated)
 
 
 def test_default_tolerances_are_the_documented_ones():

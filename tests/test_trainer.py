@@ -12,19 +12,24 @@ import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME
 
 
-def _gather_source(rank, world_size, port, ckpt, random_init, out_dir):
+def _gather_source(rank, world_size, port, ckpt, random_init, out_dir, loader):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     trainer = script.FSDPTrainer(rank, world_size, port, device_type="cpu")
     trainer.build_model(str(ckpt), random_init=random_init, seed=3)
-    source = ModuleSource(trainer.model)
-    meta = [(m.name, m.dtype, m.shape) for m in source.metadata()]
+    source = ModuleSource(trainer.model) if loader == "module" else trainer.weight_source(loader)
+    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
     tensors = {name: t.detach().clone() for name, t in source}
     torch.save({"meta": meta, "tensors": tensors}, out_dir / f"rank{rank}.pt")
 
 
-def _run_two_ranks(ckpt, random_init, tmp_path):
-    mp.spawn(_gather_source, args=(2, helpers.free_port(), ckpt, random_init, tmp_path), nprocs=2, join=True)
+def _run_two_ranks(ckpt, random_init, tmp_path, loader="module"):
+    mp.spawn(
+        _gather_source,
+        args=(2, helpers.free_port(), ckpt, random_init, tmp_path, loader),
+        nprocs=2,
+        join=True,
+    )
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
@@ -43,6 +48,32 @@ def test_module_source_over_fsdp2_yields_the_unsharded_checkpoint(tiny_checkpoin
             assert t.dtype == ref.dtype == torch.bfloat16, name
             assert t.shape == ref.shape, name
             assert torch.equal(t, ref), name
+
+
+def test_direct_loader_source_sends_each_rank_its_own_experts_and_the_rest_whole(tiny_checkpoint, tmp_path):
+    """What the direct loader gets from FSDP2 rank r: experts [r*E/2, (r+1)*E/2)
+    of each fused expert tensor (the block vLLM's linear expert placement gives
+    the engine on rank r's GPU), everything else whole, in bf16; both ranks
+    yield the same names and shapes, as vLLM's packed IPC producer requires."""
+    from transformers import AutoModelForCausalLM
+
+    ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path, loader="direct")
+    reference = dict(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters()
+    )
+    assert ranks[0]["meta"] == ranks[1]["meta"]
+    experts = [n for n in reference if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert len(experts) == 4  # 2 layers x (gate_up, down)
+    for rank, got in enumerate(ranks):
+        assert list(got["tensors"]) == list(reference) == [m[0] for m in got["meta"]]
+        for (name, dtype, shape), t in zip(got["meta"], got["tensors"].values(), strict=True):
+            assert (t.dtype, tuple(t.shape)) == (dtype, shape) == (torch.bfloat16, shape), name
+            ref = reference[name]
+            if name in experts:
+                half = ref.shape[0] // 2
+                assert torch.equal(t, ref[rank * half : (rank + 1) * half]), name
+            else:
+                assert torch.equal(t, ref), name
 
 
 def test_random_init_is_one_model_across_ranks(tiny_checkpoint, tmp_path):
@@ -131,9 +162,8 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
     stale = script.logprob_gap(cpu_server.url, SERVED_NAME, cpu_trainers, sequences, dp_size=1)
     assert stale["mean_abs"] > 3 * tolerances["mean"] and stale["max_abs"] > tolerances["max"], stale
-    record = script.round_record(
-        {p: 1.0 for p in helpers.SYNC_PHASES}, 10**9, same, stale, tolerances, memory=[], weights_updated=True
-    )
+    sync = script.Sync({p: 1.0 for p in helpers.SYNC_PHASES}, send_per_rank=[])
+    record = script.round_record(sync, 10**9, same, stale, tolerances, memory=[], weights_updated=True)
     assert record["gate_passed"] is False
 
 

@@ -1,0 +1,167 @@
+"""Benchmark the weight sync of rlhf_ipc_fsdp_ep.py: every phase, both loaders, one job.
+
+    python benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2      # no download
+    python benchmark.py --model tiny --num-gpus 2 --loaders direct
+
+It starts the trainers and the server once, then for each loader in --loaders
+(default: vllm, then direct):
+  1. zeroes every vLLM parameter, so that round 1 has to bring the weights back;
+  2. runs --rounds syncs (default 3), each checked by the script's logprob gate,
+     recording the seconds of every phase, where the send's time went on each
+     trainer rank, and the memory of the trainer and the server on every GPU.
+With both loaders it then proves them equivalent: after a sync through vLLM's
+loader it fingerprints every vLLM parameter on every DP engine, zeroes them
+all, syncs through the direct loader, and requires every parameter to be back
+bit for bit.
+
+The JSON (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json) is rewritten
+after every step, so a run that is cut short keeps what it measured. Every other
+flag is the script's (see `python rlhf_ipc_fsdp_ep.py --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import helpers
+import rlhf_ipc_fsdp_ep as script
+
+LOADERS = ("vllm", "direct")
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS), help="loaders to compare")
+    p.add_argument("--out", help="JSON path (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json)")
+    bench, rest = p.parse_known_args(argv)
+    if bench.help:
+        p.print_help()
+        print("\nAll other flags are rlhf_ipc_fsdp_ep.py's; --rounds defaults to 3 here.")
+        sys.exit(0)
+    args = script.parse_args(["--rounds", "3", *rest])  # a --rounds in `rest` comes later and wins
+    return bench, args
+
+
+def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sequences: list[list[int]]) -> dict:
+    """--rounds syncs through `loader`, starting from zeroed vLLM weights."""
+    url = job.server.url
+    tolerances = {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance}
+    script.init_weight_transfer(job, args, loader)
+    helpers.weight_checker(url, "reset")  # vLLM forgets the weights: round 1 must bring them back
+    rounds = []
+    for i in range(1, args.rounds + 1):
+        print(f"=== {loader} loader, round {i}/{args.rounds} ===", flush=True)
+        before = script.logprob_gap(url, job.served_name, job.trainers, sequences, job.dp_size)
+        sync = script.sync_weights(url, job.trainers, args.sleep_level)
+        after = script.logprob_gap(url, job.served_name, job.trainers, sequences, job.dp_size)
+        memory = script.ray_get_all([t.memory_gib.remote() for t in job.trainers])
+        record = script.round_record(sync, job.bytes_per_sync, before, after, tolerances, memory, i == 1)
+        rounds.append(record)
+        script.print_round(record, tolerances)
+        print_send_breakdown(sync.send_per_rank)
+    return {
+        "weight_loader": loader,
+        "rounds": rounds,
+        "median_cycle_s": statistics.median(r["cycle_s"] for r in rounds),
+        "median_send_s": statistics.median(r["phases_s"]["send"] for r in rounds),
+        "memory_gib_per_rank": rounds[-1]["memory_gib_per_rank"],
+        "memory_growth_gib": script.memory_growth_gib(rounds),
+    }
+
+
+def print_send_breakdown(send_per_rank: list[dict]) -> None:
+    for rank, s in enumerate(send_per_rank):
+        server = sum(v for k, v in s.items() if k.startswith("server_") and not k.endswith("_calls"))
+        calls = int(s.get("server_update_weights_calls", 0))
+        print(
+            f"[send] rank {rank}: {s['total']:.2f} s = source {s.get('source', 0):.2f} s"
+            + (f" + server {server:.2f} s ({calls} chunks)" if rank == 0 else "")
+            + f" + packing and handshakes {s['total'] - s.get('source', 0) - server:.2f} s",
+            flush=True,
+        )
+
+
+def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
+    """Sync through vLLM's loader, fingerprint every vLLM parameter on every
+    DP engine, zero them all, sync through the direct loader: every
+    parameter must be back bit for bit (the call fails, naming them, if not)."""
+    url = job.server.url
+    print("=== do the loaders agree? ===", flush=True)
+    script.init_weight_transfer(job, args, "vllm")
+    script.sync_weights(url, job.trainers, args.sleep_level)
+    stored = helpers.collective_rpc(url, "direct_load_fingerprint", "store")[0]
+    script.init_weight_transfer(job, args, "direct")
+    helpers.sleep(url, args.sleep_level)
+    helpers.wake_up(url, ["weights"])
+    helpers.weight_checker(url, "reset")
+    script.send_all(job.trainers)
+    script.wake_for_serving(url)
+    try:
+        compared = helpers.collective_rpc(url, "direct_load_fingerprint", "compare")[0]
+    except helpers.ServerError as e:
+        print(f"[agree] NO: {e}", flush=True)
+        return {"agree": False, "parameters_per_engine": stored["parameters"], "error": str(e)[:2000]}
+    print(f"[agree] yes: {compared['parameters']} parameters per engine, bit for bit", flush=True)
+    return {"agree": True, "parameters_per_engine": stored["parameters"]}
+
+
+def default_out(result: dict) -> Path:
+    gpu = result["gpu_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
+    return Path("docs/benchmarks") / f"{result['date']}-{result['model']}-{result['num_gpus']}x{gpu}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench, args = parse_args(argv)
+    with script.colocated_job(args) as job:
+        url = job.server.url
+        greedy = helpers.completions(url, job.served_name, args.prompts, args.max_tokens)
+        sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
+        result = {
+            **script.run_facts(job, args),
+            "weight_loader": bench.loaders,
+            "rounds_per_loader": args.rounds,
+        }
+        result["variants"] = []
+        out = Path(bench.out) if bench.out else default_out(result)
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save() -> None:
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
+        for loader in bench.loaders:
+            variant = run_variant(job, args, loader, sequences)
+            result["variants"].append(variant)
+            save()
+            print(helpers.format_summary({**result, **variant}), flush=True)
+        if set(bench.loaders) == set(LOADERS):
+            result["loaders_agree"] = loaders_agree(job, args)
+            save()
+        print(f"[json] {out}")
+
+    failures = [
+        f"{v['weight_loader']} round {i}: logprob gate"
+        for v in result["variants"]
+        for i, r in enumerate(v["rounds"], 1)
+        if not r["gate_passed"]
+    ]
+    if result.get("loaders_agree", {}).get("agree") is False:
+        failures.append("the direct loader did not reproduce vLLM's parameters")
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    try:
+        code = main()
+    except (script.PlacementError, helpers.ServerError) as e:
+        sys.exit(f"error: {e}")
+    print(f"[benchmark] {time.monotonic() - start:.0f} s in all")
+    sys.exit(code)

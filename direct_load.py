@@ -1,0 +1,237 @@
+"""The direct weight loader: the server side of rlhf_ipc_fsdp_ep.py's fast sync.
+
+vLLM's own receive path (/update_weights) hands every tensor to the model's
+`load_weights`, which loads a fused expert tensor one expert at a time through
+vLLM's layer-wise reload wrappers: 48 layers x 128 experts x 3 projections of
+Python calls per engine per sync on Qwen3-30B-A3B, non-local experts included.
+That, not the copying, is where the 25 s of a sync go (docs/BENCHMARKS.md).
+
+This loader is a vLLM worker extension, loaded by the server with
+`--worker-extension-cls direct_load.DirectLoadWorker` and driven through
+`/collective_rpc`. It reads the same packed CUDA IPC buffer as vLLM's IPC
+engine, but:
+  * each engine receives only ITS experts: the trainer rank on the same GPU
+    sends its own FSDP shard of each fused expert tensor, which under vLLM's
+    linear expert placement is exactly the block of experts that engine holds
+    (checked on every chunk; a mismatch is an error, never a silent mis-load);
+  * a fused expert tensor is one copy into `w13_weight` / `w2_weight`;
+  * every other tensor goes through the model's own `load_weights` (which
+    stacks q/k/v and so on) straight into the live parameters;
+  * at the end, each layer that received weights runs its
+    `process_weights_after_loading`, as vLLM's reload does.
+
+It is written for unquantized models. `direct_load_fingerprint` lets a run
+prove that it leaves every parameter bit-identical to vLLM's own path.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+
+EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
+@dataclass
+class _Session:
+    model: torch.nn.Module
+    device: torch.device
+    gpu_uuid: str
+    expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
+    param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
+    importer: object
+    touched: dict[int, torch.nn.Module] = field(default_factory=dict)
+    tensors: int = 0
+    bytes: int = 0
+
+
+class DirectLoadWorker:
+    """Mixed into vLLM's worker class; every method runs on every engine."""
+
+    def direct_load_start(self) -> None:
+        from vllm.distributed.weight_transfer.packed_tensor import PackedBufferImporter
+
+        if getattr(self, "_weight_update_active", False):
+            raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        self._direct_session = _Session(
+            model=model,
+            device=device,
+            gpu_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "",
+            expert_layers=_expert_layers(model),
+            param_owner={
+                f"{prefix}.{name}" if prefix else name: module
+                for prefix, module in model.named_modules()
+                for name, _ in module.named_parameters(recurse=False)
+            },
+            importer=PackedBufferImporter(),
+        )
+
+    def direct_load_chunk(self, payload: str) -> dict:
+        """Load one packed chunk. `payload`: base64 pickle of vLLM's IPC update
+        info (names, dtype_names, shapes, tensor_sizes, ipc_handles) plus
+        `trainer_gpu_uuids`, the GPU of each trainer rank in rank order."""
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+        session = self._direct_session_or_raise()
+        update = _unpickle(payload)
+        handles = update["ipc_handles"]
+        if session.gpu_uuid not in handles:
+            raise ValueError(
+                f"no IPC buffer for this engine's GPU {session.gpu_uuid}; the trainer ranks are on "
+                f"{list(handles)}: every engine needs a trainer rank on its own GPU"
+            )
+        trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
+        args = list(handles[session.gpu_uuid])
+        args[6] = session.device.index  # the device index as this process numbers it
+        sizes = update["tensor_sizes"]
+        buffer = session.importer.rebuild(args)[: sum(sizes)]
+        dtypes = [getattr(torch, name) for name in update["dtype_names"]]
+        tensors = unpack_tensor(buffer, update["names"], update["shapes"], dtypes, sizes)
+
+        others = []
+        with torch.no_grad():
+            for name, tensor in tensors:
+                layer_name, _, tensor_name = name.rpartition(".")
+                experts = session.expert_layers.get(layer_name)
+                if experts is not None and tensor_name in EXPERT_TENSORS:
+                    _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank)
+                    session.touched[id(experts)] = experts
+                else:
+                    others.append((name, tensor))
+            if others:
+                with set_current_vllm_config(self.vllm_config):
+                    loaded = session.model.load_weights(others)
+                for param_name in loaded or ():
+                    owner = session.param_owner.get(param_name)
+                    if owner is not None:
+                        session.touched[id(owner)] = owner
+        # The trainer refills this buffer as soon as we return: finish reading it.
+        if session.device.type == "cuda":
+            torch.cuda.synchronize(session.device)
+        session.tensors += len(tensors)
+        session.bytes += sum(sizes)
+        return {"tensors": len(tensors), "bytes": sum(sizes)}
+
+    def direct_load_finish(self) -> dict:
+        """Run each written layer's post-load processing, as vLLM's reload
+        does, and release the IPC buffer."""
+        session = self._direct_session_or_raise()
+        with torch.no_grad():
+            for module in session.touched.values():
+                method = getattr(module, "quant_method", None)
+                if method is None or not hasattr(method, "process_weights_after_loading"):
+                    continue
+                if hasattr(module, "_already_called_process_weights_after_loading"):
+                    delattr(module, "_already_called_process_weights_after_loading")
+                method.process_weights_after_loading(module)
+        if session.device.type == "cuda":
+            torch.cuda.synchronize(session.device)
+        session.importer.close()
+        self._direct_session = None
+        return {"tensors": session.tensors, "bytes": session.bytes, "layers_processed": len(session.touched)}
+
+    def direct_load_layout(self) -> dict:
+        """What the loader assumes about this engine: its fused expert layers,
+        their shapes and the global ids of the experts it holds."""
+        model = self.model_runner.get_model()
+        layers = {}
+        for name, experts in _expert_layers(model).items():
+            ids = experts.expert_map_manager.get_local_expert_ids()
+            layers[name] = {
+                "w13_weight": list(experts.w13_weight.shape),
+                "w2_weight": list(experts.w2_weight.shape),
+                "local_experts": [ids[0], ids[-1] + 1] if ids else [],
+                "transposed": bool(getattr(experts, "is_fused_checkpoint_transposed", False)),
+            }
+        return {"dp_rank": self.vllm_config.parallel_config.data_parallel_rank, "expert_layers": layers}
+
+    def direct_load_fingerprint(self, action: str) -> dict:
+        """'store': remember a fingerprint of every parameter. 'compare':
+        fingerprint again and raise, naming them, if any parameter differs
+        from the stored one (so a mismatch on any DP engine fails the call)."""
+        model = self.model_runner.get_model()
+        prints = {name: _fingerprint(p) for name, p in model.named_parameters()}
+        dp_rank = self.vllm_config.parallel_config.data_parallel_rank
+        if action == "store":
+            self._direct_reference = prints
+            return {"dp_rank": dp_rank, "parameters": len(prints)}
+        if action != "compare":
+            raise ValueError(f"action must be 'store' or 'compare', not {action!r}")
+        reference = getattr(self, "_direct_reference", None)
+        if reference is None:
+            raise RuntimeError("no stored fingerprint: call with 'store' first")
+        differ = sorted(n for n in reference.keys() | prints.keys() if reference.get(n) != prints.get(n))
+        if differ:
+            raise RuntimeError(
+                f"DP rank {dp_rank}: {len(differ)} of {len(reference)} parameters differ from "
+                f"the stored fingerprint: {differ[:8]}"
+            )
+        return {"dp_rank": dp_rank, "parameters": len(reference), "differ": differ}
+
+    def _direct_session_or_raise(self) -> _Session:
+        session = getattr(self, "_direct_session", None)
+        if session is None:
+            raise RuntimeError("direct_load_start was not called")
+        return session
+
+
+def _expert_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    return {m.layer_name: m for m in model.modules() if isinstance(m, RoutedExperts)}
+
+
+def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int) -> None:
+    """Copy the trainer rank's block of experts into the engine's fused
+    parameter, after checking that it is the block this engine holds."""
+    param = getattr(experts, param_name)
+    held = experts.expert_map_manager.get_local_expert_ids()
+    n = tensor.shape[0]
+    sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
+    if (
+        held != sent
+        or tuple(param.shape) != tuple(tensor.shape)
+        or param.dtype != tensor.dtype
+        or getattr(experts, "is_fused_checkpoint_transposed", False)
+    ):
+        raise ValueError(
+            f"{name}: this engine holds experts {held[0]}..{held[-1]} as {param_name} "
+            f"{tuple(param.shape)} {param.dtype}, but the trainer rank on its GPU sent experts "
+            f"{sent[0]}..{sent[-1]} as {tuple(tensor.shape)} {tensor.dtype}. The direct loader "
+            "needs tensor parallel size 1, experts split evenly over the GPUs, and trainer rank r "
+            "on the GPU of DP rank r; use --weight-loader vllm otherwise"
+        )
+    param.data.copy_(tensor)
+
+
+def _unpickle(payload: str) -> dict:
+    # The same rule as vLLM's IPC engine: pickled handles only when the server
+    # was told to accept them (it listens on 127.0.0.1 only).
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+        raise ValueError("refusing to unpickle the update without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+    return pickle.loads(base64.b64decode(payload))
+
+
+_FINGERPRINT_CHUNK = 1 << 24  # elements per step: bounds the temporary memory
+
+
+def _fingerprint(tensor: torch.Tensor) -> str:
+    """An order-sensitive checksum of a tensor's bytes, computed on its device:
+    the sum of the raw values and their sum weighted by position."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
+        chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+        position = torch.arange(start, start + chunk.numel(), device=flat.device) % 65521 + 1
+        plain += chunk.sum()
+        weighted += (chunk * position).sum()
+    return f"{tuple(tensor.shape)}:{tensor.dtype}:{plain.item()}:{weighted.item()}"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue #5's cases that need a GPU: Ctrl-C / SIGTERM in each phase, and the
+# server killed while the job runs. Each case starts the script (tiny model, one
+# GPU), waits for a line of its output that marks the phase, signals it, then
+# records the exit code, how long the exit took, what was left running and the
+# GPU memory still in use.
+# usage: bash scripts/gpu_fault_runs.sh OUT_DIR
+set -u
+out=${1:?OUT_DIR}
+mkdir -p "$out/logs"
+export PYTHONUNBUFFERED=1
+summary=$out/fault-cases.txt
+: > "$summary"
+
+# name | output line that marks the phase | seconds to wait after it | what to do
+cases=(
+  "start-sigint|[server] starting|15|group INT"
+  "start-sigterm|[server] starting|15|group TERM"
+  "sleep-sigint|[sleep] ...|0|group INT"
+  "send-sigterm|[send] ...|0|group TERM"
+  "generation-sigint|=== round 2/|0|group INT"
+  "server-killed-before-send|[wake_weights] ...|0|kill-server"
+)
+port=8100
+for case in "${cases[@]}"; do
+  IFS='|' read -r name marker delay action <<< "$case"
+  port=$((port + 1))  # a fresh port: the last server's may linger in TIME_WAIT
+  log=$out/logs/$name.out
+  # setsid: the job leads its own process group, as a shell's foreground job does,
+  # so "group INT" is exactly what Ctrl-C in a terminal sends.
+  setsid python3 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --enforce-eager --rounds 100000 --port "$port" \
+    --server-log "$out/logs/$name.server.log" > "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -qF -- "$marker" "$log" && break; sleep 0.2; done
+  sleep "$delay"
+  phase=$(grep -oE '^\[[a-z_]+\] \.\.\.$|^=== round [0-9]+|^\[server\] starting' "$log" | tail -1)
+  t0=$(date +%s%N)
+  case $action in
+    "group INT") kill -INT -- "-$pid" ;;
+    "group TERM") kill -TERM -- "-$pid" ;;
+    kill-server) pkill -9 -f 'EngineCore|vllm.entrypoints' ;;
+  esac
+  for _ in $(seq 1200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  wait "$pid"; rc=$?
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  sleep 2
+  vllm_left=$(pgrep -fc 'vllm.entrypoints|EngineCore|VLLM' || true)
+  ray_left=$(pgrep -fc 'raylet|gcs_server|ray::' || true)
+  mem=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr '\n' ' ')
+  printf '%-26s phase at signal: %-22s rc=%-4s exit after %6d ms | vllm left %s | ray left %s | GPU memory used: %s\n' \
+    "$name" "$phase" "$rc" "$ms" "$vllm_left" "$ray_left" "$mem" | tee -a "$summary"
+  grep -E "^error:|Error|FAILED|\[shutdown\]" "$log" | tail -3 | sed 's/^/    /' | tee -a "$summary"
+  pkill -9 -f 'EngineCore|vllm.entrypoints|raylet|gcs_server' 2>/dev/null; sleep 1
+done
+tar czf "$out/fault-logs.tgz" -C "$out" logs && rm -rf "$out/logs"
