@@ -161,7 +161,7 @@ if __name__ == "__main__":
     start = time.monotonic()
     try:
         code = main()
-    except (script.PlacementError, helpers.ServerError) as e:
+    except (script.PlacementError, script.TrainerDied, helpers.ServerError) as e:
         sys.exit(f"error: {e}")
     print(f"[benchmark] {time.monotonic() - start:.0f} s in all")
     sys.exit(code)

@@ -4,7 +4,9 @@ vLLM's own receive path (/update_weights) hands every tensor to the model's
 `load_weights`, which loads a fused expert tensor one expert at a time through
 vLLM's layer-wise reload wrappers: 48 layers x 128 experts x 3 projections of
 Python calls per engine per sync on Qwen3-30B-A3B, non-local experts included.
-That, not the copying, is where the 25 s of a sync go (docs/BENCHMARKS.md).
+On 2 H200 the server spends 26 of a sync's 27 s receiving; the same weights
+through this loader take 0.75 s, so the time goes to those calls, not to the
+copying (docs/BENCHMARKS.md).
 
 This loader is a vLLM worker extension, loaded by the server with
 `--worker-extension-cls direct_load.DirectLoadWorker` and driven through
@@ -22,6 +24,10 @@ engine, but:
 
 It is written for unquantized models. `direct_load_fingerprint` lets a run
 prove that it leaves every parameter bit-identical to vLLM's own path.
+
+Call it between /sleep and /wake_up, as rlhf_ipc_fsdp_ep.py does: sleeping
+pauses scheduling and clears the prefix cache, whose entries the old weights
+computed.
 """
 
 from __future__ import annotations

@@ -8,9 +8,12 @@ N GPUs are shared by two parties:
 One sync, as an RL step does it:
   1. /sleep                     vLLM frees its KV cache (and its weights at level 2)
   2. /wake_up?tags=weights      vLLM maps its weight memory back
-  3. send_weights() on every rank: vLLM's IPC trainer engine all-gathers each
-     parameter, packs it into one GPU buffer per rank, and the vLLM engine on
-     each GPU reads that buffer through a CUDA IPC handle
+  3. send_weights() on every rank: vLLM's IPC trainer engine packs the
+     weights into one GPU buffer per rank, and the vLLM engine on each GPU
+     reads its own GPU's buffer through a CUDA IPC handle. With the default
+     direct loader (direct_load.py) each GPU gets only its own experts, taken
+     from the FSDP shard without a gather and copied into place in one piece
+     per layer; --weight-loader vllm sends everything to vLLM's own route
   4. /wake_up?tags=kv_cache&tags=scheduling   vLLM serves again
 
 Then the proof: vLLM's prompt log-probabilities on every DP rank must match the
@@ -86,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("direct", "vllm"),
         default="direct",
         help="who loads the weights into vLLM. direct: the server's direct loader (direct_load.py); "
-        "each GPU gets only its own experts, copied in one piece per layer (about 1 s for 30B-A3B on "
-        "2 H200). vllm: vLLM's own /update_weights route, one loader call per expert (about 25 s)",
+        "each GPU gets only its own experts, copied in one piece per layer (send 1.1-1.4 s for the "
+        "30B-A3B shape on 2 H200). vllm: vLLM's own /update_weights route, one loader call per expert "
+        "(26.6-27.5 s). direct needs --tensor-parallel-size 1 and an unquantized model",
     )
     p.add_argument(
         "--packed",
@@ -233,6 +237,15 @@ def check_before_gpu_work(args: argparse.Namespace, model_path: Path) -> None:
                 f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
                 f"the largest parameter, {name} ({size} bytes); pass at least {size}"
             )
+    if args.weight_loader == "direct":
+        from transformers import AutoConfig
+
+        experts = getattr(AutoConfig.from_pretrained(model_path), "num_experts", 0) or 0
+        if experts % args.num_gpus:
+            raise SystemExit(
+                f"error: the model's {experts} experts do not split evenly over {args.num_gpus} GPUs, "
+                "which --weight-loader direct needs; pass --weight-loader vllm"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -242,6 +255,10 @@ def check_before_gpu_work(args: argparse.Namespace, model_path: Path) -> None:
 
 class PlacementError(RuntimeError):
     """Ray cannot give every trainer rank its GPU on one node."""
+
+
+class TrainerDied(RuntimeError):
+    """A trainer rank's process died (killed, out of memory, crashed)."""
 
 
 class FSDPTrainer:
@@ -273,6 +290,7 @@ class FSDPTrainer:
         """Which GPU Ray gave this rank."""
         info = {
             "rank": self.rank,
+            "pid": os.getpid(),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "node": ray.get_runtime_context().get_node_id(),
         }
@@ -406,7 +424,10 @@ class FSDPTrainer:
         return {
             "trainer_peak_allocated": torch.cuda.max_memory_allocated(self.device) / GiB,
             "trainer_reserved": torch.cuda.memory_reserved(self.device) / GiB,
-            "server_used": helpers.other_processes_gpu_memory(str(self.placement()["gpu_uuid"])) / GiB,
+            "server_used": helpers.other_processes_gpu_memory(
+                str(torch.cuda.get_device_properties(self.device).uuid)
+            )
+            / GiB,
             "device_used": (total - free) / GiB,
         }
 
@@ -506,8 +527,10 @@ def start_trainers(
     gpus_per_trainer: float = 1,
     device_type: str = "cuda",
     placement_timeout_s: float = 60,
+    trainer_cls: type | None = None,
 ) -> list:
-    """Reserve one GPU per trainer rank on one node and start the ranks.
+    """Reserve one GPU per trainer rank on one node and start the ranks (as
+    `trainer_cls`, default FSDPTrainer: pass your own subclass to change it).
 
     Raises PlacementError if Ray cannot place them in time (too few GPUs)."""
     from ray.util.placement_group import placement_group
@@ -526,7 +549,7 @@ def start_trainers(
             f"within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
     master_port = helpers.free_port()
-    actor_cls = ray.remote(FSDPTrainer)
+    actor_cls = ray.remote(trainer_cls or FSDPTrainer)
     return [
         actor_cls.options(
             num_cpus=1,
@@ -540,7 +563,8 @@ def start_trainers(
 def ray_get_all(refs: list):
     """ray.get(refs), but raise as soon as any one fails: the others may be
     blocked in a collective waiting for it, and would hang ray.get. A rank's
-    ServerError (the server refused or died) is raised as itself."""
+    ServerError (the server refused or died) is raised as itself, a dead rank
+    as TrainerDied."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -550,6 +574,8 @@ def ray_get_all(refs: list):
             if isinstance(e.cause, helpers.ServerError):
                 raise helpers.ServerError(f"a trainer rank: {e.cause}") from None
             raise
+        except ray.exceptions.RayActorError as e:
+            raise TrainerDied(f"a trainer rank's process died: {str(e).splitlines()[0]}") from e
     return ray.get(refs)
 
 
@@ -974,6 +1000,6 @@ def vllm_version() -> str:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (PlacementError, helpers.ServerError) as e:
+    except (PlacementError, TrainerDied, helpers.ServerError) as e:
         # Expected failures get one clear line; anything else keeps its traceback.
         sys.exit(f"error: {e}")

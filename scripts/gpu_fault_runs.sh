@@ -6,6 +6,10 @@
 # GPU memory still in use.
 # usage: bash scripts/gpu_fault_runs.sh OUT_DIR
 set -u
+# Job control: without it bash starts background jobs with SIGINT ignored, and a
+# "Ctrl-C" sent to them would test nothing. With it each job also leads its own
+# process group, as a terminal's foreground job does.
+set -m
 out=${1:?OUT_DIR}
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1
@@ -26,12 +30,11 @@ for case in "${cases[@]}"; do
   IFS='|' read -r name marker delay action <<< "$case"
   port=$((port + 1))  # a fresh port: the last server's may linger in TIME_WAIT
   log=$out/logs/$name.out
-  # setsid: the job leads its own process group, as a shell's foreground job does,
-  # so "group INT" is exactly what Ctrl-C in a terminal sends.
-  setsid python3 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --enforce-eager --rounds 100000 --port "$port" \
+  # "group INT" below is then exactly what Ctrl-C in a terminal sends.
+  ${PROGRAM:-python3 rlhf_ipc_fsdp_ep.py} --model tiny --num-gpus 1 --enforce-eager --rounds 100000 --port "$port" \
     --server-log "$out/logs/$name.server.log" > "$log" 2>&1 &
   pid=$!
-  for _ in $(seq 600); do grep -qF -- "$marker" "$log" && break; sleep 0.2; done
+  for _ in $(seq 900); do grep -qF -- "$marker" "$log" && break; sleep 0.2; done
   sleep "$delay"
   phase=$(grep -oE '^\[[a-z_]+\] \.\.\.$|^=== round [0-9]+|^\[server\] starting' "$log" | tail -1)
   t0=$(date +%s%N)
@@ -40,7 +43,10 @@ for case in "${cases[@]}"; do
     "group TERM") kill -TERM -- "-$pid" ;;
     kill-server) pkill -9 -f 'EngineCore|vllm.entrypoints' ;;
   esac
-  for _ in $(seq 1200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  for _ in $(seq 900); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then  # still running after 90 s: a failure; do not hang
+    kill -KILL -- "-$pid"; echo "    DID NOT EXIT within 90 s of the signal" | tee -a "$summary"
+  fi
   wait "$pid"; rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   sleep 2

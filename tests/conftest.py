@@ -102,3 +102,53 @@ def cpu_trainers(ray_cluster):
     import rlhf_ipc_fsdp_ep as script
 
     return script.start_trainers(2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60)
+
+
+def live(pids):
+    """Which of these PIDs still run (zombies count as gone): the process-tree
+    check after each failure case."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.fixture
+def fresh_cpu_trainers(ray_cluster):
+    """A factory of trainer ranks on CPU (script.start_trainers) for one test.
+    Afterwards it kills them, checks that their processes are gone, and frees
+    their placement groups, so that later tests find the CPUs free."""
+    import time
+
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    import rlhf_ipc_fsdp_ep as script
+
+    groups_before = set(placement_group_table())
+    started = []
+
+    def start(n=2, **kwargs):
+        trainers = script.start_trainers(n, gpus_per_trainer=0, device_type="cpu", **kwargs)
+        placements = script.ray_get_all([t.placement.remote() for t in trainers])
+        started.append((trainers, [p["pid"] for p in placements]))
+        return trainers
+
+    yield start
+    pids = []
+    for trainers, trainer_pids in started:
+        for t in trainers:
+            ray_cluster.kill(t)
+        pids += trainer_pids
+    deadline = time.monotonic() + 20
+    while live(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for group_id, group in placement_group_table().items():
+        if group_id not in groups_before and group["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+    assert live(pids) == [], "trainer processes survived"

@@ -107,6 +107,17 @@ def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     script.check_before_gpu_work(args, path)  # exactly enough is fine
 
 
+def test_direct_loader_refuses_experts_that_do_not_split_evenly(tmp_path):
+    path = script.resolve_model("tiny", tmp_path)  # 8 experts
+    args = script.parse_args(["--num-gpus", "3", "--port", str(helpers.free_port())])
+    with pytest.raises(SystemExit, match="8 experts do not split evenly over 3 GPUs.*--weight-loader vllm"):
+        script.check_before_gpu_work(args, path)
+    args.num_gpus = 4
+    script.check_before_gpu_work(args, path)
+    args.num_gpus, args.weight_loader = 3, "vllm"
+    script.check_before_gpu_work(args, path)  # vLLM's loader takes any split
+
+
 def test_30b_shape_fits_the_default_buffer(tmp_path):
     path = script.resolve_model("qwen3-30b-a3b-shape", tmp_path)
     name, size = helpers.largest_parameter(path)

@@ -129,7 +129,14 @@ def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path):
     dummy = helpers.weight_checker(server.url, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
     assert helpers.weight_checker(server.url, "compare", baseline=dummy) == {"match": True, "mismatches": []}
+    # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
+    (stored,) = helpers.collective_rpc(server.url, "direct_load_fingerprint", "store")
+    assert stored == {"dp_rank": 0, "parameters": 21}
+    (same,) = helpers.collective_rpc(server.url, "direct_load_fingerprint", "compare")
+    assert same["differ"] == []
     helpers.weight_checker(server.url, "reset")
+    with pytest.raises(helpers.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
+        helpers.collective_rpc(server.url, "direct_load_fingerprint", "compare")
     zeros = helpers.weight_checker(server.url, "checksum")["checksums"]
     assert set(zeros) == set(dummy)
     changed = set(helpers.weight_checker(server.url, "compare", baseline=dummy)["mismatches"])

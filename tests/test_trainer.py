@@ -127,21 +127,19 @@ def test_ray_get_all_raises_at_the_first_failure(ray_cluster):
     ray_cluster.cancel(stuck, force=True)
 
 
-def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(ray_cluster, tiny_checkpoint):
+def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(
+    ray_cluster, fresh_cpu_trainers, tiny_checkpoint
+):
     """Rank 1 waits in FSDP's all-gather for rank 0, which dies: the driver must
     hear of it at once instead of waiting for the collective's timeout."""
-    trainers = script.start_trainers(2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60)
-    try:
-        script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True) for t in trainers])
-        waiting = trainers[1].prompt_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
-        ray_cluster.kill(trainers[0])
-        start = time.monotonic()
-        with pytest.raises(ray_cluster.exceptions.RayActorError):
-            script.ray_get_all([trainers[0].placement.remote(), waiting])
-        assert time.monotonic() - start < 30
-    finally:
-        for t in trainers:
-            ray_cluster.kill(t)
+    trainers = fresh_cpu_trainers()
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True) for t in trainers])
+    waiting = trainers[1].prompt_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
+    ray_cluster.kill(trainers[0])
+    start = time.monotonic()
+    with pytest.raises(script.TrainerDied, match="a trainer rank's process died"):
+        script.ray_get_all([trainers[0].placement.remote(), waiting])
+    assert time.monotonic() - start < 30
 
 
 def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(

@@ -1,0 +1,83 @@
+"""The direct loader's server side (direct_load.py) as the real vLLM loads it:
+the layout it relies on, its error messages, and its placement check.
+(Moving bytes through it needs CUDA IPC: that part is proved on the GPU host,
+where it reproduces vLLM's own loader bit for bit; see docs/BENCHMARKS.md.)"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import direct_load
+import helpers
+
+
+def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
+    """vLLM's fused expert layers sit where the trainer's fused expert tensors
+    are named, with the trainer's shapes: [E, 2I, H] gate rows then up rows,
+    and [E, H, I]."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_checkpoint))
+    trainer = dict(hf.named_parameters())
+    (layout,) = helpers.collective_rpc(cpu_server.url, "direct_load_layout")
+    assert layout["dp_rank"] == 0
+    layers = layout["expert_layers"]
+    assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(len(hf.model.layers))]
+    for name, layer in layers.items():
+        assert layer["w13_weight"] == list(trainer[f"{name}.gate_up_proj"].shape)
+        assert layer["w2_weight"] == list(trainer[f"{name}.down_proj"].shape)
+        assert layer["local_experts"] == [0, hf.config.num_experts]  # one engine: all experts
+        assert layer["transposed"] is False
+
+
+def test_direct_load_errors_quote_the_cause(cpu_server):
+    client = helpers.DirectLoadClient(cpu_server.url, ["GPU-elsewhere"])
+    chunk = {"ipc_handles": {"GPU-elsewhere": ()}, "names": [], "dtype_names": [], "shapes": []}
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
+        client.update_weights({**chunk, "tensor_sizes": []})
+    client.start_weight_update()
+    with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
+        client.update_weights({**chunk, "tensor_sizes": []})
+    client.finish_weight_update()  # closes the session: the next chunk needs a new start
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
+        client.update_weights({**chunk, "tensor_sizes": []})
+    with pytest.raises(ValueError, match="packed"):
+        client.init_weight_transfer_engine({"packed": False})
+
+
+def _experts(held: range, shape):
+    return SimpleNamespace(
+        expert_map_manager=SimpleNamespace(get_local_expert_ids=lambda: list(held)),
+        w13_weight=torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False),
+    )
+
+
+def test_only_the_engines_own_block_of_experts_is_accepted():
+    block = torch.randn(4, 6, 5).to(torch.bfloat16)
+    experts = _experts(range(4, 8), (4, 6, 5))  # this engine holds experts 4..7
+    with pytest.raises(
+        ValueError, match=r"holds experts 4\.\.7 .* sent experts 0\.\.3.*--weight-loader vllm"
+    ):
+        direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
+    assert not experts.w13_weight.any()
+    direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=1)
+    assert torch.equal(experts.w13_weight, block)
+    sharded = _experts(range(0, 4), (4, 3, 5))  # tensor parallel halves each expert
+    with pytest.raises(ValueError, match="tensor parallel size 1"):
+        direct_load._copy_local_experts(sharded, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
+
+
+def test_fingerprints_see_a_single_changed_value():
+    t = torch.randn(3, 1000).to(torch.bfloat16)
+    same = direct_load._fingerprint(t.clone())
+    assert direct_load._fingerprint(t) == same
+    moved = t.clone()
+    moved[2, 999] = moved[2, 999] + 1
+    swapped = t.clone()
+    swapped[0, [0, 1]] = t[0, [1, 0]]
+    assert direct_load._fingerprint(moved) != same
+    if not torch.equal(swapped, t):
+        assert direct_load._fingerprint(swapped) != same  # order matters, not only the sum
+    assert direct_load._fingerprint(t.float()) != same  # dtype is part of it
