@@ -75,7 +75,11 @@ class Server:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether the server could listen on host:port now. SO_REUSEADDR, as the
+    server's own socket sets it: connections a stopped server left in
+    TIME_WAIT do not block the port, a socket bound or listening there does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

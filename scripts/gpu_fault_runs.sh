@@ -28,7 +28,7 @@ cases=(
 port=8100
 for case in "${cases[@]}"; do
   IFS='|' read -r name marker delay action <<< "$case"
-  port=$((port + 1))  # a fresh port: the last server's may linger in TIME_WAIT
+  port=$((port + 1))  # a fresh port per case: nothing carries over between cases
   log=$out/logs/$name.out
   # "group INT" below is then exactly what Ctrl-C in a terminal sends.
   ${PROGRAM:-python3 rlhf_ipc_fsdp_ep.py} --model tiny --num-gpus 1 --enforce-eager --rounds 100000 --port "$port" \

@@ -102,6 +102,24 @@ def test_busy_port_is_a_clear_error(tmp_path):
             helpers.start_server(["m"], port=port, log_path=tmp_path / "log")
 
 
+def test_a_port_left_in_time_wait_counts_as_free():
+    """A run right after a stopped server must not be refused: the stopped
+    server's connections linger in TIME_WAIT on its port, which the next
+    server (SO_REUSEADDR) can bind."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server (uvicorn) does
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end goes to TIME_WAIT
+    client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what a check without SO_REUSEADDR would see
+    assert helpers.port_is_free(port)
+
+
 FAKE_SERVER = """
 import signal, subprocess, sys, time
 # a child that ignores SIGTERM, like a wedged engine core
