@@ -311,3 +311,17 @@ def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):
     assert "error: asked for 2 GPUs but the Ray cluster has 0" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert helpers.port_is_free(port)
+
+
+def test_benchmark_flags_and_where_its_json_goes():
+    import benchmark
+
+    bench, args = benchmark.parse_args(["--model", "tiny", "--num-gpus", "2"])
+    assert bench.loaders == ["vllm", "direct"] and args.rounds == 3  # the benchmark's default
+    assert (args.model, args.num_gpus) == ("tiny", 2)  # the script's own flags pass through
+    bench, args = benchmark.parse_args(["--loaders", "direct", "--rounds", "5"])
+    assert bench.loaders == ["direct"] and args.rounds == 5
+    facts = {"gpu_name": "NVIDIA H200", "date": "2026-11-30", "model": "qwen3-30b-a3b-shape", "num_gpus": 2}
+    assert str(benchmark.default_out(facts)) == "docs/benchmarks/2026-11-30-qwen3-30b-a3b-shape-2xh200.json"
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--loaders", "nccl"])
