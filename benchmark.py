@@ -50,20 +50,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
 
 def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sequences: list[list[int]]) -> dict:
     """--rounds syncs through `loader`, starting from zeroed vLLM weights."""
-    url = job.server.url
-    tolerances = {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance}
     script.init_weight_transfer(job, args, loader)
-    helpers.weight_checker(url, "reset")  # vLLM forgets the weights: round 1 must bring them back
+    # vLLM forgets the weights: round 1 must bring them back.
+    helpers.weight_checker(job.server.url, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, round {i}/{args.rounds} ===", flush=True)
-        before = script.logprob_gap(url, job.served_name, job.trainers, sequences, job.dp_size)
-        sync = script.sync_weights(url, job.trainers, args.sleep_level)
-        after = script.logprob_gap(url, job.served_name, job.trainers, sequences, job.dp_size)
-        memory = script.ray_get_all([t.memory_gib.remote() for t in job.trainers])
-        record = script.round_record(sync, job.bytes_per_sync, before, after, tolerances, memory, i == 1)
+        record, sync = script.gated_sync(job, args, sequences, weights_updated=i == 1)
         rounds.append(record)
-        script.print_round(record, tolerances)
+        script.print_round(record, script.gate_tolerances(args))
         print_send_breakdown(sync.send_per_rank)
     return {
         "weight_loader": loader,
@@ -97,9 +92,7 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     script.sync_weights(url, job.trainers, args.sleep_level)
     stored = helpers.collective_rpc(url, "direct_load_fingerprint", "store")[0]
     script.init_weight_transfer(job, args, "direct")
-    helpers.sleep(url, args.sleep_level)
-    helpers.wake_up(url, ["weights"])
-    helpers.weight_checker(url, "reset")
+    script.wake_zeroed_weights(url, args.sleep_level)
     script.send_all(job.trainers)
     script.wake_for_serving(url)
     try:

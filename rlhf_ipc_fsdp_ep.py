@@ -134,15 +134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.1,
         help="largest accepted mean |trainer - vLLM| log-probability (nats) after a sync. "
-        "Measured on H200 after a sync: 0.005-0.010 (tiny), 0.053 (30B-A3B shape); with vLLM's "
-        "dummy weights: 0.58-1.29",
+        "Measured on H200 after a sync: 0.005-0.012 (tiny), 0.053-0.055 (30B-A3B shape); with "
+        "vLLM's dummy weights: 0.58-1.29",
     )
     p.add_argument(
         "--logprob-max-tolerance",
         type=float,
         default=1.0,
         help="largest accepted single-token |trainer - vLLM| log-probability after a sync, a guard "
-        "against gross errors. Measured: bf16 outliers up to 0.49 on sampled tokens with equal "
+        "against gross errors. Measured: bf16 outliers up to 0.68 on sampled tokens with equal "
         "weights; 2.2-3.3 with dummy weights",
     )
     p.add_argument(
@@ -656,12 +656,18 @@ def wake_for_serving(url: str) -> None:
         raise helpers.ServerError(f"server still asleep after the last wake_up: {state}")
 
 
-def check_sync_coverage(url: str, trainers: list, sleep_level: int) -> dict:
-    """Zero every vLLM parameter on every DP rank, sync, and list the ones the
-    sync did not write (vLLM's /weight_checker; slow: it hashes every tensor)."""
+def wake_zeroed_weights(url: str, sleep_level: int) -> None:
+    """The first half of a sync, with every vLLM parameter on every DP rank
+    zeroed before the send: what the sync then fails to write stays zero."""
     helpers.sleep(url, sleep_level)
     helpers.wake_up(url, ["weights"])
     helpers.weight_checker(url, "reset")
+
+
+def check_sync_coverage(url: str, trainers: list, sleep_level: int) -> dict:
+    """Zero every vLLM parameter on every DP rank, sync, and list the ones the
+    sync did not write (vLLM's /weight_checker; slow: it hashes every tensor)."""
+    wake_zeroed_weights(url, sleep_level)
     zeros = helpers.weight_checker(url, "checksum")["checksums"]
     send_all(trainers)
     written = set(helpers.weight_checker(url, "compare", baseline=zeros)["mismatches"])
@@ -684,6 +690,26 @@ def logprob_gap(url: str, model: str, trainers: list, sequences: list[list[int]]
         "max_abs_per_dp_rank": [d.max_abs for d in per_rank],
         "server": server_lps,
     }
+
+
+def gate_tolerances(args: argparse.Namespace) -> dict[str, float]:
+    return {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance}
+
+
+def gated_sync(
+    job: Job, args: argparse.Namespace, sequences: list[list[int]], weights_updated: bool, while_asleep=None
+) -> tuple[dict, Sync]:
+    """One sync between two logprob measurements on `sequences`, and the
+    round's record (round_record) with the memory after it."""
+    url = job.server.url
+    before = logprob_gap(url, job.served_name, job.trainers, sequences, job.dp_size)
+    sync = sync_weights(url, job.trainers, args.sleep_level, while_asleep=while_asleep)
+    after = logprob_gap(url, job.served_name, job.trainers, sequences, job.dp_size)
+    memory = ray_get_all([t.memory_gib.remote() for t in job.trainers])
+    record = round_record(
+        sync, job.bytes_per_sync, before, after, gate_tolerances(args), memory, weights_updated
+    )
+    return record, sync
 
 
 def train_all_ranks(trainers: list, samples: list[dict], lr: float) -> float:
@@ -829,7 +855,6 @@ def main(argv: list[str] | None = None) -> int:
         # Training samples several completions per prompt; otherwise one greedy each.
         prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
         temperature = args.temperature if args.train else 0.0
-        tolerances = {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance}
         vllm_has_trainer_weights = coverage is not None  # the coverage check synced once
         rounds = []
         for i in range(1, args.rounds + 1):
@@ -840,23 +865,18 @@ def main(argv: list[str] | None = None) -> int:
             if i == 1:
                 print_texts("round 1, before its sync", args.prompts, batch)
             sequences = [c.prompt_token_ids + c.token_ids for c in batch]
-            before = logprob_gap(url, job.served_name, trainers, sequences, job.dp_size)
             train_step, reward_mean = None, None
             if args.train:
                 samples, reward_mean = training_samples(batch)
                 train_step = functools.partial(train_all_ranks, trainers, samples, args.lr)
-            sync = sync_weights(url, trainers, args.sleep_level, while_asleep=train_step)
-            after = logprob_gap(url, job.served_name, trainers, sequences, job.dp_size)
-            memory = ray_get_all([t.memory_gib.remote() for t in trainers])
             # The first sync replaces vLLM's dummy weights; after that only training changes them.
             weights_updated = args.train or not vllm_has_trainer_weights
             vllm_has_trainer_weights = True
-            rounds.append(
-                round_record(sync, job.bytes_per_sync, before, after, tolerances, memory, weights_updated)
-            )
+            record, sync = gated_sync(job, args, sequences, weights_updated, while_asleep=train_step)
             if args.train:
-                rounds[-1].update(reward_mean=reward_mean, loss=sync.trained)
-            print_round(rounds[-1], tolerances)
+                record.update(reward_mean=reward_mean, loss=sync.trained)
+            rounds.append(record)
+            print_round(record, gate_tolerances(args))
         print_texts(
             "after the last sync",
             args.prompts,
@@ -922,7 +942,7 @@ def round_record(
     "mean" and "max" bounds; `weights_updated` says whether vLLM should now
     hold other weights than before the sync.
 
-    The gate is on the mean: single sampled tokens differ by up to ~0.5 nats
+    The gate is on the mean: single sampled tokens differ by up to ~0.7 nats
     in bf16 even with equal weights, while wrong weights move every token."""
     # A sync that silently did nothing leaves vLLM's log-probabilities exactly
     # as they were. (Asked of vLLM only: its outputs repeat bit for bit on the
