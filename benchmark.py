@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import checks
 import helpers
 import rlhf_ipc_fsdp_ep as script
 
@@ -45,28 +46,29 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         print("\nAll other flags are rlhf_ipc_fsdp_ep.py's; --rounds defaults to 3 here.")
         sys.exit(0)
     args = script.parse_args(["--rounds", "3", *rest])  # a --rounds in `rest` comes later and wins
+    for loader in bench.loaders:  # every loader's flags, before any GPU work
+        if problem := script.loader_flag_problem(args, loader):
+            p.error(problem)
     return bench, args
 
 
-def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sequences: list[list[int]]) -> dict:
+def run_variant(job: script.Job, args: argparse.Namespace, loader: str) -> dict:
     """--rounds syncs through `loader`, starting from zeroed vLLM weights."""
-    script.init_weight_transfer(job, args, loader)
+    script.setup_weight_transfer(job, args, loader)
     # vLLM forgets the weights: round 1 must bring them back.
-    helpers.weight_checker(job.server.url, "reset")
+    helpers.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, round {i}/{args.rounds} ===", flush=True)
-        record, sync = script.gated_sync(job, args, sequences, weights_updated=i == 1)
-        rounds.append(record)
-        script.print_round(record, script.gate_tolerances(args))
-        print_send_breakdown(sync.send_per_rank)
+        rounds.append(script.run_round(job, args, first_sync=i == 1))
+        print_send_breakdown(rounds[-1].send_breakdown_s)
     return {
         "weight_loader": loader,
-        "rounds": rounds,
-        "median_cycle_s": statistics.median(r["cycle_s"] for r in rounds),
-        "median_send_s": statistics.median(r["phases_s"]["send"] for r in rounds),
-        "memory_gib_per_rank": rounds[-1]["memory_gib_per_rank"],
-        "memory_growth_gib": script.memory_growth_gib(rounds),
+        "rounds": [r.to_json() for r in rounds],
+        "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
+        "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
+        "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
+        "memory_growth_gib": checks.memory_growth_gib(rounds),
     }
 
 
@@ -86,17 +88,20 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     """Sync through vLLM's loader, fingerprint every vLLM parameter on every
     DP engine, zero them all, sync through the direct loader: every
     parameter must be back bit for bit (the call fails, naming them, if not)."""
-    url = job.server.url
+    sock = job.server.socket_path
     print("=== do the loaders agree? ===", flush=True)
-    script.init_weight_transfer(job, args, "vllm")
-    script.sync_weights(url, job.trainers, args.sleep_level)
-    stored = helpers.collective_rpc(url, "direct_load_fingerprint", "store")[0]
-    script.init_weight_transfer(job, args, "direct")
-    script.wake_zeroed_weights(url, args.sleep_level)
+    script.setup_weight_transfer(job, args, "vllm")
+    helpers.sleep(sock, args.sleep_level)
+    helpers.wake_up(sock, ["weights"])
     script.send_all(job.trainers)
-    script.wake_for_serving(url)
+    script.wake_for_serving(sock)
+    stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
+    script.setup_weight_transfer(job, args, "direct")
+    checks.zero_vllm_weights(sock, args.sleep_level)
+    script.send_all(job.trainers)
+    script.wake_for_serving(sock)
     try:
-        compared = helpers.collective_rpc(url, "direct_load_fingerprint", "compare")[0]
+        compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
     except helpers.ServerError as e:
         print(f"[agree] NO: {e}", flush=True)
         return {"agree": False, "parameters_per_engine": stored["parameters"], "error": str(e)[:2000]}
@@ -111,30 +116,19 @@ def default_out(result: dict) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     bench, args = parse_args(argv)
-    with script.colocated_job(args) as job:
-        url = job.server.url
-        greedy = helpers.completions(url, job.served_name, args.prompts, args.max_tokens)
-        sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
-        result = {
-            **script.run_facts(job, args),
-            "weight_loader": bench.loaders,
-            "rounds_per_loader": args.rounds,
-        }
+    with script.colocated_job(args, loaders=bench.loaders) as job:
+        result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)
-
-        def save() -> None:
-            out.write_text(json.dumps(result, indent=2) + "\n")
-
         for loader in bench.loaders:
-            variant = run_variant(job, args, loader, sequences)
+            variant = run_variant(job, args, loader)
             result["variants"].append(variant)
-            save()
-            print(helpers.format_summary({**result, **variant}), flush=True)
+            checks.write_json(out, result)  # after every step: a run cut short keeps what it measured
+            print(checks.format_summary({**result, **variant}), flush=True)
         if set(bench.loaders) == set(LOADERS):
             result["loaders_agree"] = loaders_agree(job, args)
-            save()
+            checks.write_json(out, result)
         print(f"[json] {out}")
 
     failures = [

@@ -5,7 +5,9 @@ CPU-only workarounds live here and in cpu_vllm_launcher.py, never in the
 script users copy."""
 
 import os
+import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,10 +48,15 @@ def cpu_serve_args(model_dir, *extra):
     ]
 
 
+def private_socket_path():
+    """A socket path in a fresh 0700 directory, short enough for a Unix socket."""
+    return Path(tempfile.mkdtemp(prefix="vllm-test-")) / "vllm.sock"
+
+
 def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
     server = helpers.start_server(
         cpu_serve_args(model_dir, *extra),
-        port=helpers.free_port(),
+        socket_path=private_socket_path(),
         log_path=tmp_path / "server.log",
         env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "PYTHONPATH": str(ROOT)},
         launcher=CPU_LAUNCHER,
@@ -70,11 +77,11 @@ def tiny_checkpoint(tmp_path_factory):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import rlhf_ipc_fsdp_ep as script
+    import models
 
-    path = helpers.build_preset_model("tiny", tmp_path_factory.mktemp("tiny-ckpt"))
+    path = models.build_preset("tiny", tmp_path_factory.mktemp("tiny-ckpt"))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
-    script.init_random_weights(model, seed=1)
+    models.init_random_weights(model, seed=1)
     model.save_pretrained(path)
     return path
 
@@ -91,7 +98,7 @@ def cpu_server(tiny_checkpoint, tmp_path_factory):
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -101,7 +108,46 @@ def cpu_trainers(ray_cluster):
     """Two FSDP2 trainer ranks on CPU (gloo), started by the script's own code."""
     import rlhf_ipc_fsdp_ep as script
 
-    return script.start_trainers(2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60)
+    trainers, _ = script.start_trainers(
+        2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60, trainer_cls=script.FSDPTrainer
+    )
+    return trainers
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(fn, world_size, *args):
+    """fn(trainer, *args) on `world_size` script.MeasuredTrainer ranks on CPU
+    (gloo), one process each, joined in one process group the way
+    start_trainers joins them. fn must be a module-level function."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ports = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, ports, fn, args)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+    assert [proc.exitcode for proc in procs] == [0] * world_size, "a rank failed (its traceback is above)"
+
+
+def _rank_main(rank, world_size, ports, fn, args):
+    import rlhf_ipc_fsdp_ep as script
+
+    trainer = script.MeasuredTrainer(rank, world_size, device_type="cpu")
+    if rank == 0:
+        port = trainer.open_rendezvous()
+        for _ in range(world_size - 1):
+            ports.put(port)
+    else:
+        port = ports.get()
+    trainer.join_process_group(port)
+    fn(trainer, *args)
 
 
 def live(pids):
@@ -134,7 +180,8 @@ def fresh_cpu_trainers(ray_cluster):
     started = []
 
     def start(n=2, **kwargs):
-        trainers = script.start_trainers(n, gpus_per_trainer=0, device_type="cpu", **kwargs)
+        kwargs.setdefault("trainer_cls", script.FSDPTrainer)
+        trainers, _ = script.start_trainers(n, gpus_per_trainer=0, device_type="cpu", **kwargs)
         placements = script.ray_get_all([t.placement.remote() for t in trainers])
         started.append((trainers, [p["pid"] for p in placements]))
         return trainers

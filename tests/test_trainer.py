@@ -1,35 +1,33 @@
 """The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
 logprob gate against a real vLLM server."""
 
+import os
+import sys
 import time
 
 import pytest
+import ray.cloudpickle
 import torch
-import torch.multiprocessing as mp
 
+import checks
 import helpers
 import rlhf_ipc_fsdp_ep as script
-from conftest import SERVED_NAME
+from conftest import SERVED_NAME, run_ranks
 
 
-def _gather_source(rank, world_size, port, ckpt, random_init, out_dir, loader):
+def _gather_source(trainer, ckpt, random_init, out_dir, loader):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    trainer = script.FSDPTrainer(rank, world_size, port, device_type="cpu")
     trainer.build_model(str(ckpt), random_init=random_init, seed=3)
     source = ModuleSource(trainer.model) if loader == "module" else trainer.weight_source(loader)
     meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
     tensors = {name: t.detach().clone() for name, t in source}
-    torch.save({"meta": meta, "tensors": tensors}, out_dir / f"rank{rank}.pt")
+    sync_bytes = trainer.sync_bytes() if loader != "module" else None
+    torch.save({"meta": meta, "tensors": tensors, "sync_bytes": sync_bytes}, out_dir / f"rank{trainer.rank}.pt")
 
 
 def _run_two_ranks(ckpt, random_init, tmp_path, loader="module"):
-    mp.spawn(
-        _gather_source,
-        args=(2, helpers.free_port(), ckpt, random_init, tmp_path, loader),
-        nprocs=2,
-        join=True,
-    )
+    run_ranks(_gather_source, 2, ckpt, random_init, tmp_path, loader)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
@@ -54,7 +52,8 @@ def test_direct_loader_source_sends_each_rank_its_own_experts_and_the_rest_whole
     """What the direct loader gets from FSDP2 rank r: experts [r*E/2, (r+1)*E/2)
     of each fused expert tensor (the block vLLM's linear expert placement gives
     the engine on rank r's GPU), everything else whole, in bf16; both ranks
-    yield the same names and shapes, as vLLM's packed IPC producer requires."""
+    yield the same names and shapes, as vLLM's packed IPC producer requires.
+    The bytes reported per GPU are exactly what the source yields."""
     from transformers import AutoModelForCausalLM
 
     ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path, loader="direct")
@@ -74,26 +73,86 @@ def test_direct_loader_source_sends_each_rank_its_own_experts_and_the_rest_whole
                 assert torch.equal(t, ref[rank * half : (rank + 1) * half]), name
             else:
                 assert torch.equal(t, ref), name
+        model_bytes = sum(r.numel() * 2 for r in reference.values())
+        expert_bytes = sum(reference[n].numel() * 2 for n in experts)
+        assert got["sync_bytes"] == {"model": model_bytes, "per_gpu": model_bytes - expert_bytes // 2}
 
 
-def test_random_init_is_one_model_across_ranks(tiny_checkpoint, tmp_path):
-    rank0, rank1 = _run_two_ranks(tiny_checkpoint, random_init=True, tmp_path=tmp_path)
-    for name, t in rank0["tensors"].items():
-        assert torch.equal(t, rank1["tensors"][name]), name
-    experts = rank0["tensors"]["model.layers.0.mlp.experts.gate_up_proj"]
-    # Each rank drew its own shard: the halves differ, none is left empty.
-    assert not torch.equal(experts[:4], experts[4:])
-    assert experts[:4].abs().sum() > 0 and experts[4:].abs().sum() > 0
-    assert torch.equal(
-        rank0["tensors"]["model.norm.weight"], torch.ones_like(rank0["tensors"]["model.norm.weight"])
-    )
+def _random_models(trainer, out_dir):
+    models_by_seed = []
+    for seed in (3, 3, 4):
+        trainer.build_model(str(out_dir / "model"), random_init=True, seed=seed)
+        local = trainer.model.model.layers[0].mlp.experts.gate_up_proj.to_local().clone()
+        models_by_seed.append(({n: t.clone() for n, t in trainer.weight_source("vllm")}, local))
+    torch.save(models_by_seed, out_dir / f"rank{trainer.rank}.pt")
+
+
+def test_random_init_follows_the_seed_and_gives_each_rank_its_own_shard(tmp_path):
+    """The same seed builds the same model, another seed another one; each
+    rank draws its own shard (the halves differ, none is empty); norms are 1."""
+    import models
+
+    models.build_preset("tiny", tmp_path / "model")
+    run_ranks(_random_models, 2, tmp_path)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    (first, shard0), (again, _), (other, _) = rank0
+    for name, t in first.items():
+        assert torch.equal(t, again[name]), name  # same seed, same model
+    differ = [name for name, t in first.items() if not torch.equal(t, other[name])]
+    assert set(differ) == {n for n in first if "norm" not in n}  # another seed: every random tensor differs
+    assert not torch.equal(shard0, rank1[0][1])  # each rank drew its own experts
+    assert shard0.abs().sum() > 0 and rank1[0][1].abs().sum() > 0
+    norm = first["model.norm.weight"]
+    assert torch.equal(norm, torch.ones_like(norm))
 
 
 def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
+    from ray.util.placement_group import placement_group_table
+
     placements = script.ray_get_all([t.placement.remote() for t in cpu_trainers])
     assert [p["rank"] for p in placements] == [0, 1]
     assert len({p["node"] for p in placements}) == 1
     assert all(p["gpu_ids"] == [] for p in placements)  # Ray reports what it gave: no GPUs here
+    # One node is all this test cluster has, so ask Ray how it was told to place them:
+    # CUDA IPC needs every rank on the same machine.
+    groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+    assert {g["strategy"] for g in groups} == {"STRICT_PACK"}
+
+
+def _listening_tcp(pids):
+    """(ip hex, port) of every TCP socket in LISTEN state owned by `pids`."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                    ip_hex, port_hex = cols[1].split(":")
+                    found.append((ip_hex, int(port_hex, 16)))
+    return found
+
+
+def test_the_trainers_rendezvous_listens_on_loopback_only(cpu_trainers):
+    """Rank 0 binds the rendezvous itself, on 127.0.0.1 and a port the kernel
+    picked (torch's TCPStore alone listens on every interface)."""
+    pid = ray.get(cpu_trainers[0].placement.remote())["pid"]
+    port = ray.get(cpu_trainers[0].__ray_call__.remote(lambda trainer: trainer._store.port))
+    assert [ip for ip, p in _listening_tcp([pid]) if p == port] == ["0100007F"]  # 127.0.0.1, nothing else
+
+
+def test_server_calls_give_up_before_the_trainers_collectives_do():
+    """A hung server must surface as a server error, not as a trainer rank
+    timing out in a collective."""
+    assert helpers.SERVER_CALL_TIMEOUT_S + 10 < script.COLLECTIVE_TIMEOUT.total_seconds()
 
 
 def test_too_few_gpus_is_a_clear_error(ray_cluster):
@@ -106,6 +165,19 @@ def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
     with pytest.raises(script.PlacementError, match="could not place 16 trainers"):
         script.start_trainers(16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
     assert time.monotonic() - start < 30
+
+
+class TrainerThatCannotStart(script.FSDPTrainer):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import this module
+
+
+def test_a_trainer_that_fails_to_start_says_why(ray_cluster, fresh_cpu_trainers):
+    with pytest.raises(script.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
+        fresh_cpu_trainers(trainer_cls=TrainerThatCannotStart)
 
 
 def test_ray_get_all_raises_at_the_first_failure(ray_cluster):
@@ -134,7 +206,7 @@ def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(
     hear of it at once instead of waiting for the collective's timeout."""
     trainers = fresh_cpu_trainers()
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True) for t in trainers])
-    waiting = trainers[1].prompt_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
+    waiting = trainers[1].token_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
     start = time.monotonic()
     ray_cluster.kill(trainers[0])
     with pytest.raises(script.TrainerDied, match="a trainer rank's process died"):
@@ -160,24 +232,20 @@ def _call_on_a_killed_actor(ray_cluster, actor, timeout_s=30):
 def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     cpu_server, cpu_trainers, tiny_checkpoint
 ):
+    sock = cpu_server.socket_path
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
-    outs = helpers.completions(
-        cpu_server.url, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8
-    )
+    outs = helpers.completions(sock, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
 
-    defaults = script.parse_args([])
-    tolerances = {"mean": defaults.logprob_mean_tolerance, "max": defaults.logprob_max_tolerance}
-    same = script.logprob_gap(cpu_server.url, SERVED_NAME, cpu_trainers, sequences, dp_size=1)
-    assert same["mean_abs"] <= tolerances["mean"] and same["max_abs"] <= tolerances["max"], same
+    tolerances = checks.Tolerances.from_args(script.parse_args([]))
+    same = checks.logprob_gap(sock, SERVED_NAME, script.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+    assert same.mean <= tolerances.mean and same.max <= tolerances.max, same
 
     # The trainer now holds other weights: the server is "stale" and the gate must say so.
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
-    stale = script.logprob_gap(cpu_server.url, SERVED_NAME, cpu_trainers, sequences, dp_size=1)
-    assert stale["mean_abs"] > 3 * tolerances["mean"] and stale["max_abs"] > tolerances["max"], stale
-    sync = script.Sync({p: 1.0 for p in helpers.SYNC_PHASES}, send_per_rank=[])
-    record = script.round_record(sync, 10**9, same, stale, tolerances, memory=[], weights_updated=True)
-    assert record["gate_passed"] is False
+    stale = checks.logprob_gap(sock, SERVED_NAME, script.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+    assert stale.mean > 3 * tolerances.mean and stale.max > tolerances.max, stale
+    assert checks.gate(same, stale, tolerances, weights_updated=True).passed is False
 
 
 SAMPLES = [
@@ -187,39 +255,54 @@ SAMPLES = [
 ]
 
 
-def _train_once(rank, world_size, port, ckpt, out_dir):
-    trainer = script.FSDPTrainer(rank, world_size, port, device_type="cpu")
-    trainer.build_model(str(ckpt), random_init=False, trainable=True)
-    before = {name: t.clone() for name, t in trainer.weight_source()}
-    loss = trainer.train_step(SAMPLES, lr=1e-2)
-    after = {name: t.clone() for name, t in trainer.weight_source()}
+def _train_once(trainer, ckpt, out_dir, forward_first):
+    trainer.build_model(str(ckpt), random_init=False, lr=1e-2)
+    if forward_first:  # as every round does: the gate's forward pass comes before the step
+        trainer.token_logprobs([[5, 6, 7, 8]])
+    source = trainer.weight_source("vllm")
+    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
+    before = {name: t.clone() for name, t in source}
+    loss = trainer.train_step(SAMPLES)
+    after = {name: t.clone() for name, t in trainer.weight_source("vllm")}
     masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
     torch.save(
-        {"loss": loss, "before": before, "after": after, "masters": masters},
-        out_dir / f"w{world_size}r{rank}.pt",
-    )
+        {"loss": loss, "meta": meta, "before": before, "after": after, "masters": masters,
+         "unchanged_by_step": trainer.unchanged_by_last_step()},
+        out_dir / f"w{trainer.world_size}r{trainer.rank}.pt",
+    )  # fmt: skip
 
 
-def test_train_step_on_fsdp2_moves_the_weights_that_vllm_receives(tiny_checkpoint, tmp_path):
-    port = helpers.free_port()
-    mp.spawn(_train_once, args=(2, port, tiny_checkpoint, tmp_path), nprocs=2, join=True)
-    mp.spawn(_train_once, args=(1, helpers.free_port(), tiny_checkpoint, tmp_path), nprocs=1, join=True)
+def test_train_step_after_a_forward_moves_every_weight_that_vllm_receives(tiny_checkpoint, tmp_path):
+    """The RL loop's order: the gate's forward pass, then the step. Every
+    parameter must move, the root's own (embeddings, final norm, lm_head)
+    included: FSDP2 leaves those unsharded after a forward, and an optimizer
+    built then would never update them."""
+    run_ranks(_train_once, 2, tiny_checkpoint, tmp_path, True)
+    run_ranks(_train_once, 1, tiny_checkpoint, tmp_path, False)
     two, one = torch.load(tmp_path / "w2r0.pt"), torch.load(tmp_path / "w1r0.pt")
 
     # The batch split over 2 ranks is the same step as the whole batch on 1.
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-3)
     assert two["loss"] != 0
+    assert two["unchanged_by_step"] == [] and one["unchanged_by_step"] == []
+    unchanged = [n for n in two["before"] if torch.equal(two["before"][n], two["after"][n])]
+    assert unchanged == []
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(two["after"])
+    for name, dtype, shape in two["meta"]:  # fp32 masters, bf16 on the wire: metadata must say so
+        assert (dtype, shape) == (two["after"][name].dtype, tuple(two["after"][name].shape)) == (
+            torch.bfloat16, tuple(two["masters"][name].shape)), name  # fmt: skip
     for name, master in two["masters"].items():
         assert master.dtype == torch.float32, name  # fp32 master weights while training
-        sent = two["after"][name]
-        assert sent.dtype == torch.bfloat16, name  # vLLM gets bf16
-        assert torch.equal(sent, master.to(torch.bfloat16)), name
-    changed = [n for n in two["before"] if not torch.equal(two["before"][n], two["after"][n])]
-    for name in (
-        "model.embed_tokens.weight",
-        "lm_head.weight",
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.1.mlp.experts.gate_up_proj",
-        "model.layers.1.mlp.gate.weight",
-    ):
-        assert name in changed
+        assert torch.equal(two["after"][name], master.to(torch.bfloat16)), name
+
+
+def _step_without_gradients(trainer, ckpt, out_dir):
+    trainer.build_model(str(ckpt), random_init=False, lr=1e-2)
+    trainer.model.lm_head.weight.requires_grad_(False)  # a parameter the step cannot move
+    trainer.train_step(SAMPLES)
+    torch.save(trainer.unchanged_by_last_step(), out_dir / f"unchanged{trainer.rank}.pt")
+
+
+def test_a_parameter_the_step_did_not_move_is_named(tiny_checkpoint, tmp_path):
+    run_ranks(_step_without_gradients, 2, tiny_checkpoint, tmp_path)
+    assert torch.load(tmp_path / "unchanged0.pt") == ["lm_head.weight"]

@@ -1,0 +1,534 @@
+"""Proof and numbers for rlhf_ipc_fsdp_ep.py: the logprob gate, sync coverage,
+memory, the round records, the summary and the JSON; and `Measured`, which
+times and inspects a trainer from outside its code.
+
+Nothing here moves weights: rlhf_ipc_fsdp_ep.py does, and calls these around it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+
+import helpers
+
+GiB = 1024**3
+SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
+
+
+def _worst(values: list[float]) -> float:
+    """The largest value, NaN if any is NaN (max() alone may skip a NaN)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+# ---------------------------------------------------------------------------
+# The logprob gate
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class LogprobGap:
+    """|trainer - vLLM| prompt log-probabilities on the same tokens, per DP
+    engine (each holds different experts, so each is asked)."""
+
+    mean_per_dp_rank: list[float]
+    max_per_dp_rank: list[float]
+    server: list[list[list[float]]]  # per DP rank, per sequence, per token
+
+    @property
+    def mean(self) -> float:  # the worst engine's
+        return _worst(self.mean_per_dp_rank)
+
+    @property
+    def max(self) -> float:
+        return _worst(self.max_per_dp_rank)
+
+
+def dlogp_stats(reference: list[list[float]], other: list[list[float]]) -> tuple[float, float]:
+    """(max, mean) |a - b| over every token of every sequence; NaN anywhere
+    makes both NaN, which fails any `<= tolerance` gate."""
+    diffs: list[float] = []
+    for ref, oth in zip(reference, other, strict=True):
+        if len(ref) != len(oth):
+            raise ValueError(f"sequence lengths differ: {len(ref)} vs {len(oth)}")
+        diffs += [abs(a - b) for a, b in zip(ref, oth, strict=True)]
+    if not diffs:
+        raise ValueError("no tokens to compare")
+    return _worst(diffs), sum(diffs) / len(diffs)
+
+
+def logprob_gap(
+    sock: str, model: str, trainer_logprobs: list[list[float]], sequences: list[list[int]], dp_size: int
+) -> LogprobGap:
+    """Ask every DP engine for its prompt log-probabilities of `sequences`
+    and compare them with the trainer's."""
+    server = [
+        [helpers.prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
+        for dp_rank in range(dp_size)
+    ]
+    stats = [dlogp_stats(trainer_logprobs, lps) for lps in server]
+    return LogprobGap([mean for _, mean in stats], [worst for worst, _ in stats], server)
+
+
+def add_arguments(parser) -> None:
+    """The checks' flags."""
+    # fmt: off
+    add = parser.add_argument
+    add("--logprob-mean-tolerance", type=float, default=0.1, help="largest accepted mean |trainer - vLLM| "
+        "log-probability (nats) after a sync, on the worst DP engine (README: the values measured)")
+    add("--logprob-max-tolerance", type=float, default=1.0,
+        help="largest accepted single-token |trainer - vLLM| log-probability after a sync")
+    add("--memory-growth-tolerance-gib", type=float, default=0.5,
+        help="fail if GPU memory after a sync grows more than this from round 2 to the last")
+    add("--check-coverage", action="store_true", help="before round 1, zero every vLLM parameter, sync, "
+        "and fail unless every parameter on every DP rank was written (slow)")
+    add("--json", metavar="PATH", help="also write the results as JSON here")
+    # fmt: on
+
+
+@dataclass
+class Tolerances:
+    mean: float  # the gate: wrong weights move every token
+    max: float  # a guard: single sampled tokens differ by up to ~0.7 nats in bf16 with equal weights
+
+    @classmethod
+    def from_args(cls, args) -> Tolerances:
+        return cls(args.logprob_mean_tolerance, args.logprob_max_tolerance)
+
+
+@dataclass
+class Gate:
+    passed: bool
+    changed_per_dp_rank: list[bool]
+
+
+def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_updated: bool) -> Gate:
+    """A round passes when EVERY engine is within the tolerances after the
+    sync and, if the weights were updated, EVERY engine's log-probabilities
+    changed: a sync that silently did nothing on one engine leaves its
+    numbers exactly as they were. (Asked of vLLM only: its outputs repeat bit
+    for bit on the same weights, while the trainer's HF MoE forward need not.)
+    `<=` is False for NaN, so a NaN never passes."""
+    changed = [b != a for b, a in zip(before.server, after.server, strict=True)]
+    passed = (
+        after.mean <= tolerances.mean
+        and after.max <= tolerances.max
+        and (all(changed) or not weights_updated)
+    )
+    return Gate(passed, changed)
+
+
+# ---------------------------------------------------------------------------
+# Coverage: did the sync write every vLLM parameter?
+# ---------------------------------------------------------------------------
+
+
+def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
+    """The first half of a sync (sleep, wake the weights), then zero every
+    vLLM parameter on every DP rank; returns their checksums as zeros. What
+    the sync then fails to write stays zero."""
+    helpers.sleep(sock, sleep_level)
+    helpers.wake_up(sock, ["weights"])
+    helpers.weight_checker(sock, "reset")
+    return helpers.weight_checker(sock, "checksum")["checksums"]
+
+
+def coverage(sock: str, zeros: dict[str, str]) -> dict:
+    """After a sync that followed zero_vllm_weights: which parameters it left
+    zero (vLLM's /weight_checker: slow, it hashes every tensor)."""
+    written = set(helpers.weight_checker(sock, "compare", baseline=zeros)["mismatches"])
+    return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
+
+
+# ---------------------------------------------------------------------------
+# Rounds, the run, the summary
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class GPUMemory:
+    """One GPU after a sync, GiB."""
+
+    trainer_peak_allocated: float  # the trainer's peak since the previous reading (this round)
+    trainer_reserved: float
+    server_used: float  # the other processes on the GPU (the vLLM engine), from NVML; NaN if unknown
+    device_used: float  # all processes
+
+
+@dataclass
+class RoundRecord:
+    """One round, as it goes into the JSON (the field names are the keys)."""
+
+    phases_s: dict[str, float]
+    send_breakdown_s: list[dict]  # per rank: Measured.send_weights
+    cycle_s: float  # the sync phases, without a train step
+    bytes_sent: int  # the model's bf16 size, whichever loader moves it
+    send_gb_per_s: float  # bytes_sent / send
+    bytes_per_gpu: int  # what each GPU's engine received (the direct loader: its own experts only)
+    gpu_receive_gb_per_s: float  # bytes_per_gpu / send
+    max_abs_dlogp_before: float
+    mean_abs_dlogp_before: float
+    max_abs_dlogp_after: float
+    mean_abs_dlogp_after: float  # the worst DP engine's mean, the gated number
+    max_abs_dlogp_after_per_dp_rank: list[float]
+    mean_abs_dlogp_after_per_dp_rank: list[float]
+    weights_updated: bool
+    logprobs_changed: bool  # on every DP engine
+    logprobs_changed_per_dp_rank: list[bool]
+    gate_passed: bool
+    mem_reserved_gib: list[float]
+    memory_gib_per_rank: list[dict]
+    # With --train only:
+    reward_mean: float | None = None
+    loss: float | None = None
+    step_skipped: str | None = None  # why no step was taken
+    unchanged_by_step: list[str] | None = None  # trainer parameters the step left as they were
+
+    def to_json(self) -> dict:
+        optional = ("reward_mean", "loss", "step_skipped", "unchanged_by_step")
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in optional}
+
+
+def round_record(
+    phases: dict[str, float],
+    send_per_rank: list[dict],
+    sync_bytes: dict[str, int],
+    before: LogprobGap,
+    after: LogprobGap,
+    result: Gate,
+    memory: list[GPUMemory],
+    weights_updated: bool,
+) -> RoundRecord:
+    send_s = phases["send"]
+    return RoundRecord(
+        phases_s=phases,
+        send_breakdown_s=send_per_rank,
+        cycle_s=sum(phases[p] for p in SYNC_PHASES),
+        bytes_sent=sync_bytes["model"],
+        send_gb_per_s=sync_bytes["model"] / send_s / 1e9,
+        bytes_per_gpu=sync_bytes["per_gpu"],
+        gpu_receive_gb_per_s=sync_bytes["per_gpu"] / send_s / 1e9,
+        max_abs_dlogp_before=before.max,
+        mean_abs_dlogp_before=before.mean,
+        max_abs_dlogp_after=after.max,
+        mean_abs_dlogp_after=after.mean,
+        max_abs_dlogp_after_per_dp_rank=after.max_per_dp_rank,
+        mean_abs_dlogp_after_per_dp_rank=after.mean_per_dp_rank,
+        weights_updated=weights_updated,
+        logprobs_changed=all(result.changed_per_dp_rank),
+        logprobs_changed_per_dp_rank=result.changed_per_dp_rank,
+        gate_passed=result.passed,
+        mem_reserved_gib=[m.trainer_reserved for m in memory],
+        memory_gib_per_rank=[asdict(m) for m in memory],
+    )
+
+
+def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
+    changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
+    changed += f"{len(record.logprobs_changed_per_dp_rank)} DP engines"
+    if record.weights_updated and not record.logprobs_changed:
+        changed += (
+            " although the weights were updated (a sync that did nothing there, or a step too "
+            "small to change a bf16 weight)"
+        )
+    extra = f", reward {record.reward_mean:.3f}" if record.reward_mean is not None else ""
+    if record.unchanged_by_step:
+        extra += f", {len(record.unchanged_by_step)} parameters unchanged by the step"
+    print(
+        f"[gate] |dlogp| mean {record.mean_abs_dlogp_before:.4f} before -> "
+        f"{record.mean_abs_dlogp_after:.4f} after, worst engine (tolerance {tolerances.mean}), max "
+        f"{record.max_abs_dlogp_before:.4f} -> {record.max_abs_dlogp_after:.4f} "
+        f"(tolerance {tolerances.max}), {changed}{extra}: {'pass' if record.gate_passed else 'FAIL'}",
+        flush=True,
+    )
+
+
+def memory_growth_gib(rounds: list[RoundRecord]) -> float:
+    """Largest growth, on any GPU, of the memory used by all processes after a
+    sync, from round 2 to the last round. Round 1 is left out: it allocates
+    what every later round reuses (optimizer state, IPC buffer, NCCL buffers)."""
+    if len(rounds) < 3:
+        return 0.0
+    first, last = rounds[1].memory_gib_per_rank, rounds[-1].memory_gib_per_rank
+    return max(b["device_used"] - a["device_used"] for a, b in zip(first, last, strict=True))
+
+
+def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
+    failures = [f"round {i}: logprob gate" for i, r in enumerate(result["rounds"], 1) if not r["gate_passed"]]
+    failures += [
+        f"round {i}: the step left {len(r['unchanged_by_step'])} trainer parameters unchanged, "
+        f"e.g. {r['unchanged_by_step'][:3]}"
+        for i, r in enumerate(result["rounds"], 1)
+        if r.get("unchanged_by_step")
+    ]
+    if result["coverage"] and result["coverage"]["unwritten"]:
+        failures.append(f"the sync did not write {len(result['coverage']['unwritten'])} vLLM parameters")
+    if not result["memory_growth_gib"] <= memory_tolerance_gib:
+        failures.append(
+            f"GPU memory grew {result['memory_growth_gib']:.2f} GiB from round 2 to the last "
+            f"(tolerance {memory_tolerance_gib} GiB)"
+        )
+    return failures
+
+
+def run_facts(args, job) -> dict:
+    """What a reader needs to reproduce a result: hardware, versions, command, settings."""
+    import vllm
+
+    return {
+        "gpu_name": job.gpu_name,
+        "num_gpus": args.num_gpus,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": job.dp_size,
+        "model": args.model,
+        "architecture": job.architecture,
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "weight_loader": args.weight_loader,
+        "packed": args.packed,
+        "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
+        "sleep_level": args.sleep_level,
+        "server_start_s": job.server.healthy_after_s,
+    }
+
+
+def _nan_to_null(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_null(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike, result: dict) -> None:
+    """Strict JSON: NaN (a number nobody could measure) is written as null."""
+    Path(path).write_text(json.dumps(_nan_to_null(result), indent=2, allow_nan=False) + "\n")
+
+
+def format_summary(result: dict) -> str:
+    """A plain-text table of a run's JSON result."""
+    train = result.get("train", False)
+    lines = [
+        f"model {result['model']} ({result['architecture']}) | {result['num_gpus']} x {result['gpu_name']} | "
+        f"vLLM {result['vllm_version']} | server start {result['server_start_s']:.1f} s",
+        "",
+        "round | "
+        + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
+        + " |    cycle | GB per GPU |   GB/s | mean|dlogp| before -> after | max after | changed | gate"
+        + (" |    train | reward" if train else ""),
+    ]
+    for i, r in enumerate(result["rounds"], 1):
+        ph = r["phases_s"]
+        line = (
+            f"{i:>5} | "
+            + " | ".join(f"{ph[p]:>10.3f} s" for p in SYNC_PHASES)
+            + f" | {r['cycle_s']:>6.2f} s | {r['bytes_per_gpu'] / 1e9:>10.3f} | "
+            f"{r['gpu_receive_gb_per_s']:>6.2f} | {r['mean_abs_dlogp_before']:>14.4f} -> "
+            f"{r['mean_abs_dlogp_after']:<8.4f} | {r['max_abs_dlogp_after']:>9.4f} | "
+            f"{'yes' if r['logprobs_changed'] else 'no':>7} | "
+            f"{'pass' if r['gate_passed'] else 'FAIL'}"
+        )
+        if train:
+            reward = f"{r['reward_mean']:.3f}" if "reward_mean" in r else "-"
+            line += f" | {ph.get('train', 0.0):>6.2f} s | {reward}"
+        lines.append(line)
+    lines += ["", "GPU | trainer peak alloc | trainer reserved | server (NVML) | GPU used (all processes)"]
+    for rank, m in enumerate(result["memory_gib_per_rank"]):
+        lines.append(
+            f"{rank:>3} | {m['trainer_peak_allocated']:>14.2f} GiB | "
+            f"{m['trainer_reserved']:>12.2f} GiB | {m['server_used']:>9.2f} GiB | "
+            f"{m['device_used']:>10.2f} GiB"
+        )
+    if len(result["rounds"]) >= 3:
+        lines.append(f"GPU memory growth, round 2 -> last: {result['memory_growth_gib']:+.3f} GiB")
+    if result.get("time_to_first_sync_s") is not None:
+        lines.append(f"time to the first gated sync: {result['time_to_first_sync_s']:.1f} s")
+    return "\n".join(lines)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase: `with timer.phase("sleep"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        print(f"[{name}] ...", flush=True)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+            print(f"[{name}] {self.seconds[name]:.2f} s", flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Measured: the trainer, timed and inspected from outside its code
+# ---------------------------------------------------------------------------
+
+
+class Measured:
+    """Mix in before the trainer class (`class MeasuredTrainer(Measured,
+    FSDPTrainer)`): the same trainer, whose sends report where their time
+    went, whose memory can be read, and whose training steps list the
+    parameters they left unchanged."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_seconds: dict[str, float] = {}
+        self.bytes_per_gpu = 0
+        self.unchanged_by_step: list[str] = []
+
+    def weight_source(self, loader: str):
+        source = super().weight_source(loader)
+        self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata())
+        return TimedSource(source, self.send_seconds, self._synchronize)
+
+    def weight_sync_client(self, *args, **kwargs):
+        return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
+
+    def send_weights(self) -> dict[str, float]:
+        """Where this rank's send went: `source` (gathering and casting the
+        tensors), `server_*` (waiting on the server, rank 0 only), `total`;
+        the rest is packing and the trainer ranks' handshakes."""
+        self.send_seconds.clear()
+        start = time.perf_counter()
+        super().send_weights()
+        self._synchronize()
+        return {**self.send_seconds, "total": time.perf_counter() - start}
+
+    def sync_bytes(self) -> dict[str, int]:
+        """The model's bf16 bytes, and what one sync puts in each GPU's engine."""
+        model = sum(p.numel() * torch.bfloat16.itemsize for p in self.model.parameters())
+        return {"model": model, "per_gpu": self.bytes_per_gpu}
+
+    def memory_gib(self) -> GPUMemory:
+        """This GPU now, and the trainer's peak since the last reading."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return GPUMemory(
+            trainer_peak_allocated=peak / GiB,
+            trainer_reserved=torch.cuda.memory_reserved(self.device) / GiB,
+            server_used=other_processes_gpu_memory(uuid) / GiB,
+            device_used=(total - free) / GiB,
+        )
+
+    def train_step(self, samples: list[dict]) -> float:
+        # Compare shards with shards: after a forward, FSDP2 may hold the
+        # root's own parameters unsharded (other tensors than after the step).
+        self.model.reshard()
+        before = self._parameter_checksums()
+        loss = super().train_step(samples)
+        changed = (self._parameter_checksums() != before).to(torch.int32)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # changed on any rank's shard
+        names = [name for name, _ in self.model.named_parameters()]
+        self.unchanged_by_step = [n for n, c in zip(names, changed.tolist(), strict=True) if not c]
+        return loss
+
+    def unchanged_by_last_step(self) -> list[str]:
+        return self.unchanged_by_step
+
+    @torch.no_grad()
+    def _parameter_checksums(self) -> torch.Tensor:
+        """One integer per parameter: the sum of its local shard's raw bits,
+        so any change to any value shows."""
+        sums = []
+        for _, param in self.model.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            bits = local.detach().reshape(-1).view({2: torch.int16, 4: torch.int32}[local.element_size()])
+            sums.append(bits.sum(dtype=torch.int64))
+        return torch.stack(sums)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def memory(trainers: list) -> list[GPUMemory]:
+    return ray.get([t.memory_gib.remote() for t in trainers])
+
+
+def other_processes_gpu_memory(gpu_uuid: str) -> float:
+    """Bytes of GPU memory that processes other than this one use on the GPU
+    with this UUID (NVML; NaN if NVML cannot tell)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            uuid = gpu_uuid if gpu_uuid.startswith("GPU-") else f"GPU-{gpu_uuid}"
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if os.getpid() not in {p.pid for p in procs}:
+                return math.nan  # NVML sees another PID namespace: it cannot tell us apart
+            return float(sum(p.usedGpuMemory or 0 for p in procs if p.pid != os.getpid()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, no permission, a container hiding PIDs
+        return math.nan
+
+
+class TimedSource:
+    """A weight source that adds the seconds spent producing its tensors
+    (FSDP gathers and casts) to seconds["source"]. `synchronize` waits for the
+    device, so GPU time counts and not only the kernel launches."""
+
+    def __init__(self, source, seconds: dict[str, float], synchronize) -> None:
+        self._source = source
+        self._seconds = seconds
+        self._synchronize = synchronize
+
+    def metadata(self):
+        return self._source.metadata()
+
+    def __iter__(self):
+        items = iter(self._source)
+        while True:
+            start = time.perf_counter()
+            item = next(items, None)
+            self._synchronize()
+            self._seconds["source"] = self._seconds.get("source", 0.0) + time.perf_counter() - start
+            if item is None:
+                return
+            yield item
+
+
+class TimedClient:
+    """A weight sync client that adds the seconds spent in each of its calls
+    (the server's share of a send, as the sender sees it) to `seconds`."""
+
+    def __init__(self, client, seconds: dict[str, float]) -> None:
+        self._client = client
+        self._seconds = seconds
+
+    def __getattr__(self, name: str):
+        call = getattr(self._client, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                key = f"server_{name}"
+                self._seconds[key] = self._seconds.get(key, 0.0) + time.perf_counter() - start
+                self._seconds[f"{key}_calls"] = self._seconds.get(f"{key}_calls", 0) + 1
+
+        return timed

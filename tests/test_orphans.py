@@ -1,0 +1,208 @@
+"""The server cannot outlive the process that started it (issue #11): a driver
+that is SIGKILLed, with no finally block or atexit run, still leaves nothing
+behind, because server_watchdog.py stops the server's whole group."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import private_socket_path
+
+import helpers
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _driver(body: str) -> subprocess.Popen:
+    """A driver process: imports conftest (its environment, helpers) and runs `body`."""
+    code = f"import sys\nsys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]\n" + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def _read_until(proc: subprocess.Popen, word: str) -> str:
+    """The driver's stdout line starting with `word` (what follows it)."""
+    for line in proc.stdout:
+        if line.startswith(word):
+            return line[len(word) :].strip()
+    raise AssertionError(f"the driver exited with code {proc.wait()} before printing {word!r}")
+
+
+def _watchdogs_of(socket_path: str) -> list[int]:
+    """PIDs of live watchdogs started for this socket (they run outside the group)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if not zombie and any(a.endswith(b"server_watchdog.py") for a in argv) and socket_path.encode() in argv:
+            pids.append(int(entry))
+    return pids
+
+
+def _gone_within(pgid: int, timeout_s: float) -> float | None:
+    """Seconds until group `pgid` is empty, or None if it is not within timeout_s."""
+    start = time.monotonic()
+    while helpers.group_members(pgid):
+        if time.monotonic() - start > timeout_s:
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _cleanup(driver: subprocess.Popen, pgid: int | None) -> None:
+    driver.kill()
+    driver.wait()
+    driver.stdout.close()
+    if pgid is not None and helpers.group_members(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
+    """A real vLLM server on CPU (API server, engine core and its helpers):
+    SIGKILL the driver once the server is healthy; the group is gone soon after."""
+    sock = str(private_socket_path())
+    driver = _driver(f"""
+        import time
+        import helpers, models
+        from conftest import CPU_LAUNCHER, cpu_serve_args
+        from pathlib import Path
+        tmp = Path({str(tmp_path)!r})
+        model = models.build_preset("tiny", tmp / "tiny")
+        server = helpers.start_server(
+            cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
+            log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
+            env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
+        )
+        print("pgid", server.pgid, flush=True)
+        helpers.wait_until_healthy(server, timeout_s=240)
+        print("healthy", flush=True)
+        time.sleep(600)
+    """)
+    pgid = None
+    try:
+        pgid = int(_read_until(driver, "pgid"))
+        _read_until(driver, "healthy")
+        assert helpers.health(sock)
+        assert len(helpers.group_members(pgid)) >= 2  # API server + engine core at least
+        assert len(_watchdogs_of(sock)) == 1
+        driver.kill()  # SIGKILL: no finally, no atexit
+        driver.wait()
+        took = _gone_within(pgid, 25)
+        assert took is not None, f"processes {helpers.group_members(pgid)} of the server outlived the driver"
+        print(f"server group gone {took:.1f}s after the driver's SIGKILL")
+        assert not helpers.health(sock)
+        deadline = time.monotonic() + 5
+        while _watchdogs_of(sock) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _watchdogs_of(sock) == []
+        assert "[server_watchdog] the process that started the vLLM server is gone" in (
+            tmp_path / "server.log"
+        ).read_text()
+    finally:
+        _cleanup(driver, pgid)
+
+
+STUBBORN_SERVER = """
+import signal, subprocess, sys, time
+# a child that ignores SIGTERM, like a wedged engine core
+subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+time.sleep(120)
+"""
+
+
+def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
+    sock = str(private_socket_path())
+    grace_s = 2.0
+    driver = _driver(f"""
+        import sys, time
+        import helpers
+        helpers._WATCHDOG_GRACE_S = {grace_s}
+        server = helpers.start_server(
+            [], socket_path={sock!r}, log_path={str(tmp_path / "log")!r},
+            launcher=(sys.executable, "-c", {STUBBORN_SERVER!r}),
+        )
+        print("pgid", server.pgid, flush=True)
+        time.sleep(600)
+    """)
+    pgid = None
+    try:
+        pgid = int(_read_until(driver, "pgid"))
+        deadline = time.monotonic() + 20
+        while len(helpers.group_members(pgid)) < 2:  # the stubborn child is up
+            assert time.monotonic() < deadline, helpers.group_members(pgid)
+            time.sleep(0.1)
+        (leader, stubborn) = sorted(helpers.group_members(pgid), key=lambda pid: pid != pgid)
+        assert leader == pgid
+        driver.kill()
+        driver.wait()
+        killed_at = time.monotonic()
+        time.sleep(grace_s / 2)
+        assert helpers.group_members(pgid) == [stubborn]  # SIGTERM ended the leader, not the child
+        took = _gone_within(pgid, grace_s + 10)
+        assert took is not None, "SIGKILL did not follow"
+        assert time.monotonic() - killed_at >= grace_s - 0.5  # it waited out the grace first
+        assert _gone_within_watchdog(sock)
+        assert "stopping its process group" in (tmp_path / "log").read_text()
+    finally:
+        _cleanup(driver, pgid)
+
+
+def _gone_within_watchdog(sock: str, timeout_s: float = 5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _watchdogs_of(sock):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_stop_server_also_ends_the_watchdog(tmp_path):
+    """stop_server waits for the watchdog too, and the server's Popen is the
+    server itself: its exit code, its pid the group's id."""
+    sock = str(private_socket_path())
+    server = helpers.start_server(
+        [], socket_path=sock, log_path=tmp_path / "log", launcher=(sys.executable, "-c", STUBBORN_SERVER)
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while len(helpers.group_members(server.pgid)) < 2 or not _watchdogs_of(sock):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert os.getpgid(server.proc.pid) == server.pgid
+        (watchdog,) = _watchdogs_of(sock)
+        assert os.getpgid(watchdog) != server.pgid  # outside the group: group_members counts only the server's
+        helpers.stop_server(server, grace_s=1)
+        assert helpers.group_members(server.pgid) == []
+        assert server.proc.returncode == -signal.SIGTERM  # the server's own status, not a wrapper's
+        assert _watchdogs_of(sock) == []
+        helpers.stop_server(server)  # safe to call twice
+    finally:
+        if helpers.group_members(server.pgid):
+            os.killpg(server.pgid, signal.SIGKILL)
+
+
+def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
+    server = helpers.start_server(
+        [], socket_path=private_socket_path(), log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"),
+    )  # fmt: skip
+    try:
+        helpers.wait_until_healthy(server, timeout_s=20, poll_s=0.1)
+    except helpers.ServerError as e:
+        assert "exited with code 3" in str(e) and "bad flag" in str(e)
+    else:
+        raise AssertionError("no ServerError")
+    finally:
+        helpers.stop_server(server)
+    assert (tmp_path / "log").read_text().startswith("$ " + sys.executable + " -c ")

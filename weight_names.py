@@ -1,0 +1,218 @@
+"""What a trainer should send vLLM: the tensors `save_pretrained` would write.
+
+vLLM's loaders are written against checkpoints on disk, not against
+transformers' in-memory modules, and transformers 5 keeps many models in a
+different form in memory: Mixtral's `block_sparse_moe.experts.N.w1.weight`
+files become one fused `mlp.experts.gate_up_proj`; DeepSeek-V3's
+`mlp.gate.e_score_correction_bias` is a buffer, so `named_parameters()` never
+yields it. Rather than a table per family, this module asks transformers
+itself: `save_pretrained` takes `state_dict()` (parameters and persistent
+buffers), drops tied copies, and runs `revert_weight_conversion`, the reverse
+of the conversion `from_pretrained` applied. We do the same, one group of
+tensors at a time, so a sharded trainer gathers one parameter at a time:
+
+    for name, shape, dtype in checkpoint_metadata(model): ...    # no data touched
+    for name, tensor in checkpoint_tensors(model, torch.bfloat16): ...
+
+Both work on the meta device and under FSDP2 (DTensor parameters are gathered
+with `full_tensor()` one group at a time, buffers are not sharded).
+
+Cost: `revert_weight_conversion` takes a whole state dict, and without a
+`model._weight_conversions` (set by `from_pretrained`) it rebuilds the model's
+conversion list (a walk over `named_modules()` plus a deepcopy) on every call.
+We call it once per in-memory tensor group, so we attach that list once
+(`_conversions`) the way `from_pretrained` does; what is left per call is
+reversing a handful of regex transforms (tens of microseconds) plus the
+conversion itself (for fused experts: one `chunk` per expert, and a copy of the
+gate/up halves, which `Chunk` makes contiguous).
+
+The fast path (the direct loader copying a rank's own fused expert shard into
+vLLM's `w13_weight`/`w2_weight`) needs more than vLLM accepting a name: the
+in-memory tensor must already be in vLLM's layout. `probe_fused_expert` asks a
+vLLM model: it loads a random tensor through the model's own `load_weights`
+under the in-memory name and checks that the parameter it lands in holds it
+unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+# ---------------------------------------------------------------------------
+# Trainer side: the checkpoint form of a transformers model
+# ---------------------------------------------------------------------------
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` starts from, without copying anything:
+    parameters and persistent buffers under their `state_dict()` names, each
+    tied weight once (the name `named_parameters()` keeps, which is the tie's
+    source, e.g. `model.embed_tokens.weight`), minus `_keys_to_ignore_on_save`.
+    Values are the live (possibly DTensor or meta) tensors."""
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(prefix=prefix, recurse=False):
+            leaf = name.rpartition(".")[2]
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                out.setdefault(name, buf)
+    return {k: v for k, v in out.items() if k not in ignore}
+
+
+def _conversions(model: torch.nn.Module) -> None:
+    """Attach transformers' conversion list to `model` once, as
+    `from_pretrained` does (`revert_weight_conversion` would otherwise rebuild
+    it on every call: the same list, minus PrefixChange, which it drops for a
+    model not loaded from a checkpoint)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    if getattr(model, "_weight_conversions", None) is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+        model._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)] or None
+
+
+def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    _conversions(model)
+    return revert_weight_conversion(model, tensors)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
+    """In-memory names grouped so that each group reverts on its own: every
+    name alone, except names whose reversal writes the same checkpoint name
+    (a checkpoint tensor that `from_pretrained` split into several, such as a
+    fused qkv). Computed on meta tensors: no data is touched."""
+    state = state_tensors(model)
+    owners: dict[str, list[str]] = defaultdict(list)
+    for name, t in state.items():
+        for out in _revert(model, {name: _meta(t)}):
+            owners[out].append(name)
+    # union the names that share an output (a tiny union-find over names)
+    parent = {name: name for name in state}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            n = parent[n]
+        return n
+
+    for names in owners.values():
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in state:
+        groups[root(name)].append(name)
+    return list(groups.values())
+
+
+def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype | None):
+    """`dtype` for floating tensors, except those transformers keeps in fp32
+    whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. the
+    routers' e_score_correction_bias), which vLLM also holds in fp32."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor.dtype
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    if keep and re.search("|".join(re.escape(k) for k in keep), name):
+        return torch.float32
+    return dtype
+
+
+def checkpoint_metadata(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, tuple, torch.dtype]]:
+    """(checkpoint name, shape, dtype) of every tensor `checkpoint_tensors`
+    yields, in the same order, from meta tensors only."""
+    state = state_tensors(model)
+    out = []
+    for group in conversion_groups(model):
+        for name, t in _revert(model, {n: _meta(state[n]) for n in group}).items():
+            out.append((name, tuple(t.shape), _cast_dtype(model, name, t, dtype)))
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def checkpoint_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor) as `save_pretrained` would write them,
+    each exactly once: one conversion group at a time (one all-gather per
+    in-memory parameter under FSDP2), cast to `dtype` (see `_cast_dtype`)."""
+    state = state_tensors(model)
+    for group in conversion_groups(model):
+        gathered = {n: _full(state[n]).detach() for n in group}
+        for name, t in _revert(model, gathered).items():
+            yield name, t.to(_cast_dtype(model, name, t, dtype))
+        del gathered
+
+
+# ---------------------------------------------------------------------------
+# Server side: can vLLM take an in-memory fused expert tensor as it is?
+# ---------------------------------------------------------------------------
+
+
+def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
+    """The in-memory parameters that hold all experts of a layer stacked on
+    dim 0 (name -> global shape and layout), i.e. those a rank holds a block
+    of experts of under FSDP2. Found through transformers' own marker: the
+    modules `use_experts_implementation` wraps carry `num_experts`,
+    `is_transposed` ([E, H, 2I] instead of [E, 2I, H]) and `is_concatenated`
+    (gate rows then up rows, rather than interleaved)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
+            continue
+        for name, p in module.named_parameters(prefix=prefix, recurse=False):
+            if p.dim() >= 2 and p.shape[0] == module.num_experts:
+                out[name] = {
+                    "shape": tuple(p.shape),
+                    "transposed": bool(module.is_transposed),
+                    "concatenated": bool(module.is_concatenated),
+                }
+    return out
+
+
+@torch.no_grad()
+def probe_fused_expert(vllm_model: torch.nn.Module, name: str, shape: tuple, seed: int = 0) -> str | None:
+    """Ask a vLLM model whether the in-memory fused expert tensor `name` of
+    global `shape` can be copied into one of its parameters as it is.
+
+    Loads a random tensor of that shape through the model's own `load_weights`
+    under `name`, then returns the vLLM parameter name that now holds exactly
+    that tensor (its local experts' rows, under EP), or None if `load_weights`
+    rejects the name or transforms the tensor (transposes, splits, renames it
+    to per-expert pieces...). It overwrites that parameter: call it only when
+    every weight is re-sent afterwards (e.g. at the start of a full sync)."""
+    params = dict(vllm_model.named_parameters())
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.randn(shape, generator=gen)
+    try:
+        loaded = vllm_model.load_weights([(name, probe.clone())])
+    except (KeyError, ValueError, AttributeError, AssertionError, RuntimeError):
+        return None
+    for param_name in sorted(loaded or ()):
+        param = params.get(param_name)
+        if param is None or param.dim() != len(shape) or tuple(param.shape[1:]) != tuple(shape[1:]):
+            continue
+        held = _held_experts(vllm_model, param_name, param)
+        if torch.equal(param.detach().cpu(), probe[held].to(param.dtype)):
+            return param_name
+    return None
+
+
+def _held_experts(vllm_model: torch.nn.Module, param_name: str, param: torch.Tensor) -> list[int]:
+    """Global ids of the experts a vLLM expert parameter holds (linear EP
+    placement; all of them without EP)."""
+    owner = vllm_model.get_submodule(param_name.rpartition(".")[0])
+    manager = getattr(owner, "expert_map_manager", None)
+    if manager is not None:
+        return list(manager.get_local_expert_ids())
+    return list(range(param.shape[0]))
