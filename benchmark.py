@@ -22,7 +22,6 @@ flag is the script's (see `python rlhf_ipc_fsdp_ep.py --help`).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

@@ -37,6 +37,8 @@ from typing import Any
 
 import httpx
 
+from server_watchdog import group_members  # the live processes of a group (shared with the watchdog)
+
 # Every call that can wait on the server (a chunk of weights included) gives
 # up after this long: well inside the trainers' 10-minute collective timeout,
 # so a hung server is reported as such, not as a dead trainer.
@@ -201,24 +203,6 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
                 f"{server.log_path}:\n{log_tail(server)}"
             )
         time.sleep(poll_s)
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs still alive in process group `pgid` (Linux /proc), zombies excluded."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat_line = f.read()
-        except OSError:
-            continue
-        # Fields after the ")" closing the command name: state ppid pgrp ...
-        state, _ppid, pgrp = stat_line.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 def _wait_group_gone(server: Server, timeout_s: float) -> bool:

@@ -29,7 +29,7 @@ import time
 
 
 def group_members(pgid: int) -> list[int]:
-    """PIDs alive in process group `pgid`, zombies excluded (as helpers.group_members)."""
+    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded. (helpers uses it too.)"""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

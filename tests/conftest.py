@@ -5,7 +5,6 @@ CPU-only workarounds live here and in cpu_vllm_launcher.py, never in the
 script users copy."""
 
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -114,10 +113,26 @@ def cpu_trainers(ray_cluster):
     return trainers
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def listening_tcp(pids):
+    """(ip as /proc/net hex, port) of every TCP socket in LISTEN state owned by `pids`."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                    ip_hex, port_hex = cols[1].split(":")
+                    found.append((ip_hex, int(port_hex, 16)))
+    return found
 
 
 def run_ranks(fn, world_size, *args):

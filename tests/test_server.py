@@ -11,7 +11,7 @@ import pytest
 import helpers
 import models
 import rlhf_ipc_fsdp_ep as script
-from conftest import SERVED_NAME, private_socket_path, start_cpu_server
+from conftest import SERVED_NAME, listening_tcp, private_socket_path, start_cpu_server
 
 
 def test_health_and_sleep_state(cpu_server):
@@ -79,7 +79,7 @@ def test_only_this_user_can_reach_the_server(cpu_server):
     folder = os.stat(os.path.dirname(sock))
     assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
     assert stat.S_ISSOCK(os.stat(sock).st_mode)
-    http_ports = {port for _, port in _listening_tcp(helpers.group_members(cpu_server.pgid))}
+    http_ports = {port for _, port in listening_tcp(helpers.group_members(cpu_server.pgid))}
     for port in http_ports:  # the engines' own sockets (gloo, ZMQ) may listen on loopback: none speaks HTTP
         with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
             conn.settimeout(2)
@@ -117,28 +117,6 @@ def test_a_socket_folder_others_can_enter_is_refused(tmp_path):
     folder.chmod(0o755)
     with pytest.raises(helpers.ServerError, match="private to you"):
         helpers.start_server(["m"], socket_path=folder / "vllm.sock", log_path=tmp_path / "log")
-
-
-def _listening_tcp(pids):
-    """(ip hex, port) of every TCP socket in LISTEN state owned by `pids`."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
-                    ip_hex, port_hex = cols[1].split(":")
-                    found.append((ip_hex, int(port_hex, 16)))
-    return found
 
 
 def test_server_that_dies_at_start_reports_its_log(tmp_path):

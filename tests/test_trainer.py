@@ -1,7 +1,6 @@
 """The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
 logprob gate against a real vLLM server."""
 
-import os
 import sys
 import time
 
@@ -12,7 +11,7 @@ import torch
 import checks
 import helpers
 import rlhf_ipc_fsdp_ep as script
-from conftest import SERVED_NAME, run_ranks
+from conftest import SERVED_NAME, listening_tcp, run_ranks
 
 
 def _gather_source(trainer, ckpt, random_init, out_dir, loader):
@@ -119,34 +118,12 @@ def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
     assert {g["strategy"] for g in groups} == {"STRICT_PACK"}
 
 
-def _listening_tcp(pids):
-    """(ip hex, port) of every TCP socket in LISTEN state owned by `pids`."""
-    inodes = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
-                    ip_hex, port_hex = cols[1].split(":")
-                    found.append((ip_hex, int(port_hex, 16)))
-    return found
-
-
 def test_the_trainers_rendezvous_listens_on_loopback_only(cpu_trainers):
     """Rank 0 binds the rendezvous itself, on 127.0.0.1 and a port the kernel
     picked (torch's TCPStore alone listens on every interface)."""
     pid = ray.get(cpu_trainers[0].placement.remote())["pid"]
     port = ray.get(cpu_trainers[0].__ray_call__.remote(lambda trainer: trainer._store.port))
-    assert [ip for ip, p in _listening_tcp([pid]) if p == port] == ["0100007F"]  # 127.0.0.1, nothing else
+    assert [ip for ip, p in listening_tcp([pid]) if p == port] == ["0100007F"]  # 127.0.0.1, nothing else
 
 
 def test_server_calls_give_up_before_the_trainers_collectives_do():
