@@ -117,30 +117,36 @@ def start_server(
     if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
         # What Popen would raise: the watchdog's exec fails only in the child.
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
-    # `alive`: only this process holds its write end, so the watchdog reads
-    # EOF when this process is gone. `done`: only the watchdog holds its write
-    # end, so stop_server reads EOF when the watchdog is gone.
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc, watchdog_fds = _start_watched(cmd, log, full_env)
+    return Server(proc=proc, socket_path=socket_path, log_path=log_path, watchdog_fds=watchdog_fds)
+
+
+def _start_watched(cmd: list[str], log, env: dict[str, str]) -> tuple[subprocess.Popen, tuple[int, int]]:
+    """Popen(cmd) as the leader of a new process group, through
+    server_watchdog.py, which forks the watchdog off (outside the group) and
+    then execs `cmd`: the Popen is the server itself. The group holds the
+    server's API servers, engine cores and DP coordinator, so stop_server and
+    the watchdog can signal every one of them, not only the parent.
+
+    Two pipes: only this process holds the write end of `alive`, so the
+    watchdog reads EOF when this process is gone; only the watchdog holds the
+    write end of `done`, so stop_server reads EOF when the watchdog is gone."""
     alive_r, alive_w = os.pipe()
     done_r, done_w = os.pipe()
     try:
-        with open(log_path, "w") as log:
-            log.write("$ " + " ".join(cmd) + "\n")
-            log.flush()
-            # A new session: the server's API servers, engine cores and DP
-            # coordinator all share its process group, so stop_server can signal
-            # every one of them, not only the parent. The watchdog script forks
-            # the watchdog off (outside the group), then execs `cmd`: this Popen
-            # is the server itself.
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT,
-                 str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S), "--", *cmd],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=full_env,
-                start_new_session=True,
-                pass_fds=(alive_r, done_w),
-            )  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT,
+             str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S), "--", *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            pass_fds=(alive_r, done_w),
+        )  # fmt: skip
     except BaseException:
         os.close(alive_w)
         os.close(done_r)
@@ -148,7 +154,7 @@ def start_server(
     finally:
         os.close(alive_r)
         os.close(done_w)
-    return Server(proc=proc, socket_path=socket_path, log_path=log_path, watchdog_fds=(alive_w, done_r))
+    return proc, (alive_w, done_r)
 
 
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.

@@ -123,9 +123,15 @@ def meta_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
 
 
-def largest_parameter(model_path: str | os.PathLike) -> tuple[str, int]:
-    """(name, bytes in bf16) of the model's largest parameter, from its config."""
-    name, param = max(meta_model(model_path).named_parameters(), key=lambda kv: kv[1].numel())
+def architecture(model_path: str | os.PathLike) -> str:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).architectures[0]
+
+
+def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
+    """(name, bytes in bf16) of the model's largest parameter (a meta_model will do)."""
+    name, param = max(model.named_parameters(), key=lambda kv: kv[1].numel())
     return name, param.numel() * torch.bfloat16.itemsize
 
 

@@ -113,8 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-buffer-size-bytes must be positive")
     if args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1:
         p.error("--rounds, --max-tokens and --samples-per-prompt must be at least 1")
-    problem = loader_flag_problem(args, args.weight_loader)
-    if problem:
+    if problem := loader_flag_problem(args, args.weight_loader):
         p.error(problem)
     return args
 
@@ -131,7 +130,7 @@ def check_before_gpu_work(args: argparse.Namespace, model_path: Path, loaders: l
     """The input errors we can catch before anything touches a GPU."""
     meta = models.meta_model(model_path)
     if args.packed:
-        name, size = models.largest_parameter(model_path)
+        name, size = models.largest_parameter(meta)
         if size > args.packed_buffer_size_bytes:
             raise SystemExit(
                 f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
@@ -226,6 +225,8 @@ class FSDPTrainer:
         """One REINFORCE step, loss = -mean_i(advantage_i * mean log p(completion_i)),
         on samples {"prompt_ids", "completion_ids", "advantage"}. Every rank
         takes its share; FSDP averages the gradients. Returns the loss."""
+        if self.optimizer is None:
+            raise RuntimeError("build the model for training first: build_model(..., lr=...)")
         self.model.train()
         mine = samples[self.rank :: self.world_size]
         # Every rank must run the same number of forward passes (each one
@@ -490,7 +491,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 server=server,
                 served_name=args.model,
                 dp_size=args.num_gpus // args.tensor_parallel_size,
-                architecture=models.meta_model(model_path).config.architectures[0],
+                architecture=models.architecture(model_path),
                 gpu_name=placements[0]["gpu_name"],
                 gpu_uuids=[p["gpu_uuid"] for p in placements],
             )
@@ -553,7 +554,8 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     sock, trainers, timer = job.server.socket_path, job.trainers, checks.PhaseTimer()
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
-    batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, args.temperature if args.train else 0)
+    temperature = args.temperature if args.train else 0.0
+    batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
     sequences = [c.prompt_token_ids + c.token_ids for c in batch]
     before = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
     samples, reward_mean = policy_gradient_samples(batch) if args.train else ([], None)
@@ -599,14 +601,16 @@ def main(argv: list[str] | None = None) -> int:
             wake_for_serving(sock)
             coverage = checks.coverage(sock, zeros)
             print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}")
-        show_texts("before the first sync", args.prompts, helpers.completions(sock, job.served_name, args.prompts, args.max_tokens))
+        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
+        show_texts("before the first sync", args.prompts, greedy)
         rounds, time_to_first_sync_s = [], None
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
             # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
             rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None))
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
-        show_texts("after the last sync", args.prompts, helpers.completions(sock, job.served_name, args.prompts, args.max_tokens))
+        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
+        show_texts("after the last sync", args.prompts, greedy)
         result = {
             **checks.run_facts(args, job),
             "train": args.train,

@@ -84,7 +84,7 @@ def test_presets_are_built_locally(tmp_path):
 
 def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     path = models.resolve_model("tiny", tmp_path)
-    name, size = models.largest_parameter(path)
+    name, size = models.largest_parameter(models.meta_model(path))
     assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
     args = script.parse_args(["--packed-buffer-size-bytes", str(size - 1)])
     with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
@@ -121,7 +121,7 @@ def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):
 
 def test_30b_shape_fits_the_default_buffer(tmp_path):
     path = models.resolve_model("qwen3-30b-a3b-shape", tmp_path)
-    name, size = models.largest_parameter(path)
+    name, size = models.largest_parameter(models.meta_model(path))
     assert name.endswith("experts.gate_up_proj") and size == 128 * 2 * 768 * 2048 * 2 < 1024**3
 
 
