@@ -18,25 +18,23 @@ summary=$out/fault-cases.txt
 
 # name | output line that marks the phase | seconds to wait after it | what to do
 cases=(
-  "start-sigint|[server] starting|15|group INT"
-  "start-sigterm|[server] starting|15|group TERM"
+  "start-sigint|starting vllm serve|15|group INT"
+  "start-sigterm|starting vllm serve|15|group TERM"
   "sleep-sigint|[sleep] ...|0|group INT"
   "send-sigterm|[send] ...|0|group TERM"
   "generation-sigint|=== round 2/|0|group INT"
   "server-killed-before-send|[wake_weights] ...|0|kill-server"
 )
-port=8100
 for case in "${cases[@]}"; do
   IFS='|' read -r name marker delay action <<< "$case"
-  port=$((port + 1))  # a fresh port per case: nothing carries over between cases
   log=$out/logs/$name.out
   # "group INT" below is then exactly what Ctrl-C in a terminal sends.
-  ${PROGRAM:-python3 rlhf_ipc_fsdp_ep.py} --model tiny --num-gpus 1 --enforce-eager --rounds 100000 --port "$port" \
+  ${PROGRAM:-python3 rlhf_ipc_fsdp_ep.py} --model tiny --num-gpus 1 --enforce-eager --rounds 100000 \
     --server-log "$out/logs/$name.server.log" > "$log" 2>&1 &
   pid=$!
   for _ in $(seq 900); do grep -qF -- "$marker" "$log" && break; sleep 0.2; done
   sleep "$delay"
-  phase=$(grep -oE '^\[[a-z_]+\] \.\.\.$|^=== round [0-9]+|^\[server\] starting' "$log" | tail -1)
+  phase=$(grep -oE '^\[[a-z_]+\] \.\.\.$|^=== round [0-9]+|starting vllm serve' "$log" | tail -1)
   t0=$(date +%s%N)
   case $action in
     "group INT") kill -INT -- "-$pid" ;;
