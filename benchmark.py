@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         sys.exit(0)
     args = script.parse_args(["--rounds", "3", *rest])  # a --rounds in `rest` comes later and wins
     for loader in bench.loaders:  # every loader's flags, before any GPU work
-        if problem := script.loader_flag_problem(args, loader):
+        if problem := checks.loader_flag_problem(args, loader):
             p.error(problem)
     return bench, args
 

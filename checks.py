@@ -22,9 +22,39 @@ import torch
 import torch.distributed as dist
 
 import helpers
+import models
 
 GiB = 1024**3
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
+
+
+# ---------------------------------------------------------------------------
+# Input: what can be refused before anything touches a GPU
+# ---------------------------------------------------------------------------
+
+
+def loader_flag_problem(args, loader: str) -> str | None:
+    """Why `loader` cannot run with these flags, or None."""
+    if loader == "direct" and not args.packed:
+        return "--weight-loader direct reads packed buffers: drop --no-packed or pass --weight-loader vllm"
+    if loader == "direct" and args.tensor_parallel_size != 1:
+        return "--weight-loader direct needs --tensor-parallel-size 1; pass --weight-loader vllm"
+    return None
+
+
+def before_gpu_work(args, model_path, loaders: list[str]) -> None:
+    """Exit with one line if the model cannot be synced as asked: a parameter
+    larger than the packed buffer, or experts the direct loader cannot split."""
+    meta = models.meta_model(model_path)
+    if args.packed:
+        name, size = models.largest_parameter(meta)
+        if size > args.packed_buffer_size_bytes:
+            raise SystemExit(
+                f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
+                f"the largest parameter, {name} ({size} bytes); pass at least {size}"
+            )
+    if "direct" in loaders and (problem := models.direct_loader_problem(meta, args.num_gpus)):
+        raise SystemExit(f"error: {problem}")
 
 
 def _worst(values: list[float]) -> float:

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import weight_names
+from model_families import FAMILIES
+
 _QWEN3_MOE_COMMON = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -60,6 +63,12 @@ PRESETS = {
         "max_position_embeddings": 40960,
     },
 }
+
+# One small random model per MoE family that transformers 5 and vLLM 0.32 both
+# implement (model_families.py): tiny-mixtral, tiny-deepseek-v3, ...
+PRESETS.update(
+    {f"tiny-{name.replace('_', '-')}": config for name, config in FAMILIES.items() if name != "qwen3_moe"}
+)
 
 _TOKENIZER_CORPUS = (
     "The capital of France is Paris. The future of AI is bright. Hello, my name is "
@@ -135,6 +144,38 @@ def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
     return name, param.numel() * torch.bfloat16.itemsize
 
 
+# transformers 5 keeps each MoE layer's experts as fused 3-D tensors [experts, ...].
+FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
+    """Why --weight-loader direct cannot sync this model over `world_size`
+    GPUs, or None. It sends every parameter under its in-memory name, except
+    that each rank sends its own block of each fused expert tensor, which the
+    server copies into the vLLM expert layer of the same name. So it needs
+    what transformers' own conversion (weight_names) says of the checkpoint:
+    names kept, experts under the same module, in vLLM's fused layout [E, 2I, H]
+    (gate rows then up rows), no persistent buffers, and an even split."""
+    fix = "; pass --weight-loader vllm"
+    fused = weight_names.fused_expert_tensors(model)
+    buffers = sorted(set(weight_names.state_tensors(model)) - {n for n, _ in model.named_parameters()})
+    if buffers:
+        return f"the direct loader sends parameters only, and this model's checkpoint also holds {buffers[:2]}{fix}"
+    for name, meta in weight_names.checkpoint_names(model).items():
+        if name in fused:
+            layout = fused[name]
+            if layout["transposed"] or not layout["concatenated"]:
+                return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
+            if not all(n.startswith(name.rpartition(".")[0] + ".") for n in meta):
+                return f"the checkpoint keeps {name}'s experts under another module ({meta[0]}){fix}"
+            if layout["shape"][0] % world_size:
+                return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
+                        f"{world_size} GPUs as --weight-loader direct needs{fix}")  # fmt: skip
+        elif meta != [name]:
+            return f"the checkpoint names {name} differently ({meta[:2]}){fix}"
+    return None
+
+
 def restore_rotary_tables(model: torch.nn.Module) -> None:
     """to_empty() leaves buffers uninitialised; rebuild the rotary tables,
     the only buffers these decoders have."""
@@ -149,8 +190,12 @@ def restore_rotary_tables(model: torch.nn.Module) -> None:
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights with a real spread of logits (unlike vLLM's dummy
     weights, which are near zero), so a missed sync shows in the gate.
-    Each rank fills its own shard; norms get 1."""
+    Each rank fills its own shard; norms get 1, persistent buffers 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    params = dict(model.named_parameters())
+    for name, buf in weight_names.state_tensors(model).items():
+        if name not in params:  # a persistent buffer, e.g. a router's correction bias: as transformers inits it
+            buf.zero_()
     for i, (name, param) in enumerate(model.named_parameters()):
         local = param.to_local() if hasattr(param, "to_local") else param
         if "norm" in name:

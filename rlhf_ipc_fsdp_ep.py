@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, mater
 import checks
 import helpers
 import models
+import weight_names
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -113,31 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-buffer-size-bytes must be positive")
     if args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1:
         p.error("--rounds, --max-tokens and --samples-per-prompt must be at least 1")
-    if problem := loader_flag_problem(args, args.weight_loader):
+    if problem := checks.loader_flag_problem(args, args.weight_loader):
         p.error(problem)
     return args
-
-
-def loader_flag_problem(args: argparse.Namespace, loader: str) -> str | None:
-    if loader == "direct" and not args.packed:
-        return "--weight-loader direct reads packed buffers: drop --no-packed or pass --weight-loader vllm"
-    if loader == "direct" and args.tensor_parallel_size != 1:
-        return "--weight-loader direct needs --tensor-parallel-size 1; pass --weight-loader vllm"
-    return None
-
-
-def check_before_gpu_work(args: argparse.Namespace, model_path: Path, loaders: list[str]) -> None:
-    """The input errors we can catch before anything touches a GPU."""
-    meta = models.meta_model(model_path)
-    if args.packed:
-        name, size = models.largest_parameter(meta)
-        if size > args.packed_buffer_size_bytes:
-            raise SystemExit(
-                f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
-                f"the largest parameter, {name} ({size} bytes); pass at least {size}"
-            )
-    if "direct" in loaders and (problem := LocalExpertSource.split_problem(meta, args.num_gpus)):
-        raise SystemExit(f"error: {problem}")
 
 
 # ---------------------------------------------------------------------------
@@ -272,19 +251,26 @@ class FSDPTrainer:
         self.engine.send_weights()
 
 
-class BF16Source(ModuleSource):
-    """vLLM's ModuleSource (one all-gather per parameter), cast to bf16: fp32
-    master weights would double the bytes sent and overflow the packed buffer."""
+class BF16Source:
+    """What vLLM's own loader receives: every tensor as `save_pretrained`
+    would write it (weight_names: transformers' own conversion reversed, so
+    each family's checkpoint names, persistent buffers such as a router's
+    correction bias included), gathered one at a time, in bf16 (fp32 where
+    transformers keeps a tensor in fp32). fp32 master weights would double
+    the bytes sent and overflow the packed buffer."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(m.name, torch.bfloat16, m.shape) for m in super().metadata()]
+        return [ParamMeta(name, dtype, shape)
+                for name, shape, dtype in weight_names.checkpoint_metadata(self._module, torch.bfloat16)]  # fmt: skip
 
     def __iter__(self):
-        for name, tensor in super().__iter__():
-            yield name, tensor.to(torch.bfloat16)
+        yield from weight_names.checkpoint_tensors(self._module, torch.bfloat16)
 
 
-class LocalExpertSource(BF16Source):
+class LocalExpertSource(ModuleSource):
     """What the direct loader receives from one rank: every parameter whole
     (one all-gather each), except the fused expert tensors, of which each rank
     sends its own FSDP shard without a gather. FSDP2 shards dim 0, so rank r
@@ -292,24 +278,14 @@ class LocalExpertSource(BF16Source):
     gives the engine on rank r's GPU. Every rank yields the same names and
     shapes, as vLLM's packed IPC producer requires."""
 
-    EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
-
     def __init__(self, module: torch.nn.Module, world_size: int) -> None:
         super().__init__(module)
         self._world_size = world_size
-        if problem := self.split_problem(module, world_size):
+        if problem := models.direct_loader_problem(module, world_size):
             raise ValueError(problem)
 
-    @classmethod
-    def split_problem(cls, module: torch.nn.Module, world_size: int) -> str | None:
-        for name, param in module.named_parameters():
-            if name.endswith(cls.EXPERT_SUFFIXES) and param.shape[0] % world_size:
-                return (f"{name} has {param.shape[0]} experts, which do not split evenly over {world_size} "
-                        "GPUs as --weight-loader direct needs; pass --weight-loader vllm")  # fmt: skip
-        return None
-
     def _is_local(self, name: str, param: torch.Tensor) -> bool:
-        return name.endswith(self.EXPERT_SUFFIXES) and hasattr(param, "to_local")
+        return name.endswith(models.FUSED_EXPERT_SUFFIXES) and hasattr(param, "to_local")
 
     def metadata(self) -> list[ParamMeta]:
         return [
@@ -465,7 +441,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
     pg, started_ray = None, not ray.is_initialized()
     try:
         model_path = models.resolve_model(args.model, workdir)
-        check_before_gpu_work(args, model_path, loaders or [args.weight_loader])
+        checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
         if started_ray:
             ray.init(include_dashboard=False)
         print(f"[trainers] reserving {args.num_gpus} GPUs through Ray", flush=True)

@@ -114,6 +114,11 @@ def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
+def checkpoint_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """In-memory parameter name -> the checkpoint names it becomes (meta only)."""
+    return {name: list(_revert(model, {name: _meta(p)})) for name, p in model.named_parameters()}
+
+
 def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype | None):
     """`dtype` for floating tensors, except those transformers keeps in fp32
     whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. the

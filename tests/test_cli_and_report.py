@@ -88,21 +88,46 @@ def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
     args = script.parse_args(["--packed-buffer-size-bytes", str(size - 1)])
     with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
-        script.check_before_gpu_work(args, path, ["direct"])
+        checks.before_gpu_work(args, path, ["direct"])
     args.packed_buffer_size_bytes = size
-    script.check_before_gpu_work(args, path, ["direct"])  # exactly enough is fine
+    checks.before_gpu_work(args, path, ["direct"])  # exactly enough is fine
 
 
 def test_direct_loader_refuses_experts_that_do_not_split_evenly(tmp_path):
     path = models.resolve_model("tiny", tmp_path)  # 8 experts
     args = script.parse_args(["--num-gpus", "3"])
     with pytest.raises(SystemExit, match="8 experts, which do not split evenly over 3 GPUs.*--weight-loader vllm"):
-        script.check_before_gpu_work(args, path, ["direct"])
+        checks.before_gpu_work(args, path, ["direct"])
     with pytest.raises(SystemExit, match="do not split evenly"):
-        script.check_before_gpu_work(args, path, ["vllm", "direct"])  # the benchmark's loaders
-    script.check_before_gpu_work(args, path, ["vllm"])  # vLLM's loader takes any split
+        checks.before_gpu_work(args, path, ["vllm", "direct"])  # the benchmark's loaders
+    checks.before_gpu_work(args, path, ["vllm"])  # vLLM's loader takes any split
     args.num_gpus = 4
-    script.check_before_gpu_work(args, path, ["direct"])
+    checks.before_gpu_work(args, path, ["direct"])
+
+
+@pytest.mark.parametrize(
+    "preset, refusal",
+    [
+        ("tiny-mixtral", r"checkpoint names model\.layers\.0\.mlp\.gate\.weight differently \(\['model\.layers\.0\.block_sparse_moe"),
+        ("tiny-deepseek-v3", r"sends parameters only.*mlp\.gate\.e_score_correction_bias"),
+        ("tiny-glm4-moe", r"sends parameters only.*e_score_correction_bias"),
+        ("tiny-gpt-oss", r"experts\.gate_up_proj is not in vLLM's fused expert layout"),
+        ("tiny-qwen2-moe", None),
+        ("tiny-qwen3", None),
+        ("tiny", None),
+    ],
+)
+def test_direct_loader_refuses_what_it_cannot_serve_before_gpu_work(preset, refusal, tmp_path):
+    """Decided from transformers' own conversion (the checkpoint's names and
+    layout), not from a table per family; vLLM's loader takes them all."""
+    path = models.resolve_model(preset, tmp_path)
+    args = script.parse_args(["--model", preset, "--num-gpus", "2"])
+    if refusal is None:
+        checks.before_gpu_work(args, path, ["direct"])
+    else:
+        with pytest.raises(SystemExit, match=refusal + r".*; pass --weight-loader vllm"):
+            checks.before_gpu_work(args, path, ["direct"])
+    checks.before_gpu_work(args, path, ["vllm"])
 
 
 def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):

@@ -47,6 +47,20 @@ def test_module_source_over_fsdp2_yields_the_unsharded_checkpoint(tiny_checkpoin
             assert torch.equal(t, ref), name
 
 
+def test_vllm_loader_source_over_fsdp2_yields_what_save_pretrained_writes(tiny_checkpoint, tmp_path):
+    """vLLM's own loader reads checkpoints: BF16Source yields exactly the
+    checkpoint's tensors (per-expert names here), gathered from 2 FSDP ranks."""
+    from safetensors.torch import load_file
+
+    ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path, loader="vllm")
+    saved = load_file(next(tiny_checkpoint.glob("*.safetensors")))
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in saved  # the checkpoint form, not the fused one
+    for got in ranks:
+        assert sorted(got["tensors"]) == sorted(saved) == sorted(m[0] for m in got["meta"])
+        for name, t in got["tensors"].items():
+            assert torch.equal(t, saved[name]), name
+
+
 def test_direct_loader_source_sends_each_rank_its_own_experts_and_the_rest_whole(tiny_checkpoint, tmp_path):
     """What the direct loader gets from FSDP2 rank r: experts [r*E/2, (r+1)*E/2)
     of each fused expert tensor (the block vLLM's linear expert placement gives
@@ -232,18 +246,23 @@ SAMPLES = [
 ]
 
 
+def _full_bf16(trainer):
+    return {n: p.full_tensor().detach().to(torch.bfloat16) for n, p in trainer.model.named_parameters()}
+
+
 def _train_once(trainer, ckpt, out_dir, forward_first):
     trainer.build_model(str(ckpt), random_init=False, lr=1e-2)
     if forward_first:  # as every round does: the gate's forward pass comes before the step
         trainer.token_logprobs([[5, 6, 7, 8]])
-    source = trainer.weight_source("vllm")
-    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
-    before = {name: t.clone() for name, t in source}
+    before = _full_bf16(trainer)
     loss = trainer.train_step(SAMPLES)
-    after = {name: t.clone() for name, t in trainer.weight_source("vllm")}
+    after = _full_bf16(trainer)
+    source = trainer.weight_source("vllm")  # what vLLM's loader receives: bf16 of the fp32 masters
+    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
+    sent = {name: t.clone() for name, t in source}
     masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
     torch.save(
-        {"loss": loss, "meta": meta, "before": before, "after": after, "masters": masters,
+        {"loss": loss, "meta": meta, "sent": sent, "before": before, "after": after, "masters": masters,
          "unchanged_by_step": trainer.unchanged_by_last_step()},
         out_dir / f"w{trainer.world_size}r{trainer.rank}.pt",
     )  # fmt: skip
@@ -265,12 +284,16 @@ def test_train_step_after_a_forward_moves_every_weight_that_vllm_receives(tiny_c
     unchanged = [n for n in two["before"] if torch.equal(two["before"][n], two["after"][n])]
     assert unchanged == []
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(two["after"])
-    for name, dtype, shape in two["meta"]:  # fp32 masters, bf16 on the wire: metadata must say so
-        assert (dtype, shape) == (two["after"][name].dtype, tuple(two["after"][name].shape)) == (
-            torch.bfloat16, tuple(two["masters"][name].shape)), name  # fmt: skip
     for name, master in two["masters"].items():
         assert master.dtype == torch.float32, name  # fp32 master weights while training
-        assert torch.equal(two["after"][name], master.to(torch.bfloat16)), name
+    # vLLM receives bf16, in checkpoint form (per-expert tensors here), and the metadata says so.
+    assert [m[0] for m in two["meta"]] == list(two["sent"])
+    for name, dtype, shape in two["meta"]:
+        assert (dtype, shape) == (two["sent"][name].dtype, tuple(two["sent"][name].shape)) == (
+            torch.bfloat16, shape), name  # fmt: skip
+    experts = two["masters"]["model.layers.1.mlp.experts.down_proj"]
+    assert torch.equal(two["sent"]["model.layers.1.mlp.experts.3.down_proj.weight"], experts[3].to(torch.bfloat16))
+    assert torch.equal(two["sent"]["lm_head.weight"], two["masters"]["lm_head.weight"].to(torch.bfloat16))
 
 
 def _step_without_gradients(trainer, ckpt, out_dir):
