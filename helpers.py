@@ -263,6 +263,20 @@ def serving(serve_args: Sequence[str], *, timeout_s: float, **start_kwargs):
 
 
 @contextmanager
+def hangups_unwind():
+    """SIGTERM and SIGHUP (a scheduler's stop, a closed terminal) end the
+    program the way Ctrl-C does: by an exception that runs every `finally`
+    (and so stops the server) on the way out, with exit code 128 + signal."""
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    previous = [signal.signal(sig, lambda signum, _: sys.exit(128 + signum)) for sig in sigs]
+    try:
+        yield
+    finally:
+        for sig, handler in zip(sigs, previous, strict=True):
+            signal.signal(sig, handler)
+
+
+@contextmanager
 def signals_ignored():
     """Let a cleanup finish: a second Ctrl-C, SIGTERM or SIGHUP meanwhile
     would otherwise cut it short and leave processes behind."""

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -58,7 +57,6 @@ DEFAULT_PROMPTS = [
     "Reinforcement learning from human feedback",
 ]
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (helpers.SERVER_CALL_TIMEOUT_S)
-HANGUPS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -435,51 +433,48 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
     over them, start `vllm serve` on the same GPUs. On the way out (error,
     Ctrl-C, SIGTERM, SIGHUP) stop the server's whole process group, the
     trainers, and Ray if this started it."""
-    # SIGTERM and SIGHUP unwind like Ctrl-C, through the finally blocks.
-    previous = {sig: signal.signal(sig, lambda signum, _: sys.exit(128 + signum)) for sig in HANGUPS}
-    workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket, built models
-    pg, started_ray = None, not ray.is_initialized()
-    try:
-        model_path = models.resolve_model(args.model, workdir)
-        checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
-        if started_ray:
-            ray.init(include_dashboard=False)
-        print(f"[trainers] reserving {args.num_gpus} GPUs through Ray", flush=True)
-        trainers, pg = start_trainers(args.num_gpus, placement_timeout_s=args.placement_timeout)
-        placements = ray_get_all([t.placement.remote() for t in trainers])
-        gpu_ids = [p["gpu_ids"][0] for p in placements]
-        print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
-        lr = args.lr if args.train else None
-        random_init = args.model in models.PRESETS
-        ray_get_all([t.build_model.remote(str(model_path), random_init, args.seed, lr) for t in trainers])
-        print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve, log: {args.server_log}")
-        with helpers.serving(
-            serve_args(args, model_path, gpu_ids),
-            socket_path=workdir / "vllm.sock",
-            log_path=args.server_log,
-            timeout_s=args.server_timeout,
-            # The server's workers import the direct loader (direct_load.py) from here.
-            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
-        ) as server:
-            print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
-            yield Job(
-                trainers=trainers,
-                server=server,
-                served_name=args.model,
-                dp_size=args.num_gpus // args.tensor_parallel_size,
-                architecture=models.architecture(model_path),
-                gpu_name=placements[0]["gpu_name"],
-                gpu_uuids=[p["gpu_uuid"] for p in placements],
-            )
-    finally:
-        with helpers.signals_ignored():
+    with helpers.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
+        workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket, models
+        pg, started_ray = None, not ray.is_initialized()
+        try:
+            model_path = models.resolve_model(args.model, workdir)
+            checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
             if started_ray:
-                ray.shutdown()
-            elif pg is not None:  # a cluster we joined: leave it as we found it
-                ray.util.remove_placement_group(pg)  # and the trainers with it
-            shutil.rmtree(workdir, ignore_errors=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+                ray.init(include_dashboard=False)
+            print(f"[trainers] reserving {args.num_gpus} GPUs through Ray", flush=True)
+            trainers, pg = start_trainers(args.num_gpus, placement_timeout_s=args.placement_timeout)
+            placements = ray_get_all([t.placement.remote() for t in trainers])
+            gpu_ids = [p["gpu_ids"][0] for p in placements]
+            print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
+            lr = args.lr if args.train else None
+            random_init = args.model in models.PRESETS
+            ray_get_all([t.build_model.remote(str(model_path), random_init, args.seed, lr) for t in trainers])
+            print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
+            with helpers.serving(
+                serve_args(args, model_path, gpu_ids),
+                socket_path=workdir / "vllm.sock",
+                log_path=args.server_log,
+                timeout_s=args.server_timeout,
+                # The server's workers import the direct loader (direct_load.py) from here.
+                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
+            ) as server:
+                print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}")
+                yield Job(
+                    trainers=trainers,
+                    server=server,
+                    served_name=args.model,
+                    dp_size=args.num_gpus // args.tensor_parallel_size,
+                    architecture=models.architecture(model_path),
+                    gpu_name=placements[0]["gpu_name"],
+                    gpu_uuids=[p["gpu_uuid"] for p in placements],
+                )
+        finally:
+            with helpers.signals_ignored():
+                if started_ray:
+                    ray.shutdown()
+                elif pg is not None:  # a cluster we joined: leave it as we found it
+                    ray.util.remove_placement_group(pg)  # and the trainers with it
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------

@@ -206,3 +206,36 @@ def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
     finally:
         helpers.stop_server(server)
     assert (tmp_path / "log").read_text().startswith("$ " + sys.executable + " -c ")
+
+
+def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path):
+    """As the script does it (helpers.hangups_unwind around helpers.serving):
+    SIGTERM exits with 143 through the finally blocks, which stop the
+    server's whole group; a second SIGTERM during that shutdown is ignored."""
+    sock = str(private_socket_path())
+    driver = _driver(f"""
+        import time
+        import helpers, models
+        from conftest import CPU_LAUNCHER, cpu_serve_args
+        from pathlib import Path
+        tmp = Path({str(tmp_path)!r})
+        model = models.build_preset("tiny", tmp / "tiny")
+        with helpers.hangups_unwind(), helpers.serving(
+            cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r}, timeout_s=240,
+            log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
+            env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
+        ) as server:
+            print("pgid", server.pgid, flush=True)
+            time.sleep(600)
+    """)
+    pgid = None
+    try:
+        pgid = int(_read_until(driver, "pgid"))  # printed once healthy
+        driver.send_signal(signal.SIGTERM)
+        _read_until(driver, "[shutdown] stopping the vLLM server")
+        driver.send_signal(signal.SIGTERM)  # while it stops the server
+        assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+        assert helpers.group_members(pgid) == []  # gone before the driver exited
+        assert not helpers.health(sock) and _watchdogs_of(sock) == []
+    finally:
+        _cleanup(driver, pgid)
