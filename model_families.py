@@ -4,18 +4,10 @@ vLLM 0.32 both implement: nothing is downloaded.
 Every config keeps the family's structure at toy size (hidden 128, 2-3 layers,
 8 experts, head_dim >= 32 for vLLM's CPU attention, vocab 1024), so a model can
 be built on the meta device in milliseconds and a CPU vLLM server can load it.
-
-    config = family_config("mixtral")            # a transformers PretrainedConfig
-    model = build_model("mixtral", device="meta") # AutoModelForCausalLM, bf16
-    write_config("mixtral", some_dir)             # config.json for vLLM / from_pretrained
+models.py turns each into a preset (`--model tiny-mixtral`, ...).
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
-
-import torch
 
 _COMMON = {
     "vocab_size": 1024,
@@ -141,35 +133,3 @@ FAMILIES: dict[str, dict] = {
         "intermediate_size": 256,
     },
 }
-
-
-def family_config(name: str):
-    """The transformers config of one family (no download)."""
-    from transformers import AutoConfig
-
-    fields = dict(FAMILIES[name])
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
-
-
-def build_model(name: str, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16):
-    """The family's transformers model, built on `device` (meta by default:
-    shapes and names only, nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(family_config(name), dtype=dtype)
-
-
-def write_config(name: str, out_dir: str | os.PathLike) -> Path:
-    """Write the family's config.json (what vLLM and from_pretrained read)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    family_config(name).save_pretrained(out)
-    return out
-
-
-if __name__ == "__main__":
-    for family in FAMILIES:
-        model = build_model(family)
-        n = sum(p.numel() for p in model.parameters())
-        print(f"{family:12s} {type(model).__name__:28s} {n / 1e6:.2f}M parameters")

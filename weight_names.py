@@ -28,10 +28,9 @@ gate/up halves, which `Chunk` makes contiguous).
 
 The fast path (the direct loader copying a rank's own fused expert shard into
 vLLM's `w13_weight`/`w2_weight`) needs more than vLLM accepting a name: the
-in-memory tensor must already be in vLLM's layout. `probe_fused_expert` asks a
-vLLM model: it loads a random tensor through the model's own `load_weights`
-under the in-memory name and checks that the parameter it lands in holds it
-unchanged.
+in-memory tensor must already be in vLLM's layout. `fused_expert_tensors` says
+which tensors are fused experts and in which layout (models.direct_loader_problem
+uses it; tests/test_families.py checks it against vLLM's own models).
 """
 
 from __future__ import annotations
@@ -160,7 +159,7 @@ def checkpoint_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None)
 
 
 # ---------------------------------------------------------------------------
-# Server side: can vLLM take an in-memory fused expert tensor as it is?
+# The in-memory fused expert tensors (what the direct loader copies as they are)
 # ---------------------------------------------------------------------------
 
 
@@ -183,41 +182,3 @@ def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
                     "concatenated": bool(module.is_concatenated),
                 }
     return out
-
-
-@torch.no_grad()
-def probe_fused_expert(vllm_model: torch.nn.Module, name: str, shape: tuple, seed: int = 0) -> str | None:
-    """Ask a vLLM model whether the in-memory fused expert tensor `name` of
-    global `shape` can be copied into one of its parameters as it is.
-
-    Loads a random tensor of that shape through the model's own `load_weights`
-    under `name`, then returns the vLLM parameter name that now holds exactly
-    that tensor (its local experts' rows, under EP), or None if `load_weights`
-    rejects the name or transforms the tensor (transposes, splits, renames it
-    to per-expert pieces...). It overwrites that parameter: call it only when
-    every weight is re-sent afterwards (e.g. at the start of a full sync)."""
-    params = dict(vllm_model.named_parameters())
-    gen = torch.Generator().manual_seed(seed)
-    probe = torch.randn(shape, generator=gen)
-    try:
-        loaded = vllm_model.load_weights([(name, probe.clone())])
-    except (KeyError, ValueError, AttributeError, AssertionError, RuntimeError):
-        return None
-    for param_name in sorted(loaded or ()):
-        param = params.get(param_name)
-        if param is None or param.dim() != len(shape) or tuple(param.shape[1:]) != tuple(shape[1:]):
-            continue
-        held = _held_experts(vllm_model, param_name, param)
-        if torch.equal(param.detach().cpu(), probe[held].to(param.dtype)):
-            return param_name
-    return None
-
-
-def _held_experts(vllm_model: torch.nn.Module, param_name: str, param: torch.Tensor) -> list[int]:
-    """Global ids of the experts a vLLM expert parameter holds (linear EP
-    placement; all of them without EP)."""
-    owner = vllm_model.get_submodule(param_name.rpartition(".")[0])
-    manager = getattr(owner, "expert_map_manager", None)
-    if manager is not None:
-        return list(manager.get_local_expert_ids())
-    return list(range(param.shape[0]))

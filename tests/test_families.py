@@ -28,6 +28,72 @@ import weight_names
 FAMILIES = list(model_families.FAMILIES)
 
 
+# Test helpers: build a family's model or config directly, and probe vLLM.
+
+
+def family_config(name: str):
+    """The transformers config of one family (no download)."""
+    from transformers import AutoConfig
+
+    fields = dict(model_families.FAMILIES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def build_model(name: str, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16):
+    """The family's transformers model, built on `device` (meta by default:
+    shapes and names only, nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(family_config(name), dtype=dtype)
+
+
+def write_config(name: str, out_dir: str | os.PathLike) -> Path:
+    """Write the family's config.json (what vLLM and from_pretrained read)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    family_config(name).save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def probe_fused_expert(vllm_model: torch.nn.Module, name: str, shape: tuple, seed: int = 0) -> str | None:
+    """Ask a vLLM model whether the in-memory fused expert tensor `name` of
+    global `shape` can be copied into one of its parameters as it is.
+
+    Loads a random tensor of that shape through the model's own `load_weights`
+    under `name`, then returns the vLLM parameter name that now holds exactly
+    that tensor (its local experts' rows, under EP), or None if `load_weights`
+    rejects the name or transforms the tensor (transposes, splits, renames it
+    to per-expert pieces...). It overwrites that parameter: call it only when
+    every weight is re-sent afterwards (e.g. at the start of a full sync)."""
+    params = dict(vllm_model.named_parameters())
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.randn(shape, generator=gen)
+    try:
+        loaded = vllm_model.load_weights([(name, probe.clone())])
+    except (KeyError, ValueError, AttributeError, AssertionError, RuntimeError):
+        return None
+    for param_name in sorted(loaded or ()):
+        param = params.get(param_name)
+        if param is None or param.dim() != len(shape) or tuple(param.shape[1:]) != tuple(shape[1:]):
+            continue
+        held = _held_experts(vllm_model, param_name, param)
+        if torch.equal(param.detach().cpu(), probe[held].to(param.dtype)):
+            return param_name
+    return None
+
+
+def _held_experts(vllm_model: torch.nn.Module, param_name: str, param: torch.Tensor) -> list[int]:
+    """Global ids of the experts a vLLM expert parameter holds (linear EP
+    placement; all of them without EP)."""
+    owner = vllm_model.get_submodule(param_name.rpartition(".")[0])
+    manager = getattr(owner, "expert_map_manager", None)
+    if manager is not None:
+        return list(manager.get_local_expert_ids())
+    return list(range(param.shape[0]))
+
+
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory):
     """family -> a vLLM model built on CPU in this process (bf16), built on
@@ -45,7 +111,7 @@ def vllm_models(tmp_path_factory):
     def get(family: str) -> torch.nn.Module:
         if family in models:
             return models[family]
-        path = model_families.write_config(family, root / family)
+        path = write_config(family, root / family)
         config = EngineArgs(
             model=str(path), skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
             max_model_len=512, dtype="bfloat16",
@@ -95,7 +161,7 @@ def load_one_at_a_time(vllm_model, tensors):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_loads_what_the_trainer_sends(family, vllm_models):
-    hf = model_families.build_model(family, device="meta")
+    hf = build_model(family, device="meta")
     metadata = weight_names.checkpoint_metadata(hf, torch.bfloat16)
     names = [n for n, _, _ in metadata]
     assert len(names) == len(set(names)), "a checkpoint name is sent twice"
@@ -115,7 +181,7 @@ def test_router_bias_buffer_is_sent(family, vllm_models):
     """e_score_correction_bias: a persistent buffer in transformers, a
     parameter in vLLM. named_parameters() misses it; we send it, in fp32
     (transformers keeps it in fp32, as vLLM does)."""
-    hf = model_families.build_model(family, device="meta")
+    hf = build_model(family, device="meta")
     sent = {n: d for n, _, d in weight_names.checkpoint_metadata(hf, torch.bfloat16)}
     in_hf_buffers = {n for n, _ in hf.named_buffers() if n.endswith("e_score_correction_bias")}
     in_vllm = {n for n, _ in vllm_models(family).named_parameters() if n.endswith("e_score_correction_bias")}
@@ -128,7 +194,7 @@ def test_router_bias_buffer_is_sent(family, vllm_models):
 def test_non_persistent_buffers_are_not_sent(family, vllm_models):
     """Rotary tables (`inv_freq`) are non-persistent buffers: not in the
     checkpoint, not sent, and not a vLLM parameter (vLLM computes its own)."""
-    hf = model_families.build_model(family, device="meta")
+    hf = build_model(family, device="meta")
     sent = {n for n, _, _ in weight_names.checkpoint_metadata(hf)}
     non_persistent = {
         f"{prefix}.{b}" if prefix else b
@@ -147,7 +213,7 @@ def test_tensors_match_save_pretrained(family, tmp_path):
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
-    hf = model_families.build_model(family, device="cpu")
+    hf = build_model(family, device="cpu")
     for _, buf in hf.named_buffers():
         if buf.is_floating_point() and buf.dim() == 1 and buf.numel() < 64:
             buf.normal_()  # make router biases non-zero, so a missed one shows
@@ -172,7 +238,7 @@ def test_fused_expert_fast_path(family, vllm_models):
     checked on real values: after loading the CHECKPOINT form of a random
     model, the vLLM parameter the probe names must equal the fused tensor."""
     vllm_model = vllm_models(family)
-    hf = model_families.build_model(family, device="cpu")
+    hf = build_model(family, device="cpu")
     fused = weight_names.fused_expert_tensors(hf)
     if family == "qwen3":
         assert not fused
@@ -188,7 +254,7 @@ def test_fused_expert_fast_path(family, vllm_models):
 
         accepted = {}
         for name, info in fused.items():
-            target = weight_names.probe_fused_expert(vllm_model, name, info["shape"])
+            target = probe_fused_expert(vllm_model, name, info["shape"])
             accepted[name] = target
             if len(info["shape"]) == 3 and info["transposed"]:
                 # transformers says [E, H, 2I]: never vLLM's [E, 2I, H], even
@@ -208,11 +274,11 @@ def test_fsdp2_dtensors(vllm_models):
 
     vllm_models("deepseek_v3")  # makes sure the process group exists
     torch.manual_seed(0)
-    plain = model_families.build_model("deepseek_v3", device="cpu")
+    plain = build_model("deepseek_v3", device="cpu")
     for _, buf in plain.named_buffers():
         if buf.dim() == 1 and buf.numel() < 64:
             buf.normal_()
-    sharded = model_families.build_model("deepseek_v3", device="cpu")
+    sharded = build_model("deepseek_v3", device="cpu")
     sharded.load_state_dict(plain.state_dict())
     mesh = init_device_mesh("cpu", (1,))
     for layer in sharded.model.layers:
