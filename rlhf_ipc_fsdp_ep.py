@@ -259,13 +259,17 @@ class BF16Source:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
+        # Names, shapes and grouping follow from the model's structure alone:
+        # work them out once (meta tensors), not on every sync.
+        self._groups = weight_names.conversion_groups(module)
+        self._metadata = [ParamMeta(name, dtype, shape) for name, shape, dtype
+                          in weight_names.checkpoint_metadata(module, torch.bfloat16, self._groups)]  # fmt: skip
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, dtype, shape)
-                for name, shape, dtype in weight_names.checkpoint_metadata(self._module, torch.bfloat16)]  # fmt: skip
+        return self._metadata
 
     def __iter__(self):
-        yield from weight_names.checkpoint_tensors(self._module, torch.bfloat16)
+        yield from weight_names.checkpoint_tensors(self._module, torch.bfloat16, self._groups)
 
 
 class LocalExpertSource(ModuleSource):

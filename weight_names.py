@@ -130,12 +130,15 @@ def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: 
     return dtype
 
 
-def checkpoint_metadata(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, tuple, torch.dtype]]:
+def checkpoint_metadata(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, groups: list[list[str]] | None = None
+) -> list[tuple[str, tuple, torch.dtype]]:
     """(checkpoint name, shape, dtype) of every tensor `checkpoint_tensors`
-    yields, in the same order, from meta tensors only."""
+    yields, in the same order, from meta tensors only. `groups`: the model's
+    conversion_groups, if the caller keeps them (they depend only on its structure)."""
     state = state_tensors(model)
     out = []
-    for group in conversion_groups(model):
+    for group in groups or conversion_groups(model):
         for name, t in _revert(model, {n: _meta(state[n]) for n in group}).items():
             out.append((name, tuple(t.shape), _cast_dtype(model, name, t, dtype)))
     return out
@@ -146,12 +149,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def checkpoint_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, groups: list[list[str]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, tensor) as `save_pretrained` would write them,
     each exactly once: one conversion group at a time (one all-gather per
     in-memory parameter under FSDP2), cast to `dtype` (see `_cast_dtype`)."""
     state = state_tensors(model)
-    for group in conversion_groups(model):
+    for group in groups or conversion_groups(model):
         gathered = {n: _full(state[n]).detach() for n in group}
         for name, t in _revert(model, gathered).items():
             yield name, t.to(_cast_dtype(model, name, t, dtype))
