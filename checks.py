@@ -529,6 +529,9 @@ class TimedSource:
     def metadata(self):
         return self._source.metadata()
 
+    def __getattr__(self, name: str):  # anything else the source offers (e.g. expert_blocks)
+        return getattr(self._source, name)
+
     def __iter__(self):
         items = iter(self._source)
         while True:

@@ -15,10 +15,15 @@ engine, but:
   * each engine receives only ITS experts: the trainer rank on the same GPU
     sends its own FSDP shard of each fused expert tensor, which under vLLM's
     linear expert placement is exactly the block of experts that engine holds
-    (checked on every chunk; a mismatch is an error, never a silent mis-load);
-  * a fused expert tensor is one copy into `w13_weight` / `w2_weight`;
-  * every other tensor goes through the model's own `load_weights` (which
-    stacks q/k/v and so on) straight into the live parameters;
+    (checked before the first send by `direct_load_check`, and again on
+    every chunk; a mismatch is an error, never a silent mis-load);
+  * a fused expert block arrives under `<vLLM expert layer>.gate_up_proj` or
+    `.down_proj` (the trainer names it after the checkpoint's expert module,
+    which is the name vLLM gives the layer, whatever the family) and is one
+    copy into `w13_weight` / `w2_weight`;
+  * every other tensor arrives in checkpoint form (names, persistent buffers
+    such as a router's correction bias) and goes through the model's own
+    `load_weights` (which stacks q/k/v and so on) into the live parameters;
   * at the end, each layer that received weights runs its
     `process_weights_after_loading`, as vLLM's reload does.
 
@@ -78,6 +83,33 @@ class DirectLoadWorker:
             importer=PackedBufferImporter(),
         )
 
+    def direct_load_check(self, expected: str) -> dict:
+        """Before any send: raise, naming the cause, unless this engine holds,
+        for every expert block the trainer will send (`expected`: JSON of
+        {"blocks": {name: [shape]}, "trainer_gpu_uuids": [...]}), a fused
+        expert layer of that name whose local experts are exactly the block
+        of the trainer rank on this engine's GPU, in that shape."""
+        import json
+
+        expected = json.loads(expected)
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        uuids = expected["trainer_gpu_uuids"]
+        trainer_rank = uuids.index(uuid) if uuid in uuids else _no_trainer_rank(uuid, uuids)
+        layers = _expert_layers(model)
+        for name, shape in expected["blocks"].items():
+            layer_name, _, tensor_name = name.rpartition(".")
+            if layer_name not in layers or tensor_name not in EXPERT_TENSORS:
+                raise ValueError(
+                    f"the trainer will send expert block {name}, but this engine has no fused expert "
+                    f"layer {layer_name!r} (it has {sorted(layers)[:2]}...); use --weight-loader vllm"
+                )
+            param = getattr(layers[layer_name], EXPERT_TENSORS[tensor_name])
+            if problem := _block_problem(layers[layer_name], name, param, shape, param.dtype, trainer_rank):
+                raise ValueError(problem)
+        return {"expert_blocks": len(expected["blocks"]), "trainer_rank": trainer_rank}
+
     def direct_load_chunk(self, payload: str) -> dict:
         """Load one packed chunk. `payload`: base64 pickle of vLLM's IPC update
         info (names, dtype_names, shapes, tensor_sizes, ipc_handles) plus
@@ -89,10 +121,7 @@ class DirectLoadWorker:
         update = _unpickle(payload)
         handles = update["ipc_handles"]
         if session.gpu_uuid not in handles:
-            raise ValueError(
-                f"no IPC buffer for this engine's GPU {session.gpu_uuid}; the trainer ranks are on "
-                f"{list(handles)}: every engine needs a trainer rank on its own GPU"
-            )
+            _no_trainer_rank(session.gpu_uuid, list(handles))
         trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
         args = list(handles[session.gpu_uuid])
         args[6] = session.device.index  # the device index as this process numbers it
@@ -194,26 +223,40 @@ def _expert_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {m.layer_name: m for m in model.modules() if isinstance(m, RoutedExperts)}
 
 
+def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
+    raise ValueError(
+        f"no IPC buffer for this engine's GPU {gpu_uuid}; the trainer ranks are on "
+        f"{trainer_gpu_uuids}: every engine needs a trainer rank on its own GPU"
+    )
+
+
+def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int) -> str | None:
+    """Why the trainer rank's block `name` (`shape`, `dtype`) is not exactly
+    what this engine's expert layer holds in `param`, or None."""
+    held = experts.expert_map_manager.get_local_expert_ids()
+    n = shape[0]
+    sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
+    if (
+        held != sent
+        or tuple(param.shape) != tuple(shape)
+        or param.dtype != dtype
+        or getattr(experts, "is_fused_checkpoint_transposed", False)
+    ):
+        return (
+            f"{name}: this engine holds experts {held[0]}..{held[-1]} as {tuple(param.shape)} {param.dtype}, "
+            f"but the trainer rank on its GPU sends experts {sent[0]}..{sent[-1]} as {tuple(shape)} {dtype}. "
+            "The direct loader needs tensor parallel size 1, experts split evenly over the GPUs, and "
+            "trainer rank r on the GPU of DP rank r; use --weight-loader vllm otherwise"
+        )
+    return None
+
+
 def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int) -> None:
     """Copy the trainer rank's block of experts into the engine's fused
     parameter, after checking that it is the block this engine holds."""
     param = getattr(experts, param_name)
-    held = experts.expert_map_manager.get_local_expert_ids()
-    n = tensor.shape[0]
-    sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
-    if (
-        held != sent
-        or tuple(param.shape) != tuple(tensor.shape)
-        or param.dtype != tensor.dtype
-        or getattr(experts, "is_fused_checkpoint_transposed", False)
-    ):
-        raise ValueError(
-            f"{name}: this engine holds experts {held[0]}..{held[-1]} as {param_name} "
-            f"{tuple(param.shape)} {param.dtype}, but the trainer rank on its GPU sent experts "
-            f"{sent[0]}..{sent[-1]} as {tuple(tensor.shape)} {tensor.dtype}. The direct loader "
-            "needs tensor parallel size 1, experts split evenly over the GPUs, and trainer rank r "
-            "on the GPU of DP rank r; use --weight-loader vllm otherwise"
-        )
+    if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank):
+        raise ValueError(problem)
     param.data.copy_(tensor)
 
 

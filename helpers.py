@@ -21,6 +21,7 @@ http_client=httpx.Client(transport=httpx.HTTPTransport(uds=<socket>)))`.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import select
 import shutil
@@ -424,15 +425,20 @@ def weight_sync_client(sock: str):
 class DirectLoadClient:
     """The same calls as vLLM's HTTPVLLMWeightSyncClient, sent to the server's
     direct loader (direct_load.py) through /collective_rpc instead of vLLM's
-    weight routes."""
+    weight routes. `expert_blocks` ({name: shape} of the expert blocks each
+    rank will send) is checked against every engine when vLLM's IPC engine is
+    built, so a layout the server cannot take fails before any send."""
 
-    def __init__(self, sock: str, trainer_gpu_uuids: list[str]) -> None:
+    def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple]) -> None:
         self.sock = sock
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
+        self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if not init_info.get("packed"):
             raise ValueError("the direct loader reads packed IPC buffers: use packed=True")
+        expected = {"blocks": self.expert_blocks, "trainer_gpu_uuids": self.trainer_gpu_uuids}
+        collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
 
     def start_weight_update(self) -> None:
         collective_rpc(self.sock, "direct_load_start")

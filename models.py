@@ -144,35 +144,25 @@ def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
     return name, param.numel() * torch.bfloat16.itemsize
 
 
-# transformers 5 keeps each MoE layer's experts as fused 3-D tensors [experts, ...].
-FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
-
-
 def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
     """Why --weight-loader direct cannot sync this model over `world_size`
-    GPUs, or None. It sends every parameter under its in-memory name, except
-    that each rank sends its own block of each fused expert tensor, which the
-    server copies into the vLLM expert layer of the same name. So it needs
-    what transformers' own conversion (weight_names) says of the checkpoint:
-    names kept, experts under the same module, in vLLM's fused layout [E, 2I, H]
-    (gate rows then up rows), no persistent buffers, and an even split."""
+    GPUs, or None. It sends what vLLM's loader gets (the checkpoint form),
+    except that each rank sends its own block of each fused expert tensor
+    (weight_names.expert_block_names), which the server copies as it is into
+    its own experts. So each fused expert tensor must be one the server knows
+    (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
+    rows), with experts that split evenly over the GPUs."""
+    from direct_load import EXPERT_TENSORS
+
     fix = "; pass --weight-loader vllm"
-    fused = weight_names.fused_expert_tensors(model)
-    buffers = sorted(set(weight_names.state_tensors(model)) - {n for n, _ in model.named_parameters()})
-    if buffers:
-        return f"the direct loader sends parameters only, and this model's checkpoint also holds {buffers[:2]}{fix}"
-    for name, meta in weight_names.checkpoint_names(model).items():
-        if name in fused:
-            layout = fused[name]
-            if layout["transposed"] or not layout["concatenated"]:
-                return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
-            if not all(n.startswith(name.rpartition(".")[0] + ".") for n in meta):
-                return f"the checkpoint keeps {name}'s experts under another module ({meta[0]}){fix}"
-            if layout["shape"][0] % world_size:
-                return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
-                        f"{world_size} GPUs as --weight-loader direct needs{fix}")  # fmt: skip
-        elif meta != [name]:
-            return f"the checkpoint names {name} differently ({meta[:2]}){fix}"
+    for name, layout in weight_names.fused_expert_tensors(model).items():
+        if name.rpartition(".")[2] not in EXPERT_TENSORS:
+            return f"the direct loader copies fused {'/'.join(EXPERT_TENSORS)} experts only, not {name}{fix}"
+        if layout["transposed"] or not layout["concatenated"]:
+            return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
+        if layout["shape"][0] % world_size:
+            return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
+                    f"{world_size} GPUs as --weight-loader direct needs{fix}")  # fmt: skip
     return None
 
 

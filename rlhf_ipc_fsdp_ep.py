@@ -42,7 +42,7 @@ from pathlib import Path
 import ray
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, materialize_full_tensor
+from vllm.distributed.weight_transfer.base import ParamMeta
 
 import checks
 import helpers
@@ -226,10 +226,12 @@ class FSDPTrainer:
         """What vLLM receives, in bf16 whatever the master dtype."""
         return LocalExpertSource(self.model, self.world_size) if loader == "direct" else BF16Source(self.model)
 
-    def weight_sync_client(self, sock: str, loader: str, trainer_gpu_uuids: list[str]):
-        """Who rank 0 tells about each chunk: the direct loader or vLLM's weight routes."""
+    def weight_sync_client(self, sock: str, loader: str, source, trainer_gpu_uuids: list[str]):
+        """Who rank 0 tells about each chunk: the direct loader (which first
+        checks that it holds the expert blocks `source` will send) or vLLM's
+        weight routes."""
         if loader == "direct":
-            return helpers.DirectLoadClient(sock, trainer_gpu_uuids)
+            return helpers.DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks)
         return helpers.weight_sync_client(sock)
 
     def setup_weight_transfer(self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int,
@@ -238,10 +240,11 @@ class FSDPTrainer:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
+        source = self.weight_source(loader)
         self.engine = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
-            client=self.weight_sync_client(sock, loader, trainer_gpu_uuids),
-            source=self.weight_source(loader),
+            client=self.weight_sync_client(sock, loader, source, trainer_gpu_uuids),
+            source=source,
         )
 
     def send_weights(self) -> None:
@@ -257,50 +260,43 @@ class BF16Source:
     transformers keeps a tensor in fp32). fp32 master weights would double
     the bytes sent and overflow the packed buffer."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self._module = module
+    def __init__(self, module: torch.nn.Module, exclude=()) -> None:
         # Names, shapes and grouping follow from the model's structure alone:
-        # work them out once (meta tensors), not on every sync.
-        self._groups = weight_names.conversion_groups(module)
-        self._metadata = [ParamMeta(name, dtype, shape) for name, shape, dtype
-                          in weight_names.checkpoint_metadata(module, torch.bfloat16, self._groups)]  # fmt: skip
+        # worked out once (meta tensors), not on every sync.
+        self._form = weight_names.CheckpointForm(module, torch.bfloat16, exclude)
+        self._metadata = [ParamMeta(name, dtype, shape) for name, shape, dtype in self._form.metadata]
 
     def metadata(self) -> list[ParamMeta]:
         return self._metadata
 
     def __iter__(self):
-        yield from weight_names.checkpoint_tensors(self._module, torch.bfloat16, self._groups)
+        yield from self._form
 
 
-class LocalExpertSource(ModuleSource):
-    """What the direct loader receives from one rank: every parameter whole
-    (one all-gather each), except the fused expert tensors, of which each rank
-    sends its own FSDP shard without a gather. FSDP2 shards dim 0, so rank r
-    holds experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
+class LocalExpertSource(BF16Source):
+    """What the direct loader receives from one rank: BF16Source's tensors,
+    except the fused expert tensors, of which each rank sends its own FSDP
+    shard without a gather, under the name of vLLM's expert layer
+    (weight_names.expert_block_names). FSDP2 shards dim 0, so rank r holds
+    experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
     gives the engine on rank r's GPU. Every rank yields the same names and
     shapes, as vLLM's packed IPC producer requires."""
 
     def __init__(self, module: torch.nn.Module, world_size: int) -> None:
-        super().__init__(module)
-        self._world_size = world_size
         if problem := models.direct_loader_problem(module, world_size):
             raise ValueError(problem)
-
-    def _is_local(self, name: str, param: torch.Tensor) -> bool:
-        return name.endswith(models.FUSED_EXPERT_SUFFIXES) and hasattr(param, "to_local")
-
-    def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(name, torch.bfloat16, (p.shape[0] // self._world_size, *p.shape[1:]))
-            if self._is_local(name, p)
-            else ParamMeta(name, torch.bfloat16, tuple(p.shape))
-            for name, p in self._module.named_parameters()
-        ]
+        self._blocks = weight_names.expert_block_names(module)  # in-memory name -> name sent
+        super().__init__(module, exclude=self._blocks)
+        self._params = dict(module.named_parameters())
+        self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
+                              for name, sent in self._blocks.items()}  # fmt: skip
+        self._metadata += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
 
     def __iter__(self):
-        for name, param in self._module.named_parameters():
-            tensor = param.to_local() if self._is_local(name, param) else materialize_full_tensor(param)
-            yield name, tensor.to(torch.bfloat16)
+        yield from super().__iter__()
+        for name, sent in self._blocks.items():
+            param = self._params[name]
+            yield sent, (param.to_local() if hasattr(param, "to_local") else param).to(torch.bfloat16)
 
 
 class MeasuredTrainer(checks.Measured, FSDPTrainer):

@@ -11,10 +11,11 @@ buffers), drops tied copies, and runs `revert_weight_conversion`, the reverse
 of the conversion `from_pretrained` applied. We do the same, one group of
 tensors at a time, so a sharded trainer gathers one parameter at a time:
 
-    for name, shape, dtype in checkpoint_metadata(model): ...    # no data touched
-    for name, tensor in checkpoint_tensors(model, torch.bfloat16): ...
+    form = CheckpointForm(model, torch.bfloat16)  # once: names, shapes, groups (meta only)
+    form.metadata                                 # [(name, shape, dtype)]
+    for name, tensor in form: ...                 # every sync
 
-Both work on the meta device and under FSDP2 (DTensor parameters are gathered
+It works on the meta device and under FSDP2 (DTensor parameters are gathered
 with `full_tensor()` one group at a time, buffers are not sharded).
 
 Cost: `revert_weight_conversion` takes a whole state dict, and without a
@@ -30,11 +31,13 @@ The fast path (the direct loader copying a rank's own fused expert shard into
 vLLM's `w13_weight`/`w2_weight`) needs more than vLLM accepting a name: the
 in-memory tensor must already be in vLLM's layout. `fused_expert_tensors` says
 which tensors are fused experts and in which layout (models.direct_loader_problem
-uses it; tests/test_families.py checks it against vLLM's own models).
+uses it), and `expert_block_names` which vLLM expert layer each one belongs to
+(tests/test_families.py checks both against vLLM's own models).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -113,11 +116,6 @@ def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def checkpoint_names(model: torch.nn.Module) -> dict[str, list[str]]:
-    """In-memory parameter name -> the checkpoint names it becomes (meta only)."""
-    return {name: list(_revert(model, {name: _meta(p)})) for name, p in model.named_parameters()}
-
-
 def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype | None):
     """`dtype` for floating tensors, except those transformers keeps in fp32
     whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. the
@@ -130,37 +128,54 @@ def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: 
     return dtype
 
 
-def checkpoint_metadata(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, groups: list[list[str]] | None = None
-) -> list[tuple[str, tuple, torch.dtype]]:
-    """(checkpoint name, shape, dtype) of every tensor `checkpoint_tensors`
-    yields, in the same order, from meta tensors only. `groups`: the model's
-    conversion_groups, if the caller keeps them (they depend only on its structure)."""
-    state = state_tensors(model)
-    out = []
-    for group in groups or conversion_groups(model):
-        for name, t in _revert(model, {n: _meta(state[n]) for n in group}).items():
-            out.append((name, tuple(t.shape), _cast_dtype(model, name, t, dtype)))
-    return out
+class CheckpointForm:
+    """The checkpoint form of `model`, worked out once from its structure
+    (meta tensors: no data touched) and produced on demand, one conversion
+    group at a time (one all-gather per in-memory parameter under FSDP2):
+
+        form = CheckpointForm(model, torch.bfloat16)
+        form.metadata                   # [(checkpoint name, shape, dtype)], in order
+        for name, tensor in form: ...   # the same tensors, with their data
+
+    `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
+    names to leave out (a caller sending those its own way). A group that
+    transformers' conversion leaves as it is (one tensor, same name and shape:
+    most of them) skips the conversion on every sync."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=()) -> None:
+        self._model, self._dtype = model, dtype
+        state = state_tensors(model)
+        self._groups, self._unchanged, self.metadata = [], [], []
+        for group in conversion_groups(model):
+            if set(group) & set(exclude):
+                continue
+            out = _revert(model, {n: _meta(state[n]) for n in group})
+            self._groups.append(group)
+            self._unchanged.append(list(out) == group and out[group[0]].shape == state[group[0]].shape)
+            self.metadata += [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
+
+    @torch.no_grad()
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = state_tensors(self._model)
+        for group, unchanged in zip(self._groups, self._unchanged, strict=True):
+            gathered = {n: _full(state[n]).detach() for n in group}
+            for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
+                yield name, t.to(_cast_dtype(self._model, name, t, self._dtype))
+            del gathered
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-@torch.no_grad()
-def checkpoint_tensors(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, groups: list[list[str]] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, tensor) as `save_pretrained` would write them,
-    each exactly once: one conversion group at a time (one all-gather per
-    in-memory parameter under FSDP2), cast to `dtype` (see `_cast_dtype`)."""
-    state = state_tensors(model)
-    for group in groups or conversion_groups(model):
-        gathered = {n: _full(state[n]).detach() for n in group}
-        for name, t in _revert(model, gathered).items():
-            yield name, t.to(_cast_dtype(model, name, t, dtype))
-        del gathered
+def checkpoint_metadata(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, tuple, torch.dtype]]:
+    """(checkpoint name, shape, dtype) of every tensor `checkpoint_tensors` yields, in order."""
+    return CheckpointForm(model, dtype).metadata
+
+
+def checkpoint_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor) as `save_pretrained` would write them, each exactly once."""
+    yield from CheckpointForm(model, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -186,4 +201,25 @@ def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
                     "transposed": bool(module.is_transposed),
                     "concatenated": bool(module.is_concatenated),
                 }
+    return out
+
+
+def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each fused expert tensor's in-memory name -> the name the direct loader
+    receives a rank's block of it under: its leaf name under the experts
+    module's CHECKPOINT name, which is the name vLLM gives its fused expert
+    layer. Mixtral: `model.layers.0.mlp.experts.gate_up_proj` ->
+    `model.layers.0.block_sparse_moe.experts.gate_up_proj` (the checkpoint has
+    `...block_sparse_moe.experts.<e>.w1.weight`, ...). The module's name is
+    the common prefix of its experts' checkpoint names, minus expert ids."""
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name in fused_expert_tensors(model):
+        by_module[name.rpartition(".")[0]].append(name)
+    out, params = {}, dict(model.named_parameters())
+    for names in by_module.values():
+        saved = [out_name for n in names for out_name in _revert(model, {n: _meta(params[n])})]
+        parts = os.path.commonprefix(saved).split(".")[:-1]  # whole components only
+        while parts and parts[-1].isdigit():
+            parts.pop()
+        out.update({n: ".".join([*parts, n.rpartition(".")[2]]) for n in names})
     return out

@@ -33,7 +33,7 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
 
 
 def test_direct_load_errors_quote_the_cause(cpu_server):
-    client = helpers.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"])
+    client = helpers.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {})
     chunk = {"ipc_handles": {"GPU-elsewhere": ()}, "names": [], "dtype_names": [], "shapes": []}
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})
@@ -47,6 +47,28 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
         client.init_weight_transfer_engine({"packed": False})
 
 
+def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
+    """When vLLM's IPC engine is built (trainer_init), every engine checks the
+    expert blocks the trainer will send: a name it has no layer for, a block
+    that is not its own experts, or no trainer rank on its GPU each fail with
+    the cause, before a single tensor moves. (On CPU an engine's GPU id is "".)"""
+    sock = cpu_server.socket_path
+    (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
+    name, layer = sorted(layout["expert_layers"].items())[0]
+    whole = {f"{name}.gate_up_proj": layer["w13_weight"], f"{name}.down_proj": layer["w2_weight"]}
+    helpers.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
+    cases = {
+        "no fused expert layer 'model.layers.0.block_sparse_moe.experts'":
+            ([""], {"model.layers.0.block_sparse_moe.experts.gate_up_proj": layer["w13_weight"]}),
+        r"holds experts 0\.\.7 .* sends experts 0\.\.3":
+            (["", "GPU-1"], {f"{name}.gate_up_proj": [4, *layer["w13_weight"][1:]]}),
+        "every engine needs a trainer rank on its own GPU": (["GPU-elsewhere"], whole),
+    }  # fmt: skip
+    for message, (uuids, blocks) in cases.items():
+        with pytest.raises(helpers.ServerError, match=message):
+            helpers.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
+
+
 def _experts(held: range, shape):
     return SimpleNamespace(
         expert_map_manager=SimpleNamespace(get_local_expert_ids=lambda: list(held)),
@@ -58,7 +80,7 @@ def test_only_the_engines_own_block_of_experts_is_accepted():
     block = torch.randn(4, 6, 5).to(torch.bfloat16)
     experts = _experts(range(4, 8), (4, 6, 5))  # this engine holds experts 4..7
     with pytest.raises(
-        ValueError, match=r"holds experts 4\.\.7 .* sent experts 0\.\.3.*--weight-loader vllm"
+        ValueError, match=r"holds experts 4\.\.7 .* sends experts 0\.\.3.*--weight-loader vllm"
     ):
         direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
     assert not experts.w13_weight.any()

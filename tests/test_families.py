@@ -56,44 +56,6 @@ def write_config(name: str, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-@torch.no_grad()
-def probe_fused_expert(vllm_model: torch.nn.Module, name: str, shape: tuple, seed: int = 0) -> str | None:
-    """Ask a vLLM model whether the in-memory fused expert tensor `name` of
-    global `shape` can be copied into one of its parameters as it is.
-
-    Loads a random tensor of that shape through the model's own `load_weights`
-    under `name`, then returns the vLLM parameter name that now holds exactly
-    that tensor (its local experts' rows, under EP), or None if `load_weights`
-    rejects the name or transforms the tensor (transposes, splits, renames it
-    to per-expert pieces...). It overwrites that parameter: call it only when
-    every weight is re-sent afterwards (e.g. at the start of a full sync)."""
-    params = dict(vllm_model.named_parameters())
-    gen = torch.Generator().manual_seed(seed)
-    probe = torch.randn(shape, generator=gen)
-    try:
-        loaded = vllm_model.load_weights([(name, probe.clone())])
-    except (KeyError, ValueError, AttributeError, AssertionError, RuntimeError):
-        return None
-    for param_name in sorted(loaded or ()):
-        param = params.get(param_name)
-        if param is None or param.dim() != len(shape) or tuple(param.shape[1:]) != tuple(shape[1:]):
-            continue
-        held = _held_experts(vllm_model, param_name, param)
-        if torch.equal(param.detach().cpu(), probe[held].to(param.dtype)):
-            return param_name
-    return None
-
-
-def _held_experts(vllm_model: torch.nn.Module, param_name: str, param: torch.Tensor) -> list[int]:
-    """Global ids of the experts a vLLM expert parameter holds (linear EP
-    placement; all of them without EP)."""
-    owner = vllm_model.get_submodule(param_name.rpartition(".")[0])
-    manager = getattr(owner, "expert_map_manager", None)
-    if manager is not None:
-        return list(manager.get_local_expert_ids())
-    return list(range(param.shape[0]))
-
-
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory):
     """family -> a vLLM model built on CPU in this process (bf16), built on
@@ -232,38 +194,45 @@ def test_tensors_match_save_pretrained(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_expert_fast_path(family, vllm_models):
-    """Which in-memory fused expert tensors vLLM takes as they are (so the
-    direct loader may copy a rank's own block), asked of vLLM by a probe, and
-    checked on real values: after loading the CHECKPOINT form of a random
-    model, the vLLM parameter the probe names must equal the fused tensor."""
-    vllm_model = vllm_models(family)
-    hf = build_model(family, device="cpu")
-    fused = weight_names.fused_expert_tensors(hf)
-    if family == "qwen3":
-        assert not fused
-        return
-    assert fused
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            p.normal_()
-        vllm_model.load_weights(weight_names.checkpoint_tensors(hf, torch.bfloat16))
-        vllm_params = dict(vllm_model.named_parameters())
-        truth = {n: vllm_params[n].clone() for n in vllm_params if "experts" in n}
-        hf_params = dict(hf.named_parameters())
+def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
+    """The direct loader's route, on vLLM's own model: the checkpoint form of
+    everything but the fused experts through vLLM's `load_weights`, and each
+    fused expert tensor copied as it is into the expert layer the server finds
+    under its `expert_block_names` name (the server's own lookup). Together
+    they must leave every vLLM parameter exactly as vLLM's own loader does
+    from the whole checkpoint form (a NaN left anywhere fails). A layout the
+    direct loader cannot copy is refused up front instead."""
+    import direct_load
+    import models
 
-        accepted = {}
-        for name, info in fused.items():
-            target = probe_fused_expert(vllm_model, name, info["shape"])
-            accepted[name] = target
-            if len(info["shape"]) == 3 and info["transposed"]:
-                # transformers says [E, H, 2I]: never vLLM's [E, 2I, H], even
-                # where the shapes coincide (here H == 2I, as I == H in gpt-oss)
-                assert target is None, (name, target)
-            if target is not None:
-                # the probe's verdict agrees with the values the checkpoint path put there
-                assert torch.equal(truth[target], hf_params[name].to(truth[target].dtype)), name
-    print(f"\n{family}: " + ", ".join(f"{n.split('layers.')[1]} -> {t}" for n, t in accepted.items()))
+    hf = build_model(family, device="cpu")
+    problem = models.direct_loader_problem(hf, world_size=2)
+    if family == "gpt_oss":  # [E, H, 2I], gate/up interleaved: vLLM's loader transposes it
+        assert problem and "fused expert layout" in problem and "--weight-loader vllm" in problem
+        return
+    assert problem is None
+    vllm_model = vllm_models(family)
+    with torch.no_grad():
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if t.is_floating_point() and "inv_freq" not in name:
+                t.normal_()
+        vllm_model.load_weights(weight_names.checkpoint_tensors(hf, torch.bfloat16))
+        params = dict(vllm_model.named_parameters())
+        truth = {n: p.clone() for n, p in params.items()}
+        for p in params.values():
+            p.fill_(float("nan"))
+
+        blocks = weight_names.expert_block_names(hf)
+        assert sorted(blocks) == sorted(weight_names.fused_expert_tensors(hf))
+        vllm_model.load_weights(weight_names.CheckpointForm(hf, torch.bfloat16, exclude=blocks))
+        layers = direct_load._expert_layers(vllm_model)  # the server's lookup: vLLM layer name -> experts
+        assert sorted(layers) == sorted({sent.rpartition(".")[0] for sent in blocks.values()})
+        hf_params = dict(hf.named_parameters())
+        for name, sent in blocks.items():
+            layer_name, _, leaf = sent.rpartition(".")
+            getattr(layers[layer_name], direct_load.EXPERT_TENSORS[leaf]).copy_(hf_params[name])
+    wrong = [n for n, p in params.items() if not torch.equal(p, truth[n])]
+    assert not wrong, f"not as vLLM's own loader leaves them: {wrong}"
 
 
 def test_fsdp2_dtensors(vllm_models):
