@@ -5,7 +5,8 @@
 
 It starts the trainers and the server once, then for each loader in --loaders
 (default: vllm, then direct):
-  1. zeroes every vLLM parameter, so that round 1 has to bring the weights back;
+  1. zeroes every vLLM parameter, so that round 1 has to bring the weights back
+     (with --check-coverage: zeroes them, syncs, and lists those left zero);
   2. runs --rounds syncs (default 3), each checked by the script's logprob gate,
      recording the seconds of every phase, where the send's time went on each
      trainer rank, and the memory of the trainer and the server on every GPU.
@@ -53,16 +54,25 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
 
 def run_variant(job: script.Job, args: argparse.Namespace, loader: str) -> dict:
     """--rounds syncs through `loader`, starting from zeroed vLLM weights."""
+    sock = job.server.socket_path
     script.setup_weight_transfer(job, args, loader)
-    # vLLM forgets the weights: round 1 must bring them back.
-    helpers.weight_checker(job.server.socket_path, "reset")
+    coverage = None
+    if args.check_coverage:  # a sync into zeroed weights: what it misses stays zero
+        zeros = checks.zero_vllm_weights(sock, args.sleep_level)
+        script.send_all(job.trainers)
+        script.wake_for_serving(sock)
+        coverage = checks.coverage(sock, zeros)
+        print(f"[coverage] {loader}: {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}")
+    else:  # vLLM forgets the weights: round 1 must bring them back
+        helpers.weight_checker(sock, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, round {i}/{args.rounds} ===", flush=True)
-        rounds.append(script.run_round(job, args, first_sync=i == 1))
+        rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None))
         print_send_breakdown(rounds[-1].send_breakdown_s)
     return {
         "weight_loader": loader,
+        "coverage": coverage,
         "rounds": [r.to_json() for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
@@ -130,12 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             checks.write_json(out, result)
         print(f"[json] {out}")
 
-    failures = [
-        f"{v['weight_loader']} round {i}: logprob gate"
-        for v in result["variants"]
-        for i, r in enumerate(v["rounds"], 1)
-        if not r["gate_passed"]
-    ]
+    failures = [f"{v['weight_loader']} loader, {failure}" for v in result["variants"]
+                for failure in checks.failed_checks(v, args.memory_growth_tolerance_gib)]  # fmt: skip
     if result.get("loaders_agree", {}).get("agree") is False:
         failures.append("the direct loader did not reproduce vLLM's parameters")
     for failure in failures:
