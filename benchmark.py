@@ -54,17 +54,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
 
 def run_variant(job: script.Job, args: argparse.Namespace, loader: str) -> dict:
     """--rounds syncs through `loader`, starting from zeroed vLLM weights."""
-    sock = job.server.socket_path
     script.setup_weight_transfer(job, args, loader)
-    coverage = None
-    if args.check_coverage:  # a sync into zeroed weights: what it misses stays zero
-        zeros = checks.zero_vllm_weights(sock, args.sleep_level)
-        script.send_all(job.trainers)
-        script.wake_for_serving(sock)
-        coverage = checks.coverage(sock, zeros)
-        print(f"[coverage] {loader}: {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}")
-    else:  # vLLM forgets the weights: round 1 must bring them back
-        helpers.weight_checker(sock, "reset")
+    coverage = script.check_coverage(job, args) if args.check_coverage else None
+    if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
+        helpers.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, round {i}/{args.rounds} ===", flush=True)

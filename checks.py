@@ -264,6 +264,26 @@ def round_record(
     )
 
 
+def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: list[dict], before: LogprobGap,
+                 after: LogprobGap, weights_updated: bool, training: dict | None = None) -> RoundRecord:  # fmt: skip
+    """A round as the JSON records it, with the gate's verdict (printed):
+    `phases` and `send_per_rank` as measured, the logprob gaps before and
+    after the sync, and with --train `training` = {"reward_mean", "loss"}
+    (loss None when no step was taken)."""
+    tolerances = Tolerances.from_args(args)
+    verdict = gate(before, after, tolerances, weights_updated)
+    sync_bytes = ray.get(trainers[0].sync_bytes.remote())
+    record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers), weights_updated)
+    if training is not None:
+        record.reward_mean, record.loss = training["reward_mean"], training["loss"]
+        if training["loss"] is None:
+            record.step_skipped = "every sample had the same reward: a step would change nothing"
+        else:
+            record.unchanged_by_step = ray.get(trainers[0].unchanged_by_last_step.remote())
+    print_round(record, tolerances)
+    return record
+
+
 def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
     changed += f"{len(record.logprobs_changed_per_dp_rank)} DP engines"
@@ -310,6 +330,32 @@ def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
             f"(tolerance {memory_tolerance_gib} GiB)"
         )
     return failures
+
+
+def run_result(args, job, rounds: list[RoundRecord], coverage: dict | None, time_to_first_sync_s: float) -> dict:
+    """The run's JSON: how it was run, then what it measured."""
+    return {
+        **run_facts(args, job),
+        "train": args.train,
+        "time_to_first_sync_s": time_to_first_sync_s,
+        "coverage": coverage,
+        "rounds": [r.to_json() for r in rounds],
+        "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
+        "memory_growth_gib": memory_growth_gib(rounds),
+    }
+
+
+def report(args, result: dict) -> int:
+    """Print the summary, write the JSON (--json), name every failed check;
+    the exit code: 1 if any failed."""
+    print(format_summary(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"[json] {args.json}")
+    failures = failed_checks(result, args.memory_growth_tolerance_gib)
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def run_facts(args, job) -> dict:

@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 import checks
 import helpers
 import models
+import toy_rl
 import weight_names
 
 HERE = Path(__file__).resolve().parent
@@ -82,11 +83,7 @@ def parser() -> argparse.ArgumentParser:
     add("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     add("--prompt", action="append", dest="prompts", metavar="TEXT", help=f"repeatable; default {DEFAULT_PROMPTS}")
     add("--rounds", type=int, default=1, help="rounds (one sync each) back to back")
-    add("--train", action="store_true", help="each round: sample from vLLM, score with a toy reward, "
-        "one AdamW policy-gradient step on fp32 master weights while vLLM sleeps, then sync")
-    add("--lr", type=float, default=1e-5, help="AdamW learning rate (--train)")
-    add("--samples-per-prompt", type=int, default=4, help="completions per prompt per round (--train)")
-    add("--temperature", type=float, default=1.0, help="sampling temperature (--train)")
+    toy_rl.add_arguments(p)  # --train, --lr, --samples-per-prompt, --temperature
     checks.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
     add("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
     add("--max-model-len", type=int, help="passed to vllm serve")
@@ -117,9 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------------------
-# The trainer: one FSDP2 rank per GPU
-# ---------------------------------------------------------------------------
+# --- The trainer: one FSDP2 rank per GPU ----------------------------------------------------------
 
 
 class FSDPTrainer:
@@ -198,30 +193,6 @@ class FSDPTrainer:
         self.model.reshard()  # FSDP2 keeps the root unsharded after a forward: free it
         return out
 
-    def train_step(self, samples: list[dict]) -> float:
-        """One REINFORCE step, loss = -mean_i(advantage_i * mean log p(completion_i)),
-        on samples {"prompt_ids", "completion_ids", "advantage"}. Every rank
-        takes its share; FSDP averages the gradients. Returns the loss."""
-        if self.optimizer is None:
-            raise RuntimeError("build the model for training first: build_model(..., lr=...)")
-        self.model.train()
-        mine = samples[self.rank :: self.world_size]
-        # Every rank must run the same number of forward passes (each one
-        # all-gathers every layer): pad the short ranks with weight-0 samples.
-        padding = -(-len(samples) // self.world_size) - len(mine)
-        weights = [1.0] * len(mine) + [0.0] * padding
-        loss = torch.zeros((), device=self.device)
-        for weight, sample in zip(weights, mine + samples[:1] * padding, strict=True):
-            lp = self._token_logprobs(sample["prompt_ids"] + sample["completion_ids"])
-            completion_lp = lp[len(sample["prompt_ids"]) - 1 :].mean()
-            # Scaled so that FSDP's mean over ranks is the mean over the batch.
-            loss = loss - weight * sample["advantage"] * completion_lp * self.world_size / len(samples)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(total := loss.detach().clone())
-        return total.item() / self.world_size
-
     def weight_source(self, loader: str):
         """What vLLM receives, in bf16 whatever the master dtype."""
         return LocalExpertSource(self.model, self.world_size) if loader == "direct" else BF16Source(self.model)
@@ -299,13 +270,12 @@ class LocalExpertSource(BF16Source):
             yield sent, (param.to_local() if hasattr(param, "to_local") else param).to(torch.bfloat16)
 
 
-class MeasuredTrainer(checks.Measured, FSDPTrainer):
-    """The trainer main() runs: FSDPTrainer, timed and inspected from outside (checks.Measured)."""
+class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
+    """The trainer main() runs: FSDPTrainer with the toy RL step (toy_rl.py),
+    timed and inspected from outside (checks.Measured)."""
 
 
-# ---------------------------------------------------------------------------
-# Placement: one trainer rank per GPU, on one node
-# ---------------------------------------------------------------------------
+# --- Placement: one trainer rank per GPU, on one node ---------------------------------------------
 
 
 class PlacementError(RuntimeError):
@@ -384,9 +354,7 @@ def send_all(trainers: list) -> list:
         raise helpers.ServerError(f"the send failed part way; vLLM holds a mix of old and new weights: {e}") from None
 
 
-# ---------------------------------------------------------------------------
-# The server and the job
-# ---------------------------------------------------------------------------
+# --- The server and the job -----------------------------------------------------------------------
 
 
 def serve_args(args: argparse.Namespace, model_path: Path, gpu_ids: list[str]) -> list[str]:
@@ -477,9 +445,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------
-# The RL round
-# ---------------------------------------------------------------------------
+# --- The RL round ---------------------------------------------------------------------------------
 
 
 def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> None:
@@ -500,24 +466,14 @@ def wake_for_serving(sock: str) -> None:
         raise helpers.ServerError(f"server still asleep after the last wake_up: {state}")
 
 
-def reward(text: str) -> float:
-    """The toy task: write plain words. The share of characters that are a-z
-    or a space (0 for an empty completion). Replace with your own."""
-    return sum(("a" <= c <= "z") or c == " " for c in text) / len(text) if text else 0.0
-
-
-def policy_gradient_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float]:
-    """Samples for FSDPTrainer.train_step with advantage = reward - batch mean
-    (REINFORCE with a mean baseline), and the mean reward. No samples if every
-    advantage is zero: a step would change nothing."""
-    rewards = [reward(c.text) for c in batch]
-    mean = sum(rewards) / len(rewards)
-    samples = [
-        {"prompt_ids": c.prompt_token_ids, "completion_ids": c.token_ids, "advantage": r - mean}
-        for c, r in zip(batch, rewards, strict=True)
-        if c.token_ids
-    ]
-    return (samples if any(s["advantage"] for s in samples) else []), mean
+def check_coverage(job: Job, args: argparse.Namespace) -> dict:
+    """A sync into zeroed vLLM weights: what it misses stays zero."""
+    zeros = checks.zero_vllm_weights(job.server.socket_path, args.sleep_level)
+    send_all(job.trainers)
+    wake_for_serving(job.server.socket_path)
+    coverage = checks.coverage(job.server.socket_path, zeros)
+    print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}", flush=True)
+    return coverage
 
 
 def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.RoundRecord:
@@ -529,10 +485,11 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
     sequences = [c.prompt_token_ids + c.token_ids for c in batch]
     before = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
-    samples, reward_mean = policy_gradient_samples(batch) if args.train else ([], None)
+    samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
     with timer.phase("sleep"):
         helpers.sleep(sock, args.sleep_level)
+    loss = None
     if samples:
         with timer.phase("train"):
             loss = ray_get_all([t.train_step.remote(samples) for t in trainers])[0]
@@ -544,19 +501,9 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
         wake_for_serving(sock)
     # 7. The gate: vLLM now scores the same tokens as the trainer.
     after = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
-    weights_updated = first_sync or bool(samples)
-    tolerances = checks.Tolerances.from_args(args)
-    record = checks.round_record(timer.seconds, send_per_rank, ray.get(trainers[0].sync_bytes.remote()), before,
-                                 after, checks.gate(before, after, tolerances, weights_updated),
-                                 checks.memory(trainers), weights_updated)  # fmt: skip
-    if args.train:
-        record.reward_mean = reward_mean
-        if samples:
-            record.loss, record.unchanged_by_step = loss, ray.get(trainers[0].unchanged_by_last_step.remote())
-        else:
-            record.step_skipped = "every sample had the same reward: a step would change nothing"
-    checks.print_round(record, tolerances)
-    return record
+    training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
+    return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after,
+                               weights_updated=first_sync or bool(samples), training=training)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,13 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     with colocated_job(args) as job:
         sock = job.server.socket_path
         setup_weight_transfer(job, args, args.weight_loader)
-        coverage = None
-        if args.check_coverage:  # a sync into zeroed weights: what it misses stays zero
-            zeros = checks.zero_vllm_weights(sock, args.sleep_level)
-            send_all(job.trainers)
-            wake_for_serving(sock)
-            coverage = checks.coverage(sock, zeros)
-            print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}")
+        coverage = check_coverage(job, args) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         show_texts("before the first sync", args.prompts, greedy)
         rounds, time_to_first_sync_s = [], None
@@ -582,23 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         show_texts("after the last sync", args.prompts, greedy)
-        result = {
-            **checks.run_facts(args, job),
-            "train": args.train,
-            "time_to_first_sync_s": time_to_first_sync_s,
-            "coverage": coverage,
-            "rounds": [r.to_json() for r in rounds],
-            "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
-            "memory_growth_gib": checks.memory_growth_gib(rounds),
-        }
-    print(checks.format_summary(result))
-    if args.json:
-        checks.write_json(args.json, result)
-        print(f"[json] {args.json}")
-    failures = checks.failed_checks(result, args.memory_growth_tolerance_gib)
-    for failure in failures:
-        print(f"FAILED: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+        result = checks.run_result(args, job, rounds, coverage, time_to_first_sync_s)
+    return checks.report(args, result)
 
 
 def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:

@@ -12,6 +12,7 @@ import checks
 import helpers
 import models
 import rlhf_ipc_fsdp_ep as script
+import toy_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -294,15 +295,15 @@ def test_failed_checks_name_what_failed():
 
 
 def test_reward_and_advantages():
-    assert script.reward("") == 0.0
-    assert script.reward("ab c") == 1.0
-    assert script.reward("aB1!") == 0.25
+    assert toy_rl.reward("") == 0.0
+    assert toy_rl.reward("ab c") == 1.0
+    assert toy_rl.reward("aB1!") == 0.25
     batch = [
         helpers.Completion("abcd", [1, 2], [3, 4]),
         helpers.Completion("AB!!", [1, 2], [5, 6]),
         helpers.Completion("", [1, 2], []),  # no tokens: nothing to learn from
     ]
-    samples, mean = script.policy_gradient_samples(batch)
+    samples, mean = toy_rl.policy_gradient_samples(batch)
     assert mean == pytest.approx(1 / 3)
     assert [s["completion_ids"] for s in samples] == [[3, 4], [5, 6]]
     assert [s["advantage"] for s in samples] == pytest.approx([2 / 3, -1 / 3])
@@ -312,7 +313,7 @@ def test_equal_rewards_take_no_step():
     """Every advantage zero: a step would change nothing and the round would
     wrongly fail as 'logprobs unchanged'; no samples, so no step is taken."""
     batch = [helpers.Completion("abc", [1], [3]), helpers.Completion("xyz", [1], [4])]
-    assert script.policy_gradient_samples(batch) == ([], 1.0)
+    assert toy_rl.policy_gradient_samples(batch) == ([], 1.0)
 
 
 def test_summary_table_and_json_keys(tmp_path):

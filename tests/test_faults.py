@@ -33,7 +33,7 @@ class FailingSendTrainer(script.FSDPTrainer):
         if self.rank == 0:
             if self.mode == "refused":
                 # A chunk without direct_load_start: the real server refuses it.
-                helpers.DirectLoadClient(self.sock, ["GPU-x"]).update_weights(CHUNK)
+                helpers.DirectLoadClient(self.sock, ["GPU-x"], {}).update_weights(CHUNK)
             while self.mode == "killed":  # keep talking to the server until it dies
                 helpers.collective_rpc(self.sock, "direct_load_layout")
         dist.barrier()

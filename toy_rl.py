@@ -1,0 +1,72 @@
+"""The RL part of rlhf_ipc_fsdp_ep.py: a toy task and one REINFORCE step.
+Your own reward, batch and loss replace these; the weight sync does not
+depend on anything here. The script mixes PolicyGradientStep into its trainer
+(`MeasuredTrainer`), which supplies the model, the optimizer and the forward
+pass (`FSDPTrainer._token_logprobs`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import helpers
+
+
+def add_arguments(parser) -> None:
+    """The RL loop's flags."""
+    # fmt: off
+    add = parser.add_argument
+    add("--train", action="store_true", help="each round: sample from vLLM, score with a toy reward, "
+        "one AdamW policy-gradient step on fp32 master weights while vLLM sleeps, then sync")
+    add("--lr", type=float, default=1e-5, help="AdamW learning rate (--train)")
+    add("--samples-per-prompt", type=int, default=4, help="completions per prompt per round (--train)")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (--train)")
+    # fmt: on
+
+
+class PolicyGradientStep:
+    """The training step of an FSDPTrainer rank (a mixin)."""
+
+    def train_step(self, samples: list[dict]) -> float:
+        """One REINFORCE step, loss = -mean_i(advantage_i * mean log p(completion_i)),
+        on samples {"prompt_ids", "completion_ids", "advantage"}. Every rank
+        takes its share; FSDP averages the gradients. Returns the loss."""
+        if self.optimizer is None:
+            raise RuntimeError("build the model for training first: build_model(..., lr=...)")
+        self.model.train()
+        mine = samples[self.rank :: self.world_size]
+        # Every rank must run the same number of forward passes (each one
+        # all-gathers every layer): pad the short ranks with weight-0 samples.
+        padding = -(-len(samples) // self.world_size) - len(mine)
+        weights = [1.0] * len(mine) + [0.0] * padding
+        loss = torch.zeros((), device=self.device)
+        for weight, sample in zip(weights, mine + samples[:1] * padding, strict=True):
+            lp = self._token_logprobs(sample["prompt_ids"] + sample["completion_ids"])
+            completion_lp = lp[len(sample["prompt_ids"]) - 1 :].mean()
+            # Scaled so that FSDP's mean over ranks is the mean over the batch.
+            loss = loss - weight * sample["advantage"] * completion_lp * self.world_size / len(samples)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total := loss.detach().clone())
+        return total.item() / self.world_size
+
+
+def reward(text: str) -> float:
+    """The toy task: write plain words. The share of characters that are a-z
+    or a space (0 for an empty completion). Replace with your own."""
+    return sum(("a" <= c <= "z") or c == " " for c in text) / len(text) if text else 0.0
+
+
+def policy_gradient_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float]:
+    """Samples for PolicyGradientStep.train_step with advantage = reward - batch mean
+    (REINFORCE with a mean baseline), and the mean reward. No samples if every
+    advantage is zero: a step would change nothing."""
+    rewards = [reward(c.text) for c in batch]
+    mean = sum(rewards) / len(rewards)
+    samples = [
+        {"prompt_ids": c.prompt_token_ids, "completion_ids": c.token_ids, "advantage": r - mean}
+        for c, r in zip(batch, rewards, strict=True)
+        if c.token_ids
+    ]
+    return (samples if any(s["advantage"] for s in samples) else []), mean
