@@ -80,12 +80,13 @@ FAMILIES: dict[str, dict] = {
         "norm_topk_prob": True,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
+        # DeepSeek-V3's own MLA head dims: vLLM's MLA kernels on GPU take only these
         "q_lora_rank": 64,
-        "kv_lora_rank": 64,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 32,
-        "v_head_dim": 32,
-        "head_dim": 32,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "head_dim": 64,
         "num_mtp_layers": 0,
     },
     # GLM-4.5: DeepSeek-style router and shared expert, GQA with partial rotary

@@ -180,12 +180,15 @@ def restore_rotary_tables(model: torch.nn.Module) -> None:
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights with a real spread of logits (unlike vLLM's dummy
     weights, which are near zero), so a missed sync shows in the gate.
-    Each rank fills its own shard; norms get 1, persistent buffers 0."""
+    Each rank fills its own shard; norms get 1; persistent buffers (e.g. a
+    router's correction bias, zero in transformers' init) small values, the
+    same on every rank, so that a sync that misses one shows."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     params = dict(model.named_parameters())
-    for name, buf in weight_names.state_tensors(model).items():
-        if name not in params:  # a persistent buffer, e.g. a router's correction bias: as transformers inits it
-            buf.zero_()
+    for i, (name, buf) in enumerate(weight_names.state_tensors(model).items()):
+        if name not in params and buf.is_floating_point():
+            gen = torch.Generator(device=buf.device).manual_seed(seed * 1_000_003 + i)
+            buf.normal_(0.0, 0.01, generator=gen)
     for i, (name, param) in enumerate(model.named_parameters()):
         local = param.to_local() if hasattr(param, "to_local") else param
         if "norm" in name:
