@@ -95,12 +95,12 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     script.setup_weight_transfer(job, args, "vllm")
     helpers.sleep(sock, args.sleep_level)
     helpers.wake_up(sock, ["weights"])
-    script.send_all(job.trainers)
+    script.send_all(job.trainers, sock)
     script.wake_for_serving(sock)
     stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
-    script.send_all(job.trainers)
+    script.send_all(job.trainers, sock)
     script.wake_for_serving(sock)
     try:
         compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
@@ -117,6 +117,7 @@ def default_out(result: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     bench, args = parse_args(argv)
     with script.colocated_job(args, loaders=bench.loaders) as job:
         result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
@@ -139,14 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         failures.append("the direct loader did not reproduce vLLM's parameters")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
+    print(f"[benchmark] {time.monotonic() - start:.0f} s in all")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    start = time.monotonic()
-    try:
-        code = main()
-    except (script.PlacementError, script.TrainerDied, helpers.ServerError) as e:
-        sys.exit(f"error: {e}")
-    print(f"[benchmark] {time.monotonic() - start:.0f} s in all")
-    sys.exit(code)
+    script.cli(main)

@@ -219,6 +219,7 @@ class RoundRecord:
     gate_passed: bool
     mem_reserved_gib: list[float]
     memory_gib_per_rank: list[dict]
+    send_retries: int = 0  # sends the server failed part way and that were sent again
     # With --train only:
     reward_mean: float | None = None
     loss: float | None = None
@@ -265,7 +266,8 @@ def round_record(
 
 
 def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: list[dict], before: LogprobGap,
-                 after: LogprobGap, weights_updated: bool, training: dict | None = None) -> RoundRecord:  # fmt: skip
+                 after: LogprobGap, send_retries: int, weights_updated: bool,
+                 training: dict | None = None) -> RoundRecord:  # fmt: skip
     """A round as the JSON records it, with the gate's verdict (printed):
     `phases` and `send_per_rank` as measured, the logprob gaps before and
     after the sync, and with --train `training` = {"reward_mean", "loss"}
@@ -274,6 +276,7 @@ def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: 
     verdict = gate(before, after, tolerances, weights_updated)
     sync_bytes = ray.get(trainers[0].sync_bytes.remote())
     record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers), weights_updated)
+    record.send_retries = send_retries
     if training is not None:
         record.reward_mean, record.loss = training["reward_mean"], training["loss"]
         if training["loss"] is None:
@@ -293,6 +296,8 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
             "small to change a bf16 weight)"
         )
     extra = f", reward {record.reward_mean:.3f}" if record.reward_mean is not None else ""
+    if record.send_retries:
+        extra += f", after {record.send_retries} retried send(s)"
     if record.unchanged_by_step:
         extra += f", {len(record.unchanged_by_step)} parameters unchanged by the step"
     print(
@@ -342,6 +347,7 @@ def run_result(args, job, rounds: list[RoundRecord], coverage: dict | None, time
         "rounds": [r.to_json() for r in rounds],
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": memory_growth_gib(rounds),
+        "retried_rounds": [i for i, r in enumerate(rounds, 1) if r.send_retries],
     }
 
 
@@ -434,6 +440,8 @@ def format_summary(result: dict) -> str:
         lines.append(f"GPU memory growth, round 2 -> last: {result['memory_growth_gib']:+.3f} GiB")
     if result.get("time_to_first_sync_s") is not None:
         lines.append(f"time to the first gated sync: {result['time_to_first_sync_s']:.1f} s")
+    if result.get("retried_rounds"):
+        lines.append(f"rounds whose send was retried: {result['retried_rounds']}")
     return "\n".join(lines)
 
 

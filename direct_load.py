@@ -68,6 +68,8 @@ class DirectLoadWorker:
 
         if getattr(self, "_weight_update_active", False):
             raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
+        if (unfinished := getattr(self, "_direct_session", None)) is not None:
+            unfinished.importer.close()  # a send that failed part way: start afresh
         model = self.model_runner.get_model()
         device = next(model.parameters()).device
         self._direct_session = _Session(

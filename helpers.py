@@ -455,3 +455,46 @@ class DirectLoadClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass
+
+
+class FailAfterSend:
+    """Rank 0's weight sync client, made safe to retry. In a send, vLLM's IPC
+    trainer engine has every rank all-gather IPC handles and meet at a barrier
+    for each chunk, and only rank 0 calls the client: if a call raised there,
+    rank 0 would leave the send while the others wait at the next barrier (for
+    the 10-minute collective timeout), and no retry could start. So after a
+    failed call the send's remaining updates are skipped, `finish_weight_update`
+    still closes the server's update (its own failure is ignored), and
+    `raise_failure()` raises the first error once the send is over."""
+
+    def __init__(self, client) -> None:
+        self._client, self._failure = client, None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._client.init_weight_transfer_engine(init_info)  # at setup, not in a send: raise now
+
+    def start_weight_update(self) -> None:
+        self._failure = None
+        self._call(self._client.start_weight_update)
+
+    def update_weights(self, update_info: dict) -> None:
+        if self._failure is None:
+            self._call(self._client.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call(self._client.finish_weight_update, weight_version)
+
+    def raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def __getattr__(self, name: str):  # anything else vLLM may call
+        return getattr(self._client, name)
+
+    def _call(self, method, *args) -> None:
+        try:
+            method(*args)
+        except ServerError as e:
+            self._failure = self._failure or e
+

@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
         help="pack parameters into one reusable IPC buffer per rank (else one IPC handle per parameter)")
     add("--packed-buffer-size-bytes", type=int, default=1024**3, help="each rank's packed IPC buffer; "
         "must hold the largest parameter")
+    add("--send-retries", type=int, default=1, help="send again from the start, this many times, when the "
+        "server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")
     add("--sleep-level", type=int, choices=(1, 2), default=2, help="1: vLLM copies its weights to CPU "
         "while asleep; 2: it discards them (every weight is re-sent, so nothing is lost)")
@@ -109,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-buffer-size-bytes must be positive")
     if args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1:
         p.error("--rounds, --max-tokens and --samples-per-prompt must be at least 1")
+    if args.send_retries < 0:
+        p.error("--send-retries must be 0 or more")
     if problem := checks.loader_flag_problem(args, args.weight_loader):
         p.error(problem)
     return args
@@ -212,15 +216,18 @@ class FSDPTrainer:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         source = self.weight_source(loader)
+        self.client = helpers.FailAfterSend(self.weight_sync_client(sock, loader, source, trainer_gpu_uuids))
         self.engine = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
-            client=self.weight_sync_client(sock, loader, source, trainer_gpu_uuids),
+            client=self.client,
             source=source,
         )
 
     def send_weights(self) -> None:
-        """One full sync; every rank takes part."""
+        """One full sync; every rank takes part. A server error on rank 0
+        is raised once every rank is through the send, so it can be retried."""
         self.engine.send_weights()
+        self.client.raise_failure()
 
 
 class BF16Source:
@@ -344,14 +351,27 @@ def death_cause(error: Exception) -> str:
     return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
 
 
-def send_all(trainers: list) -> list:
-    """send_weights() on every rank. If one fails, the others may wait for it
-    in a collective: raise at once. vLLM then holds a mix of old and new
-    weights and is still asleep: the caller must not serve from it."""
-    try:
-        return ray_get_all([t.send_weights.remote() for t in trainers])
-    except helpers.ServerError as e:
-        raise helpers.ServerError(f"the send failed part way; vLLM holds a mix of old and new weights: {e}") from None
+def send_all(trainers: list, sock: str, retries: int = 0) -> tuple[list, int]:
+    """send_weights() on every rank; returns what each rank reports and how
+    many times the send was retried. A send the server failed part way (an
+    HTTP error, a refused chunk, a timeout) is sent again from the start, up to
+    `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
+    rank (TrainerDied) or a dead server is not retried."""
+    for attempt in range(retries + 1):
+        sends = [t.send_weights.remote() for t in trainers]
+        try:
+            return ray_get_all(sends), attempt
+        except helpers.ServerError as e:
+            failure = e
+            if attempt == retries or not helpers.health(sock):  # a dead server is not retried
+                break
+            done, _ = ray.wait(sends, num_returns=len(sends), timeout=60)
+            if len(done) < len(sends):  # a rank still in the send: a retry would meet it there
+                break
+            print(f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
+                  f"(retry {attempt + 1} of {retries})", flush=True)  # fmt: skip
+    tries = f" ({attempt + 1} tries)" if attempt else ""
+    raise helpers.ServerError(f"the send failed part way{tries}; vLLM holds a mix of old and new weights: {failure}")
 
 
 # --- The server and the job -----------------------------------------------------------------------
@@ -469,7 +489,7 @@ def wake_for_serving(sock: str) -> None:
 def check_coverage(job: Job, args: argparse.Namespace) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = checks.zero_vllm_weights(job.server.socket_path, args.sleep_level)
-    send_all(job.trainers)
+    send_all(job.trainers, job.server.socket_path, args.send_retries)
     wake_for_serving(job.server.socket_path)
     coverage = checks.coverage(job.server.socket_path, zeros)
     print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}", flush=True)
@@ -496,13 +516,13 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     with timer.phase("wake_weights"):
         helpers.wake_up(sock, ["weights"])
     with timer.phase("send"):
-        send_per_rank = send_all(trainers)
+        send_per_rank, send_retries = send_all(trainers, sock, args.send_retries)
     with timer.phase("wake_kv"):
         wake_for_serving(sock)
     # 7. The gate: vLLM now scores the same tokens as the trainer.
     after = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
-    return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after,
+    return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, send_retries,
                                weights_updated=first_sync or bool(samples), training=training)  # fmt: skip
 
 
@@ -531,8 +551,19 @@ def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) 
     print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(prompts, batch, strict=True)), sep="\n")
 
 
-if __name__ == "__main__":
+def cli(main_fn) -> None:
+    """Run main_fn() and exit with its code; the failures we expect (a dead
+    rank or server, no room for the trainers) as one `error:` line, Ctrl-C as
+    one line too (the cleanup has run on the way out). Anything else keeps its
+    traceback."""
     try:
-        sys.exit(main())
+        sys.exit(main_fn())
     except (PlacementError, TrainerDied, helpers.ServerError) as e:
-        sys.exit(f"error: {e}")  # expected failures get one clear line; anything else keeps its traceback
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("error: interrupted; the server and the trainers are stopped", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -403,3 +403,24 @@ def test_cpu_test_setup_asks_for_the_cpu_torch_build_and_says_where_it_is():
     requirements = (ROOT / "tests" / "requirements-cpu.txt").read_text().split()
     assert "torch==2.13.0+cpu" in requirements and "torch==2.13.0" not in requirements
     assert "https://download.pytorch.org/whl/cpu" in (ROOT / "README.md").read_text()
+
+
+def test_cli_ends_expected_failures_and_ctrl_c_with_one_line(capsys):
+    def raises(error):
+        def main():
+            raise error
+
+        return main
+
+    with pytest.raises(SystemExit) as exit_:
+        script.cli(raises(KeyboardInterrupt()))
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted; the server and the trainers are stopped\n"
+    with pytest.raises(SystemExit) as exit_:
+        script.cli(raises(helpers.ServerError("the send failed part way")))
+    assert exit_.value.code == "error: the send failed part way"  # printed by Python, exit status 1
+    with pytest.raises(SystemExit) as exit_:
+        script.cli(lambda: 3)
+    assert exit_.value.code == 3
+    with pytest.raises(ValueError):  # a bug keeps its traceback
+        script.cli(raises(ValueError("unexpected")))

@@ -39,14 +39,14 @@ class FailingSendTrainer(script.FSDPTrainer):
         dist.barrier()
 
 
-def send_and_expect_failure(start_trainers, sock, mode, during=None):
+def send_and_expect_failure(start_trainers, sock, mode, during=None, retries=0):
     trainers = start_trainers(trainer_cls=FailingSendTrainer)
     script.ray_get_all([t.setup_weight_transfer.remote(sock, mode) for t in trainers])
     if during:
         threading.Timer(2.0, during).start()
     begin = time.monotonic()
     with pytest.raises(helpers.ServerError) as error:
-        script.send_all(trainers)
+        script.send_all(trainers, sock, retries)
     return str(error.value), time.monotonic() - begin
 
 
@@ -62,10 +62,65 @@ def test_a_server_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, tmp
     server = start_cpu_server(model, tmp_path, "--load-format", "dummy")
     try:
         message, seconds = send_and_expect_failure(
-            fresh_cpu_trainers, server.socket_path, "killed", during=lambda: helpers.stop_server(server, grace_s=0)
+            fresh_cpu_trainers, server.socket_path, "killed", during=lambda: helpers.stop_server(server, grace_s=0),
+            retries=1,
         )
     finally:
         helpers.stop_server(server)
     assert seconds < 60
-    assert "the send failed part way" in message and "/collective_rpc failed" in message
+    assert message.startswith("the send failed part way; ")  # a dead server: not retried
+    assert "/collective_rpc failed" in message
     assert helpers.group_members(server.pgid) == [] and not helpers.health(server.socket_path)
+
+
+class FlakySendTrainer(script.FSDPTrainer):
+    """send_weights shaped as vLLM's IPC trainer engine runs a packed send
+    (ipc_engine.py: only rank 0 calls the client; every rank meets at a
+    barrier after each chunk and after the finish), through the client
+    FSDPTrainer builds: FailAfterSend around the direct loader's client, on
+    the real server. The first `failing_sends` sends post chunks the server
+    refuses (no IPC buffer for its engine's GPU)."""
+
+    def setup_weight_transfer(self, sock, failing_sends, *_):
+        self.client = helpers.FailAfterSend(helpers.DirectLoadClient(sock, ["GPU-x"], {}))
+        self.failing_sends, self.sends = failing_sends, 0
+
+    def send_weights(self):
+        self.sends += 1
+        if self.rank == 0:
+            self.client.start_weight_update()
+        for _chunk in range(3):
+            if self.rank == 0 and self.sends <= self.failing_sends:
+                self.client.update_weights(CHUNK)
+            dist.barrier()
+        if self.rank == 0:
+            self.client.finish_weight_update()
+        dist.barrier()
+        self.client.raise_failure()
+        return {"sends": self.sends}
+
+
+def flaky_trainers(start_trainers, sock, failing_sends):
+    trainers = start_trainers(trainer_cls=FlakySendTrainer)
+    script.ray_get_all([t.setup_weight_transfer.remote(sock, failing_sends) for t in trainers])
+    return trainers
+
+
+def test_a_send_that_fails_once_is_sent_again(fresh_cpu_trainers, cpu_server, capsys):
+    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, failing_sends=1)
+    per_rank, retries = script.send_all(trainers, cpu_server.socket_path, retries=1)
+    assert retries == 1 and per_rank == [{"sends": 2}, {"sends": 2}]  # every rank sent twice: nobody was stuck
+    out = capsys.readouterr().out
+    assert "every engine needs a trainer rank on its own GPU" in out  # the server's words, said once
+    assert "vLLM is still asleep: sending every weight again (retry 1 of 1)" in out
+    assert script.send_all(trainers, cpu_server.socket_path, retries=1)[1] == 0  # the server takes the next send
+
+
+def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cpu_server):
+    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, failing_sends=99)
+    begin = time.monotonic()
+    with pytest.raises(helpers.ServerError) as error:
+        script.send_all(trainers, cpu_server.socket_path, retries=2)
+    assert time.monotonic() - begin < 60  # not the 10-minute collective timeout
+    assert str(error.value).startswith("the send failed part way (3 tries); vLLM holds a mix of old and new")
+    assert "every engine needs a trainer rank on its own GPU" in str(error.value)
