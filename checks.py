@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import helpers
 import models
+import weight_names
 
 GiB = 1024**3
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
@@ -53,8 +54,23 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
                 f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
                 f"the largest parameter, {name} ({size} bytes); pass at least {size}"
             )
+        if problem := packing_problem(weight_names.CheckpointForm(meta, torch.bfloat16).metadata):
+            raise SystemExit(f"error: {problem}")
     if "direct" in loaders and (problem := models.direct_loader_problem(meta, args.num_gpus)):
         raise SystemExit(f"error: {problem}")
+
+
+def packing_problem(metadata: list[tuple[str, tuple, torch.dtype]]) -> str | None:
+    """vLLM's packed IPC buffer holds the tensors back to back, unpadded, and
+    views each at its offset: after a tensor whose size is not a multiple of
+    the widest element (e.g. an odd-length bf16 tensor before a router's fp32
+    bias) the view fails mid-send. None if every size is a multiple of it."""
+    widest = max(dtype.itemsize for _, _, dtype in metadata)
+    for name, shape, dtype in metadata:
+        if (size := math.prod(shape) * dtype.itemsize) % widest:
+            return (f"{name} is {size} bytes, not a multiple of {widest}: vLLM's packed IPC buffer would "
+                    f"misalign the {widest}-byte tensors after it; pass --no-packed --weight-loader vllm")  # fmt: skip
+    return None
 
 
 def _worst(values: list[float]) -> float:

@@ -99,16 +99,22 @@ class DirectLoadWorker:
         uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
         uuids = expected["trainer_gpu_uuids"]
         trainer_rank = uuids.index(uuid) if uuid in uuids else _no_trainer_rank(uuid, uuids)
+        dtype = getattr(torch, expected["dtype"])
         layers = _expert_layers(model)
+        sent_to = {name.rpartition(".")[0] for name in expected["blocks"]}
+        if missed := sorted(set(layers) - sent_to):
+            raise ValueError(f"this engine's fused expert layers {missed[:2]} would get no expert block; "
+                             "use --weight-loader vllm")  # fmt: skip
         for name, shape in expected["blocks"].items():
             layer_name, _, tensor_name = name.rpartition(".")
             if layer_name not in layers or tensor_name not in EXPERT_TENSORS:
                 raise ValueError(
                     f"the trainer will send expert block {name}, but this engine has no fused expert "
-                    f"layer {layer_name!r} (it has {sorted(layers)[:2]}...); use --weight-loader vllm"
+                    f"tensor of that name (its expert layers: {sorted(layers)[:2] or 'none'}; "
+                    f"tensors {list(EXPERT_TENSORS)}); use --weight-loader vllm"
                 )
             param = getattr(layers[layer_name], EXPERT_TENSORS[tensor_name])
-            if problem := _block_problem(layers[layer_name], name, param, shape, param.dtype, trainer_rank):
+            if problem := _block_problem(layers[layer_name], name, param, shape, dtype, trainer_rank):
                 raise ValueError(problem)
         return {"expert_blocks": len(expected["blocks"]), "trainer_rank": trainer_rank}
 
@@ -157,8 +163,11 @@ class DirectLoadWorker:
         return {"tensors": len(tensors), "bytes": sum(sizes)}
 
     def direct_load_finish(self) -> dict:
-        """Run each written layer's post-load processing, as vLLM's reload
-        does, and release the IPC buffer."""
+        """Run each written layer's post-load processing, then the attention
+        layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj),
+        as vLLM's reload does, and release the IPC buffer."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
         session = self._direct_session_or_raise()
         with torch.no_grad():
             for module in session.touched.values():
@@ -168,6 +177,9 @@ class DirectLoadWorker:
                 if hasattr(module, "_already_called_process_weights_after_loading"):
                     delattr(module, "_already_called_process_weights_after_loading")
                 method.process_weights_after_loading(module)
+            for module in session.model.modules():
+                if is_deferred_attention_layer(module):
+                    module.process_weights_after_loading(self.vllm_config.model_config.dtype)
         if session.device.type == "cuda":
             torch.cuda.synchronize(session.device)
         session.importer.close()
@@ -227,7 +239,7 @@ def _expert_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
     raise ValueError(
-        f"no IPC buffer for this engine's GPU {gpu_uuid}; the trainer ranks are on "
+        f"no trainer rank on this engine's GPU ({gpu_uuid or 'no GPU'}); the trainer ranks are on "
         f"{trainer_gpu_uuids}: every engine needs a trainer rank on its own GPU"
     )
 
@@ -235,9 +247,11 @@ def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
 def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int) -> str | None:
     """Why the trainer rank's block `name` (`shape`, `dtype`) is not exactly
     what this engine's expert layer holds in `param`, or None."""
-    held = experts.expert_map_manager.get_local_expert_ids()
+    held = list(experts.expert_map_manager.get_local_expert_ids())
     n = shape[0]
     sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
+    if not held or not sent:
+        return f"{name}: this engine holds experts {held} and the trainer rank on its GPU sends {n}"
     if (
         held != sent
         or tuple(param.shape) != tuple(shape)

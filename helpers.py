@@ -188,14 +188,43 @@ def log_tail(server: Server, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# What a starting `vllm serve` (0.32) is doing, from the first log line that
+# says so, in the order they come. Only for progress lines: a milestone whose
+# wording changes is not shown, nothing else depends on it.
+START_MILESTONES = (
+    ("Initializing a V1 LLM engine", "engines starting"),
+    ("Model loading took", "model built (dummy weights)"),
+    ("Starting torch.compile", "torch.compile ..."),
+    ("torch.compile took", "torch.compile done"),
+    ("Capturing CUDA", "capturing CUDA graphs ..."),
+    ("Available KV cache memory", "memory profiled, KV cache sized"),
+    ("init engine (profile, create kv cache, warmup model) took", "engines ready"),
+    ("Starting vLLM server on", "API server listening"),
+)
+
+
+def _print_milestones(server: Server, shown: set[str]) -> None:
+    try:
+        text = server.log_path.read_text(errors="replace")
+    except OSError:
+        return
+    for needle, label in START_MILESTONES:
+        if label not in shown and needle in text:
+            shown.add(label)
+            print(f"[server] {time.monotonic() - server.started_at:5.0f} s: {label}", flush=True)
+
+
 def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0) -> float:
-    """Block until GET /health answers 200; return seconds since start.
+    """Block until GET /health answers 200, printing the server's progress
+    (START_MILESTONES) meanwhile; return seconds since start.
 
     Raises ServerError at once if the process exits, or when the deadline
     passes, quoting the end of the server's log either way.
     """
     deadline = time.monotonic() + timeout_s
+    shown: set[str] = set()
     while True:
+        _print_milestones(server, shown)
         code = server.proc.poll()
         if code is not None:
             raise ServerError(
@@ -437,7 +466,7 @@ class DirectLoadClient:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if not init_info.get("packed"):
             raise ValueError("the direct loader reads packed IPC buffers: use packed=True")
-        expected = {"blocks": self.expert_blocks, "trainer_gpu_uuids": self.trainer_gpu_uuids}
+        expected = {"blocks": self.expert_blocks, "dtype": "bfloat16", "trainer_gpu_uuids": self.trainer_gpu_uuids}
         collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
 
     def start_weight_update(self) -> None:
@@ -464,8 +493,9 @@ class FailAfterSend:
     rank 0 would leave the send while the others wait at the next barrier (for
     the 10-minute collective timeout), and no retry could start. So after a
     failed call the send's remaining updates are skipped, `finish_weight_update`
-    still closes the server's update (its own failure is ignored), and
-    `raise_failure()` raises the first error once the send is over."""
+    is still called (the direct loader's finish closes its session; its own
+    failure is ignored), and `raise_failure()` raises the first error once the
+    send is over. Only the direct loader's sends are retried (send_all)."""
 
     def __init__(self, client) -> None:
         self._client, self._failure = client, None

@@ -167,8 +167,9 @@ def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None
 
 
 def restore_rotary_tables(model: torch.nn.Module) -> None:
-    """to_empty() leaves buffers uninitialised; rebuild the rotary tables,
-    the only buffers these decoders have."""
+    """to_empty() leaves buffers uninitialised; rebuild the rotary tables
+    (the other buffers, such as a router's correction bias, are persistent:
+    init_random_weights or the checkpoint fills them)."""
     for module in model.modules():
         if hasattr(module, "inv_freq"):
             fresh = type(module)(module.config)

@@ -1,27 +1,20 @@
 """Move an FSDP2 trainer's weights into a colocated vLLM server over CUDA IPC.
 
-N GPUs are shared by two parties:
-  * N FSDP2 trainer ranks, one Ray actor per GPU (the model sharded over them);
-  * one `vllm serve` with data parallel size N/TP and expert parallelism, its
-    engines pinned to the same GPUs with --device-ids, reachable only by this
-    user (a Unix socket in a private directory).
+N GPUs, shared: N FSDP2 trainer ranks (one Ray actor per GPU) and one
+`vllm serve` (data parallel N/TP, expert parallel) pinned to the same GPUs,
+reachable only by this user (a Unix socket in a private directory). One round,
+as run_round() does it:
 
-One round of RL, as run_round() does it:
-  1. generate                  vLLM samples completions; trainer and vLLM score them
-  2. /sleep                    vLLM frees its KV cache (and its weights at level 2)
-  3. train (--train)           one policy-gradient step on the freed memory
-  4. /wake_up?tags=weights     vLLM maps its weight memory back
-  5. send_weights() on every rank: vLLM's IPC trainer engine packs the weights
-     into one GPU buffer per rank; the vLLM engine on each GPU reads its own
-     GPU's buffer through a CUDA IPC handle. With the default direct loader
-     (direct_load.py) each GPU gets only its own experts, taken from the FSDP
-     shard without a gather; --weight-loader vllm uses vLLM's own route
-  6. /wake_up?tags=kv_cache&tags=scheduling   vLLM serves again
-  7. gate                      vLLM's log-probabilities on every DP engine must
-                               match the trainer's on the same tokens
+  1. generate                               vLLM samples; trainer and vLLM score the tokens
+  2. /sleep                                 vLLM frees its KV cache and weights
+  3. train (--train)                        one policy-gradient step on the freed memory
+  4. /wake_up?tags=weights                  vLLM maps its weight memory back
+  5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads its
+                                            own GPU's buffer (direct loader: its own experts)
+  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again
+  7. gate                                   vLLM's logprobs on every DP engine = the trainer's
 
     python rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2      # no download
-    python rlhf_ipc_fsdp_ep.py                                # Qwen3-30B-A3B on 4 GPUs
 """
 
 from __future__ import annotations
@@ -77,8 +70,8 @@ def parser() -> argparse.ArgumentParser:
         help="pack parameters into one reusable IPC buffer per rank (else one IPC handle per parameter)")
     add("--packed-buffer-size-bytes", type=int, default=1024**3, help="each rank's packed IPC buffer; "
         "must hold the largest parameter")
-    add("--send-retries", type=int, default=1, help="send again from the start, this many times, when the "
-        "server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
+    add("--send-retries", type=int, default=1, help="direct loader: send again from the start, this many "
+        "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")
     add("--sleep-level", type=int, choices=(1, 2), default=2, help="1: vLLM copies its weights to CPU "
         "while asleep; 2: it discards them (every weight is re-sent, so nothing is lost)")
@@ -357,21 +350,26 @@ def send_all(trainers: list, sock: str, retries: int = 0) -> tuple[list, int]:
     HTTP error, a refused chunk, a timeout) is sent again from the start, up to
     `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
     rank (TrainerDied) or a dead server is not retried."""
+    first = why = None
     for attempt in range(retries + 1):
         sends = [t.send_weights.remote() for t in trainers]
         try:
             return ray_get_all(sends), attempt
         except helpers.ServerError as e:
-            failure = e
-            if attempt == retries or not helpers.health(sock):  # a dead server is not retried
+            first = first or e
+            if attempt == retries:
                 break
-            done, _ = ray.wait(sends, num_returns=len(sends), timeout=60)
-            if len(done) < len(sends):  # a rank still in the send: a retry would meet it there
+            if not helpers.health(sock):
+                why = "not retried: the server does not answer"
+                break
+            if len(ray.wait(sends, num_returns=len(sends), timeout=60)[0]) < len(sends):
+                why = "not retried: a trainer rank is still in the send"
                 break
             print(f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
                   f"(retry {attempt + 1} of {retries})", flush=True)  # fmt: skip
-    tries = f" ({attempt + 1} tries)" if attempt else ""
-    raise helpers.ServerError(f"the send failed part way{tries}; vLLM holds a mix of old and new weights: {failure}")
+    detail = why or (f"{attempt + 1} tries" if attempt else "")
+    raise helpers.ServerError(f"the send failed part way{f' ({detail})' if detail else ''}; "
+                              f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
 
 
 # --- The server and the job -----------------------------------------------------------------------
@@ -413,6 +411,7 @@ class Job:
     architecture: str
     gpu_name: str
     gpu_uuids: list[str]
+    loader: str = ""  # the weight loader the trainers' IPC engines were built for
 
 
 @contextmanager
@@ -473,6 +472,14 @@ def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> No
     sock = job.server.socket_path
     ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
                                                 job.gpu_uuids) for t in job.trainers])  # fmt: skip
+    job.loader = loader
+
+
+def send_retries(job: Job, args: argparse.Namespace) -> int:
+    """Only the direct loader's sends are retried: after a failed chunk, vLLM
+    0.32's own route leaves its layer-wise reload half done, and a second send
+    would load on top of it."""
+    return args.send_retries if job.loader == "direct" else 0
 
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
@@ -489,7 +496,7 @@ def wake_for_serving(sock: str) -> None:
 def check_coverage(job: Job, args: argparse.Namespace) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = checks.zero_vllm_weights(job.server.socket_path, args.sleep_level)
-    send_all(job.trainers, job.server.socket_path, args.send_retries)
+    send_all(job.trainers, job.server.socket_path, send_retries(job, args))
     wake_for_serving(job.server.socket_path)
     coverage = checks.coverage(job.server.socket_path, zeros)
     print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}", flush=True)
@@ -516,13 +523,13 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     with timer.phase("wake_weights"):
         helpers.wake_up(sock, ["weights"])
     with timer.phase("send"):
-        send_per_rank, send_retries = send_all(trainers, sock, args.send_retries)
+        send_per_rank, retried = send_all(trainers, sock, send_retries(job, args))
     with timer.phase("wake_kv"):
         wake_for_serving(sock)
     # 7. The gate: vLLM now scores the same tokens as the trainer.
     after = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
-    return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, send_retries,
+    return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
                                weights_updated=first_sync or bool(samples), training=training)  # fmt: skip
 
 

@@ -144,14 +144,17 @@ class CheckpointForm:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=()) -> None:
         self._model, self._dtype = model, dtype
-        state = state_tensors(model)
+        state, excluded = state_tensors(model), set(exclude)
         self._groups, self._unchanged, self.metadata = [], [], []
         for group in conversion_groups(model):
-            if set(group) & set(exclude):
+            if set(group) & excluded:
+                if not set(group) <= excluded:  # would drop a tensor nobody sends
+                    raise ValueError(f"{sorted(set(group) - excluded)} convert together with {sorted(excluded)}")
                 continue
-            out = _revert(model, {n: _meta(state[n]) for n in group})
+            meta = {n: _meta(state[n]) for n in group}
+            out = _revert(model, meta)
             self._groups.append(group)
-            self._unchanged.append(list(out) == group and out[group[0]].shape == state[group[0]].shape)
+            self._unchanged.append(list(out) == group and all(out[n] is meta[n] for n in group))
             self.metadata += [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
 
     @torch.no_grad()
@@ -166,16 +169,6 @@ class CheckpointForm:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def checkpoint_metadata(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, tuple, torch.dtype]]:
-    """(checkpoint name, shape, dtype) of every tensor `checkpoint_tensors` yields, in order."""
-    return CheckpointForm(model, dtype).metadata
-
-
-def checkpoint_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, tensor) as `save_pretrained` would write them, each exactly once."""
-    yield from CheckpointForm(model, dtype)
 
 
 # ---------------------------------------------------------------------------

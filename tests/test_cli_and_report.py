@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 import checks
 import helpers
@@ -424,3 +425,13 @@ def test_cli_ends_expected_failures_and_ctrl_c_with_one_line(capsys):
     assert exit_.value.code == 3
     with pytest.raises(ValueError):  # a bug keeps its traceback
         script.cli(raises(ValueError("unexpected")))
+
+
+def test_packed_sends_need_sizes_that_keep_every_tensor_aligned():
+    """vLLM packs tensors back to back: a 3-element bf16 tensor (6 bytes)
+    before an fp32 one would leave it at an offset it cannot be viewed at."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert checks.packing_problem([("a", (4,), bf16), ("bias", (3,), fp32)]) is None
+    assert checks.packing_problem([("a", (3,), bf16), ("b", (5,), bf16)]) is None  # all bf16: no constraint
+    problem = checks.packing_problem([("odd", (3,), bf16), ("bias", (3,), fp32)])
+    assert problem.startswith("odd is 6 bytes, not a multiple of 4") and "--no-packed --weight-loader vllm" in problem

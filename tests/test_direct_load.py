@@ -50,19 +50,23 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
 def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
     """When vLLM's IPC engine is built (trainer_init), every engine checks the
     expert blocks the trainer will send: a name it has no layer for, a block
-    that is not its own experts, or no trainer rank on its GPU each fail with
-    the cause, before a single tensor moves. (On CPU an engine's GPU id is "".)"""
+    that is not its own experts, no trainer rank on its GPU, or an expert layer
+    no block covers each fail with the cause, before a single tensor moves. (On CPU an engine's GPU id is "".)"""
     sock = cpu_server.socket_path
     (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
-    name, layer = sorted(layout["expert_layers"].items())[0]
-    whole = {f"{name}.gate_up_proj": layer["w13_weight"], f"{name}.down_proj": layer["w2_weight"]}
+    layers = layout["expert_layers"]
+    whole = {f"{n}.{t}": layers[n][w] for n in layers for t, w in (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))}
     helpers.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
+    name = sorted(layers)[0]
+    renamed = {k.replace(f"{name}.gate_up_proj", "model.layers.0.block_sparse_moe.experts.gate_up_proj"): v
+               for k, v in whole.items()}  # fmt: skip
     cases = {
-        "no fused expert layer 'model.layers.0.block_sparse_moe.experts'":
-            ([""], {"model.layers.0.block_sparse_moe.experts.gate_up_proj": layer["w13_weight"]}),
+        "no fused expert tensor of that name": ([""], renamed),
         r"holds experts 0\.\.7 .* sends experts 0\.\.3":
-            (["", "GPU-1"], {f"{name}.gate_up_proj": [4, *layer["w13_weight"][1:]]}),
+            (["", "GPU-1"], {**whole, f"{name}.gate_up_proj": [4, *layers[name]["w13_weight"][1:]]}),
         "every engine needs a trainer rank on its own GPU": (["GPU-elsewhere"], whole),
+        f"fused expert layers \\['{sorted(layers)[-1]}'\\] would get no expert block":
+            ([""], {k: v for k, v in whole.items() if not k.startswith(sorted(layers)[-1] + ".")}),
     }  # fmt: skip
     for message, (uuids, blocks) in cases.items():
         with pytest.raises(helpers.ServerError, match=message):

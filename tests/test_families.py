@@ -124,7 +124,7 @@ def load_one_at_a_time(vllm_model, tensors):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_loads_what_the_trainer_sends(family, vllm_models):
     hf = build_model(family, device="meta")
-    metadata = weight_names.checkpoint_metadata(hf, torch.bfloat16)
+    metadata = weight_names.CheckpointForm(hf, torch.bfloat16).metadata
     names = [n for n, _, _ in metadata]
     assert len(names) == len(set(names)), "a checkpoint name is sent twice"
 
@@ -144,7 +144,7 @@ def test_router_bias_buffer_is_sent(family, vllm_models):
     parameter in vLLM. named_parameters() misses it; we send it, in fp32
     (transformers keeps it in fp32, as vLLM does)."""
     hf = build_model(family, device="meta")
-    sent = {n: d for n, _, d in weight_names.checkpoint_metadata(hf, torch.bfloat16)}
+    sent = {n: d for n, _, d in weight_names.CheckpointForm(hf, torch.bfloat16).metadata}
     in_hf_buffers = {n for n, _ in hf.named_buffers() if n.endswith("e_score_correction_bias")}
     in_vllm = {n for n, _ in vllm_models(family).named_parameters() if n.endswith("e_score_correction_bias")}
     assert in_hf_buffers and not any(n.endswith("e_score_correction_bias") for n, _ in hf.named_parameters())
@@ -157,7 +157,7 @@ def test_non_persistent_buffers_are_not_sent(family, vllm_models):
     """Rotary tables (`inv_freq`) are non-persistent buffers: not in the
     checkpoint, not sent, and not a vLLM parameter (vLLM computes its own)."""
     hf = build_model(family, device="meta")
-    sent = {n for n, _, _ in weight_names.checkpoint_metadata(hf)}
+    sent = {n for n, _, _ in weight_names.CheckpointForm(hf).metadata}
     non_persistent = {
         f"{prefix}.{b}" if prefix else b
         for prefix, m in hf.named_modules()
@@ -170,8 +170,8 @@ def test_non_persistent_buffers_are_not_sent(family, vllm_models):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensors_match_save_pretrained(family, tmp_path):
-    """checkpoint_tensors yields what save_pretrained writes: same names,
-    dtypes, values; and checkpoint_metadata describes it in the same order."""
+    """CheckpointForm yields what save_pretrained writes: same names, dtypes,
+    values; and its metadata describes it in the same order."""
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
@@ -184,9 +184,9 @@ def test_tensors_match_save_pretrained(family, tmp_path):
     for f in sorted(tmp_path.glob("*.safetensors")):
         saved.update(load_file(f))
 
-    ours = list(weight_names.checkpoint_tensors(hf))
+    ours = list(weight_names.CheckpointForm(hf))
     assert [(n, tuple(t.shape), t.dtype) for n, t in ours] == [
-        (n, s, d) for n, s, d in weight_names.checkpoint_metadata(hf)
+        (n, s, d) for n, s, d in weight_names.CheckpointForm(hf).metadata
     ]
     assert sorted(n for n, _ in ours) == sorted(saved)
     for name, tensor in ours:
@@ -216,7 +216,7 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
         for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
             if t.is_floating_point() and "inv_freq" not in name:
                 t.normal_()
-        vllm_model.load_weights(weight_names.checkpoint_tensors(hf, torch.bfloat16))
+        vllm_model.load_weights(iter(weight_names.CheckpointForm(hf, torch.bfloat16)))
         params = dict(vllm_model.named_parameters())
         truth = {n: p.clone() for n, p in params.items()}
         for p in params.values():
@@ -255,10 +255,10 @@ def test_fsdp2_dtensors(vllm_models):
     fully_shard(sharded, mesh=mesh)
     assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
 
-    expected = list(weight_names.checkpoint_tensors(plain, torch.bfloat16))
-    got = list(weight_names.checkpoint_tensors(sharded, torch.bfloat16))
+    expected = list(weight_names.CheckpointForm(plain, torch.bfloat16))
+    got = list(weight_names.CheckpointForm(sharded, torch.bfloat16))
     assert [n for n, _ in got] == [n for n, _ in expected]
-    assert weight_names.checkpoint_metadata(sharded, torch.bfloat16) == [
+    assert weight_names.CheckpointForm(sharded, torch.bfloat16).metadata == [
         (n, tuple(t.shape), t.dtype) for n, t in expected
     ]
     for (name, a), (_, b) in zip(got, expected):

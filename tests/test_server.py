@@ -146,10 +146,15 @@ def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
     assert helpers.group_members(server.pgid) == []
 
 
-def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path):
+def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path, capsys):
     """/weight_checker (used by --check-coverage), then stop: nothing may remain."""
     model = models.build_preset("tiny", tmp_path / "tiny")
     server = start_cpu_server(model, tmp_path, "--load-format", "dummy")
+    # While it started, its progress was printed from its log: each milestone once, in order.
+    progress = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[server]")]
+    labels = [label for _, label in helpers.START_MILESTONES]
+    assert {"engines starting", "engines ready", "API server listening"} <= set(progress), progress
+    assert progress == sorted(set(progress), key=labels.index), progress
     dummy = helpers.weight_checker(server.socket_path, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
     assert helpers.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
