@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from server_watchdog import group_members  # the live processes of a group (shared with the watchdog)
+from server_watchdog import group_members, start_time  # (shared with the watchdog)
 
 # Every call that can wait on the server (a chunk of weights included) gives
 # up after this long: well inside the trainers' 10-minute collective timeout,
@@ -92,6 +92,7 @@ def start_server(
     log_path: str | os.PathLike,
     env: dict[str, str] | None = None,
     launcher: Sequence[str] = DEFAULT_LAUNCHER,
+    also_stop: Sequence[str] = (),
 ) -> Server:
     """Start `vllm serve <serve_args>` listening on `socket_path`, in its own
     process group, with its output in `log_path`.
@@ -103,7 +104,8 @@ def start_server(
     pass `--device-ids` to choose GPUs instead.
 
     The server cannot outlive this process: a watchdog (server_watchdog.py)
-    stops its whole group once this process is gone, however it ended.
+    stops its whole group once this process is gone, however it ended, and
+    then also the processes in `also_stop` (from `descendants`).
     """
     socket_path = os.fspath(socket_path)
     folder = os.stat(os.path.dirname(os.path.abspath(socket_path)))
@@ -121,11 +123,12 @@ def start_server(
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc, watchdog_fds = _start_watched(cmd, log, full_env)
+        proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop)
     return Server(proc=proc, socket_path=socket_path, log_path=log_path, watchdog_fds=watchdog_fds)
 
 
-def _start_watched(cmd: list[str], log, env: dict[str, str]) -> tuple[subprocess.Popen, tuple[int, int]]:
+def _start_watched(cmd: list[str], log, env: dict[str, str],
+                   also_stop: Sequence[str] = ()) -> tuple[subprocess.Popen, tuple[int, int]]:  # fmt: skip
     """Popen(cmd) as the leader of a new process group, through
     server_watchdog.py, which forks the watchdog off (outside the group) and
     then execs `cmd`: the Popen is the server itself. The group holds the
@@ -139,8 +142,8 @@ def _start_watched(cmd: list[str], log, env: dict[str, str]) -> tuple[subprocess
     done_r, done_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT,
-             str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S), "--", *cmd],
+            [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT, str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S),
+             *([",".join(also_stop)] if also_stop else []), "--", *cmd],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -158,6 +161,26 @@ def _start_watched(cmd: list[str], log, env: dict[str, str]) -> tuple[subprocess
     return proc, (alive_w, done_r)
 
 
+def descendants(pid: int) -> list[str]:
+    """"PID:START" of every live descendant of process `pid` (Linux /proc): for
+    start_server's `also_stop`, e.g. the local Ray cluster a script started."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if (start := start_time(child)) is not None:
+            found.append(f"{child}:{start}")
+        todo += children.get(child, [])
+    return found
+
+
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
 _WATCHDOG_GRACE_S = 10.0
 _WATCHDOG_SCRIPT = str(Path(__file__).resolve().with_name("server_watchdog.py"))
@@ -169,6 +192,10 @@ def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
     if server.watchdog_fds is None:
         return
     (alive_w, done_r), server.watchdog_fds = server.watchdog_fds, None
+    try:
+        os.write(alive_w, b"r")  # a release, not the caller's death: leave its `also_stop` alone
+    except OSError:
+        pass
     os.close(alive_w)
     try:
         deadline = time.monotonic() + timeout_s

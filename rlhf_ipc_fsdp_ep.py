@@ -444,6 +444,9 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 timeout_s=args.server_timeout,
                 # The server's workers import the direct loader (direct_load.py) from here.
                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
+                # A local Ray we started goes with us even if we are SIGKILLed (its agents would
+                # linger for minutes); by now, with the trainers built, all its processes are up.
+                also_stop=helpers.descendants(os.getpid()) if started_ray else (),
             ) as server:
                 print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}")
                 yield Job(

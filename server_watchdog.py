@@ -1,7 +1,7 @@
 """Start the vLLM server so that it cannot outlive the process that started it
 (helpers.start_server runs this; it is not meant to be run by hand).
 
-    python server_watchdog.py ALIVE_FD DONE_FD GRACE_S -- CMD [ARGS...]
+    python server_watchdog.py ALIVE_FD DONE_FD GRACE_S [ALSO] -- CMD [ARGS...]
 
 This process is the leader of the server's new process group (the caller
 starts it with start_new_session=True). It forks off a watchdog into a
@@ -17,6 +17,13 @@ Then it SIGTERMs the whole group, SIGKILLs what is left after GRACE_S, and
 exits once no process of the group is left, as it also does when the group
 empties on its own. Its exit closes DONE_FD, which only it holds: the caller
 reads EOF there once the watchdog is gone.
+
+ALSO ("PID:START,PID:START,...", optional) names other processes the caller
+started that must not outlive it either, e.g. the local Ray cluster a script
+started (Ray's agents outlive a SIGKILLed driver by minutes, waiting on its
+dead GCS). They are SIGKILLed only if the caller itself is gone, not when
+stop_server lets the watchdog go (it writes "r" before closing ALIVE_FD);
+START (the process's start time in /proc) keeps a reused PID safe.
 
 Standard library only: it starts fast and holds next to no memory.
 """
@@ -60,6 +67,27 @@ def _wait_gone(pgid: int, timeout_s: float) -> bool:
     return True
 
 
+def start_time(pid: int) -> str | None:
+    """Process `pid`'s start time (clock ticks after boot), None if it is gone. (helpers uses it too.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _kill_listed(processes: list[str]) -> None:
+    """SIGKILL each "PID:START" that is still that same process."""
+    for entry in processes:
+        pid, start = entry.split(":")
+        if start_time(int(pid)) == start:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _stop_group(pgid: int, grace_s: float) -> None:
     if not group_members(pgid):
         return
@@ -74,9 +102,9 @@ def _stop_group(pgid: int, grace_s: float) -> None:
     _say(f"processes {group_members(pgid)} of group {pgid} survived SIGKILL")
 
 
-def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float) -> None:
+def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also: list[str]) -> None:
     """Until the caller is gone (EOF on alive_fd) or the group is empty."""
-    leader_alive = True
+    leader_alive, released = True, False
     while True:
         # While the leader runs, block on its pidfd; after that (its engines
         # may live on), look at the group once a second.
@@ -91,8 +119,12 @@ def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float) -> N
                 data = os.read(alive_fd, 4096)
             except OSError:
                 data = b""
+            released = released or b"r" in data  # stop_server says so before it lets go
             if not data:  # EOF: the caller is gone, or stop_server let go
                 _stop_group(pgid, grace_s)
+                if also and not released:  # the caller is gone: what else it started goes too
+                    _say(f"stopping {len(also)} other processes the caller started")
+                    _kill_listed(also)
                 return
         if leader_fd is not None and leader_fd in ready:
             leader_alive = False
@@ -102,9 +134,11 @@ def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float) -> N
 
 def main() -> None:
     alive_fd, done_fd, grace_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    if sys.argv[4] != "--" or len(sys.argv) < 6:
-        sys.exit("usage: server_watchdog.py ALIVE_FD DONE_FD GRACE_S -- CMD [ARGS...]")
-    cmd = sys.argv[5:]
+    rest = sys.argv[4:]
+    also = rest.pop(0).split(",") if rest and rest[0] != "--" else []
+    if not rest or rest[0] != "--" or len(rest) < 2:
+        sys.exit("usage: server_watchdog.py ALIVE_FD DONE_FD GRACE_S [PID:START,...] -- CMD [ARGS...]")
+    cmd = rest[1:]
     leader = os.getpid()
     try:
         leader_fd = os.pidfd_open(leader)  # readable once the server exits (Linux 5.3+)
@@ -125,7 +159,7 @@ def main() -> None:
             fd = os.open(os.devnull, os.O_RDONLY)
             os.dup2(fd, 0)
             os.close(fd)
-            _watch(leader, alive_fd, leader_fd, grace_s)
+            _watch(leader, alive_fd, leader_fd, grace_s, also)
         except BaseException as e:  # noqa: BLE001 - say it in the server's log, whatever it was
             _say(f"failed: {e!r}")
             os._exit(1)

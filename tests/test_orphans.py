@@ -239,3 +239,87 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         assert not helpers.health(sock) and _watchdogs_of(sock) == []
     finally:
         _cleanup(driver, pgid)
+
+
+def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
+    """A driver that started its own local Ray (as the script does when none
+    is running) and a server under the watchdog, with Ray's processes in
+    `also_stop` (as colocated_job passes them): SIGKILL the driver, and every
+    one of them is gone within seconds. (Without it, Ray's dashboard and
+    runtime-env agents live on for minutes, waiting on the dead GCS.)"""
+    sock = str(private_socket_path())
+    driver = _driver(f"""
+        import os, sys, time
+        import ray
+        import helpers
+        from pathlib import Path
+        ray.init(num_cpus=1, include_dashboard=False)
+
+        @ray.remote
+        class Worker:
+            def pid(self):
+                return os.getpid()
+
+        worker = Worker.remote()
+        ray.get(worker.pid.remote())  # a worker process is up
+        def agents_up(processes):  # the raylet starts its agents on its own time
+            names = [open(f"/proc/{{p.split(':')[0]}}/cmdline").read() for p in processes]
+            return all(any(agent in n for n in names) for agent in ("DashboardAgent", "RuntimeEnvAgent"))
+        deadline = time.monotonic() + 30
+        while not agents_up(ray_processes := helpers.descendants(os.getpid())) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server = helpers.start_server(
+            [], socket_path={sock!r}, log_path=Path({str(tmp_path)!r}) / "server.log",
+            launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
+        )
+        print("pgid", server.pgid, flush=True)
+        print("ray", ",".join(ray_processes), flush=True)
+        time.sleep(600)
+    """)
+    pgid = None
+    try:
+        pgid = int(_read_until(driver, "pgid"))
+        ray_processes = _read_until(driver, "ray").split(",")
+        names = [open(f"/proc/{p.split(':')[0]}/cmdline").read() for p in ray_processes]
+        assert any("DashboardAgent" in n for n in names) and any("RuntimeEnvAgent" in n for n in names), names
+        driver.kill()  # SIGKILL: no finally, no atexit
+        driver.wait()
+        deadline = time.monotonic() + 20
+        left = ray_processes
+        while left and time.monotonic() < deadline:
+            left = [p for p in ray_processes if helpers.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+            time.sleep(0.2)
+        assert left == [], f"Ray processes outlived the driver: {left}"
+        assert _gone_within(pgid, 20) is not None
+        assert "stopping" in (tmp_path / "server.log").read_text()
+    finally:
+        _cleanup(driver, pgid)
+
+
+def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
+    """stop_server lets the watchdog go: the processes in `also_stop` are
+    killed only when the caller is gone, not on the way out of a normal run
+    (ray.shutdown() stops them then)."""
+    driver = _driver(f"""
+        import os, sys
+        import ray
+        import helpers
+        from conftest import private_socket_path
+        from pathlib import Path
+        ray.init(num_cpus=1, include_dashboard=False)
+        ray_processes = helpers.descendants(os.getpid())
+        server = helpers.start_server(
+            [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
+            launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
+        )
+        helpers.stop_server(server)
+        alive = [p for p in ray_processes if helpers.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+        print("alive", len(alive), len(ray_processes), flush=True)
+        ray.shutdown()
+    """)
+    try:
+        alive, listed = map(int, _read_until(driver, "alive").split())
+        assert listed >= 3 and alive == listed
+        assert driver.wait(timeout=60) == 0
+    finally:
+        _cleanup(driver, None)
