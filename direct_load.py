@@ -166,6 +166,7 @@ class DirectLoadWorker:
         """Run each written layer's post-load processing, then the attention
         layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj),
         as vLLM's reload does, and release the IPC buffer."""
+        from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         session = self._direct_session_or_raise()
@@ -177,9 +178,10 @@ class DirectLoadWorker:
                 if hasattr(module, "_already_called_process_weights_after_loading"):
                     delattr(module, "_already_called_process_weights_after_loading")
                 method.process_weights_after_loading(module)
-            for module in session.model.modules():
-                if is_deferred_attention_layer(module):
-                    module.process_weights_after_loading(self.vllm_config.model_config.dtype)
+            with set_current_vllm_config(self.vllm_config):  # as vLLM's finish_weight_update runs it
+                for module in session.model.modules():
+                    if is_deferred_attention_layer(module):
+                        module.process_weights_after_loading(self.vllm_config.model_config.dtype)
         if session.device.type == "cuda":
             torch.cuda.synchronize(session.device)
         session.importer.close()

@@ -161,24 +161,38 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
     return proc, (alive_w, done_r)
 
 
-def descendants(pid: int) -> list[str]:
-    """"PID:START" of every live descendant of process `pid` (Linux /proc): for
-    start_server's `also_stop`, e.g. the local Ray cluster a script started."""
+def descendants(pid: int, started_from: str | None = None) -> list[str]:
+    """"PID:START" of the live descendants of process `pid` (Linux /proc),
+    for start_server's `also_stop`. With `started_from` (a directory), only
+    the children whose command line runs something in it, and all theirs:
+    e.g. the processes of a local Ray cluster `pid` started, and no others."""
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/stat", "rb") as f:  # bytes: a process name need not be UTF-8
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(pid, []))
+    todo = [c for c in children.get(pid, []) if started_from is None or started_from.encode() in _cmdline(c)]
+    found, seen = [], set()
     while todo:
         child = todo.pop()
+        if child in seen:
+            continue
+        seen.add(child)
         if (start := start_time(child)) is not None:
             found.append(f"{child}:{start}")
         todo += children.get(child, [])
     return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.

@@ -358,6 +358,7 @@ def send_all(trainers: list, sock: str, retries: int = 0) -> tuple[list, int]:
         except helpers.ServerError as e:
             first = first or e
             if attempt == retries:
+                why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
                 break
             if not helpers.health(sock):
                 why = "not retried: the server does not answer"
@@ -446,25 +447,35 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
                 # A local Ray we started goes with us even if we are SIGKILLed (its agents would
                 # linger for minutes); by now, with the trainers built, all its processes are up.
-                also_stop=helpers.descendants(os.getpid()) if started_ray else (),
+                also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
                 print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}")
-                yield Job(
-                    trainers=trainers,
-                    server=server,
-                    served_name=args.model,
-                    dp_size=args.num_gpus // args.tensor_parallel_size,
-                    architecture=models.architecture(model_path),
-                    gpu_name=placements[0]["gpu_name"],
-                    gpu_uuids=[p["gpu_uuid"] for p in placements],
-                )
+                try:
+                    yield Job(
+                        trainers=trainers,
+                        server=server,
+                        served_name=args.model,
+                        dp_size=args.num_gpus // args.tensor_parallel_size,
+                        architecture=models.architecture(model_path),
+                        gpu_name=placements[0]["gpu_name"],
+                        gpu_uuids=[p["gpu_uuid"] for p in placements],
+                    )
+                finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
+                    with helpers.signals_ignored():
+                        pg = leave_ray(started_ray, pg)
         finally:
             with helpers.signals_ignored():
-                if started_ray:
-                    ray.shutdown()
-                elif pg is not None:  # a cluster we joined: leave it as we found it
-                    ray.util.remove_placement_group(pg)  # and the trainers with it
+                leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
+
+
+def leave_ray(started_ray: bool, pg) -> None:
+    """Leave Ray as we found it: shut down if we started it (again is a no-op),
+    else our placement group removed, and the trainers with it."""
+    if started_ray:
+        ray.shutdown()
+    elif pg is not None:
+        ray.util.remove_placement_group(pg)
 
 
 # --- The RL round ---------------------------------------------------------------------------------

@@ -42,11 +42,11 @@ def group_members(pgid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
+            with open(f"/proc/{entry}/stat", "rb") as f:  # bytes: a process name need not be UTF-8
+                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError, IndexError):
             continue
-        if int(pgrp) == pgid and state != "Z":
+        if int(pgrp) == pgid and state != b"Z":
             pids.append(int(entry))
     return pids
 
@@ -70,11 +70,11 @@ def _wait_gone(pgid: int, timeout_s: float) -> bool:
 def start_time(pid: int) -> str | None:
     """Process `pid`'s start time (clock ticks after boot), None if it is gone. (helpers uses it too.)"""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        with open(f"/proc/{pid}/stat", "rb") as f:  # bytes: a process name need not be UTF-8
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
         return None
-    return None if fields[0] == "Z" else fields[19]
+    return None if fields[0] == b"Z" else fields[19].decode()
 
 
 def _kill_listed(processes: list[str]) -> None:
@@ -109,7 +109,7 @@ def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also
         # While the leader runs, block on its pidfd; after that (its engines
         # may live on), look at the group once a second.
         waiting = [alive_fd] + ([leader_fd] if leader_alive and leader_fd is not None else [])
-        timeout = None if leader_alive and leader_fd is not None else 1.0
+        timeout = None if (leader_alive and leader_fd is not None) or also else 1.0
         try:
             ready, _, _ = select.select(waiting, [], [], timeout)
         except InterruptedError:
@@ -128,7 +128,9 @@ def _watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also
                 return
         if leader_fd is not None and leader_fd in ready:
             leader_alive = False
-        if (not leader_alive or leader_fd is None) and not group_members(pgid):
+        # An empty group ends the watch, unless other processes are in our care:
+        # then only the caller's release or death does.
+        if (not leader_alive or leader_fd is None) and not also and not group_members(pgid):
             return
 
 

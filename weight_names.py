@@ -149,7 +149,8 @@ class CheckpointForm:
         for group in conversion_groups(model):
             if set(group) & excluded:
                 if not set(group) <= excluded:  # would drop a tensor nobody sends
-                    raise ValueError(f"{sorted(set(group) - excluded)} convert together with {sorted(excluded)}")
+                    raise ValueError(f"{sorted(set(group) - excluded)} convert together with "
+                                     f"{sorted(set(group) & excluded)}, which are sent another way")  # fmt: skip
                 continue
             meta = {n: _meta(state[n]) for n in group}
             out = _revert(model, meta)

@@ -53,7 +53,7 @@ def send_and_expect_failure(start_trainers, sock, mode, during=None, retries=0):
 def test_a_refused_chunk_stops_the_send_at_once(fresh_cpu_trainers, cpu_server):
     message, seconds = send_and_expect_failure(fresh_cpu_trainers, cpu_server.socket_path, "refused")
     assert seconds < 30  # not the 10-minute collective timeout rank 1 is waiting in
-    assert message.startswith("the send failed part way; vLLM holds a mix of old and new weights")
+    assert message.startswith("the send failed part way (not retried); vLLM holds a mix of old and new weights")
     assert "direct_load_start was not called" in message  # the server's own words
 
 

@@ -323,3 +323,52 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
         assert driver.wait(timeout=60) == 0
     finally:
         _cleanup(driver, None)
+
+
+def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_path):
+    """The server exits on its own first (a crash), the caller is SIGKILLed
+    later: the watchdog still stops what the caller listed in `also_stop`."""
+    driver = _driver(f"""
+        import os, signal, subprocess, sys, time
+        import helpers
+        from conftest import private_socket_path
+        from pathlib import Path
+        other = subprocess.Popen(["sleep", "300"])  # stands in for Ray's processes
+        server = helpers.start_server(
+            [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
+            launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
+            also_stop=helpers.descendants(os.getpid(), "sleep"),
+        )
+        time.sleep(1)  # the watchdog is forked off as the server starts
+        os.killpg(server.pgid, signal.SIGKILL)  # the server dies first
+        server.proc.wait()
+        time.sleep(1)
+        print("other", other.pid, helpers.start_time(other.pid), flush=True)
+        time.sleep(600)
+    """)
+    try:
+        pid, start = _read_until(driver, "other").split()
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert helpers.start_time(int(pid)) != start, "the listed process outlived the caller"
+    finally:
+        _cleanup(driver, None)
+
+
+def test_descendants_can_keep_to_what_was_started_from_one_place():
+    """colocated_job lists only the processes of the Ray it started (their
+    command lines run from Ray's package), not every child of its process."""
+    import ray
+
+    unrelated = subprocess.Popen(["sleep", "30"])
+    try:
+        listed = [int(p.split(":")[0]) for p in helpers.descendants(os.getpid())]
+        assert unrelated.pid in listed
+        ray_only = [int(p.split(":")[0]) for p in helpers.descendants(os.getpid(), os.path.dirname(ray.__file__))]
+        assert unrelated.pid not in ray_only
+    finally:
+        unrelated.kill()
+        unrelated.wait()
