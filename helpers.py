@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from server_watchdog import group_members, start_time  # (shared with the watchdog)
+from server_watchdog import group_members, proc_stat, start_time  # (shared with the watchdog)
 
 # Every call that can wait on the server (a chunk of weights included) gives
 # up after this long: well inside the trainers' 10-minute collective timeout,
@@ -168,13 +168,9 @@ def descendants(pid: int, started_from: str | None = None) -> list[str]:
     e.g. the processes of a local Ray cluster `pid` started, and no others."""
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:  # bytes: a process name need not be UTF-8
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    todo = [c for c in children.get(pid, []) if started_from is None or started_from.encode() in _cmdline(c)]
+        if (stat := proc_stat(entry)) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    todo = [c for c in children.get(pid, []) if started_from is None or started_from.encode() in cmdline(c)]
     found, seen = [], set()
     while todo:
         child = todo.pop()
@@ -187,7 +183,8 @@ def descendants(pid: int, started_from: str | None = None) -> list[str]:
     return found
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
+    """/proc/PID/cmdline (arguments NUL-separated), b"" if the process is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read()

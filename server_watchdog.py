@@ -35,20 +35,30 @@ import sys
 import time
 
 
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the process name (state, ppid,
+    pgrp, ...; start time is [19]), None if the process is gone. Bytes: a
+    process name need not be UTF-8. (helpers and the tests use it too.)"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def group_members(pgid: int) -> list[int]:
-    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded. (helpers uses it too.)"""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:  # bytes: a process name need not be UTF-8
-                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
-        except (OSError, ValueError, IndexError):
-            continue
-        if int(pgrp) == pgid and state != b"Z":
-            pids.append(int(entry))
-    return pids
+    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
+    return [
+        int(entry)
+        for entry in filter(str.isdigit, os.listdir("/proc"))
+        if (stat := proc_stat(entry)) is not None and stat[0] != b"Z" and int(stat[2]) == pgid
+    ]
+
+
+def start_time(pid: int) -> str | None:
+    """Process `pid`'s start time (clock ticks after boot), None if it is gone or a zombie."""
+    stat = proc_stat(pid)
+    return None if stat is None or stat[0] == b"Z" else stat[19].decode()
 
 
 def _say(text: str) -> None:
@@ -65,16 +75,6 @@ def _wait_gone(pgid: int, timeout_s: float) -> bool:
             return False
         time.sleep(0.2)
     return True
-
-
-def start_time(pid: int) -> str | None:
-    """Process `pid`'s start time (clock ticks after boot), None if it is gone. (helpers uses it too.)"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:  # bytes: a process name need not be UTF-8
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == b"Z" else fields[19].decode()
 
 
 def _kill_listed(processes: list[str]) -> None:

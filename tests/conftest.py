@@ -168,15 +168,7 @@ def _rank_main(rank, world_size, ports, fn, args):
 def live(pids):
     """Which of these PIDs still run (zombies count as gone): the process-tree
     check after each failure case."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
+    return [pid for pid in pids if helpers.start_time(pid) is not None]
 
 
 @pytest.fixture

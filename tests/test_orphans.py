@@ -34,18 +34,11 @@ def _read_until(proc: subprocess.Popen, word: str) -> str:
 def _watchdogs_of(socket_path: str) -> list[int]:
     """PIDs of live watchdogs started for this socket (they run outside the group)."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if not zombie and any(a.endswith(b"server_watchdog.py") for a in argv) and socket_path.encode() in argv:
-            pids.append(int(entry))
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        argv = helpers.cmdline(pid).split(b"\0")
+        if any(a.endswith(b"server_watchdog.py") for a in argv) and socket_path.encode() in argv:
+            if helpers.start_time(pid) is not None:  # not a zombie
+                pids.append(pid)
     return pids
 
 
@@ -263,8 +256,8 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         worker = Worker.remote()
         ray.get(worker.pid.remote())  # a worker process is up
         def agents_up(processes):  # the raylet starts its agents on its own time
-            names = [open(f"/proc/{{p.split(':')[0]}}/cmdline").read() for p in processes]
-            return all(any(agent in n for n in names) for agent in ("DashboardAgent", "RuntimeEnvAgent"))
+            names = [helpers.cmdline(int(p.split(":")[0])) for p in processes]
+            return all(any(agent in n for n in names) for agent in (b"DashboardAgent", b"RuntimeEnvAgent"))
         deadline = time.monotonic() + 30
         while not agents_up(ray_processes := helpers.descendants(os.getpid())) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -280,8 +273,8 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         ray_processes = _read_until(driver, "ray").split(",")
-        names = [open(f"/proc/{p.split(':')[0]}/cmdline").read() for p in ray_processes]
-        assert any("DashboardAgent" in n for n in names) and any("RuntimeEnvAgent" in n for n in names), names
+        names = [helpers.cmdline(int(p.split(":")[0])) for p in ray_processes]
+        assert any(b"DashboardAgent" in n for n in names) and any(b"RuntimeEnvAgent" in n for n in names), names
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
         deadline = time.monotonic() + 20
