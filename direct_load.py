@@ -75,7 +75,7 @@ class DirectLoadWorker:
         self._direct_session = _Session(
             model=model,
             device=device,
-            gpu_uuid=str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "",
+            gpu_uuid=_gpu_uuid(device),
             expert_layers=_expert_layers(model),
             param_owner={
                 f"{prefix}.{name}" if prefix else name: module
@@ -95,8 +95,7 @@ class DirectLoadWorker:
 
         expected = json.loads(expected)
         model = self.model_runner.get_model()
-        device = next(model.parameters()).device
-        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        uuid = _gpu_uuid(next(model.parameters()).device)
         uuids = expected["trainer_gpu_uuids"]
         trainer_rank = uuids.index(uuid) if uuid in uuids else _no_trainer_rank(uuid, uuids)
         dtype = getattr(torch, expected["dtype"])
@@ -231,6 +230,11 @@ class DirectLoadWorker:
         if session is None:
             raise RuntimeError("direct_load_start was not called")
         return session
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID, as the trainer ranks report theirs ("" off CUDA)."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def _expert_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
