@@ -4,7 +4,7 @@
     python benchmark.py --model tiny --num-gpus 2 --loaders direct
 
 It starts the trainers and the server once, then for each loader in --loaders
-(default: vllm, then direct):
+(default: vllm, then direct), or each loader and sleep level in --variants:
   1. zeroes every vLLM parameter, so that round 1 has to bring the weights back
      (with --check-coverage: zeroes them, syncs, and lists those left zero);
   2. runs --rounds syncs (default 3), each checked by the script's logprob gate,
@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS), help="loaders to compare")
+    p.add_argument("--variants", nargs="+", metavar="LOADER:LEVEL", type=_variant, help="loader and sleep "
+                   "level of each variant, in order, e.g. direct:0 direct:2 vllm:0 (default: --loaders at the "
+                   "script's --sleep-level)")
     p.add_argument("--out", help="JSON path (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json)")
     bench, rest = p.parse_known_args(argv)
     if bench.help:
@@ -46,25 +49,36 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         print("\nAll other flags are rlhf_ipc_fsdp_ep.py's; --rounds defaults to 3 here.")
         sys.exit(0)
     args = script.parse_args(["--rounds", "3", *rest])  # a --rounds in `rest` comes later and wins
+    bench.variants = bench.variants or [(loader, args.sleep_level) for loader in bench.loaders]
+    bench.loaders = list(dict.fromkeys(loader for loader, _ in bench.variants))
     for loader in bench.loaders:  # every loader's flags, before any GPU work
         if problem := checks.loader_flag_problem(args, loader):
             p.error(problem)
     return bench, args
 
 
-def run_variant(job: script.Job, args: argparse.Namespace, loader: str) -> dict:
-    """--rounds syncs through `loader`, starting from zeroed vLLM weights."""
+def _variant(text: str) -> tuple[str, int]:
+    loader, _, level = text.partition(":")
+    if loader not in LOADERS or level not in ("0", "1", "2"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOADER:LEVEL, LOADER one of {LOADERS}, LEVEL 0-2")
+    return loader, int(level)
+
+
+def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_level: int) -> dict:
+    """--rounds syncs through `loader` at `sleep_level`, starting from zeroed vLLM weights."""
+    args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level})
     script.setup_weight_transfer(job, args, loader)
-    coverage = script.check_coverage(job, args) if args.check_coverage else None
+    coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
         helpers.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
-        print(f"=== {loader} loader, round {i}/{args.rounds} ===", flush=True)
+        print(f"=== {loader} loader, sleep level {sleep_level}, round {i}/{args.rounds} ===", flush=True)
         rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None))
         print_send_breakdown(rounds[-1].send_breakdown_s)
     return {
         "weight_loader": loader,
+        "sleep_level": sleep_level,
         "coverage": coverage,
         "rounds": [r.to_json() for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
@@ -93,15 +107,15 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     sock = job.server.socket_path
     print("=== do the loaders agree? ===", flush=True)
     script.setup_weight_transfer(job, args, "vllm")
-    helpers.sleep(sock, args.sleep_level)
-    helpers.wake_up(sock, ["weights"])
+    helpers.sleep_for_sync(sock, args.sleep_level)
+    helpers.wake_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock)
-    script.wake_for_serving(sock)
+    helpers.wake_to_serve(sock)
     stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock)
-    script.wake_for_serving(sock)
+    helpers.wake_to_serve(sock)
     try:
         compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
     except helpers.ServerError as e:
@@ -124,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)
-        for loader in bench.loaders:
-            variant = run_variant(job, args, loader)
+        for loader, level in bench.variants:
+            variant = run_variant(job, args, loader, level)
             result["variants"].append(variant)
             checks.write_json(out, result)  # after every step: a run cut short keeps what it measured
             print(checks.format_summary({**result, **variant}), flush=True)
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.write_json(out, result)
         print(f"[json] {out}")
 
-    failures = [f"{v['weight_loader']} loader, {failure}" for v in result["variants"]
+    failures = [f"{v['weight_loader']} loader, sleep level {v['sleep_level']}, {failure}" for v in result["variants"]
                 for failure in checks.failed_checks(v, args.memory_growth_tolerance_gib)]  # fmt: skip
     if result.get("loaders_agree", {}).get("agree") is False:
         failures.append("the direct loader did not reproduce vLLM's parameters")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import helpers
 import models
+import ray_ranks
 import weight_names
 
 GiB = 1024**3
@@ -32,6 +33,21 @@ SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
 # ---------------------------------------------------------------------------
 # Input: what can be refused before anything touches a GPU
 # ---------------------------------------------------------------------------
+
+
+def flag_problem(args) -> str | None:
+    """Why the script's flags cannot work together, or None."""
+    problems = [
+        (args.num_gpus < 1, "--num-gpus must be at least 1"),
+        (args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size,
+         f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size {args.tensor_parallel_size}"),
+        (not 0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization must be between 0 and 1"),
+        (args.packed_buffer_size_bytes < 1, "--packed-buffer-size-bytes must be positive"),
+        (args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1,
+         "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
+        (args.send_retries < 0, "--send-retries must be 0 or more"),
+    ]  # fmt: skip
+    return next((text for wrong, text in problems if wrong), None) or loader_flag_problem(args, args.weight_loader)
 
 
 def loader_flag_problem(args, loader: str) -> str | None:
@@ -184,10 +200,20 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
     """The first half of a sync (sleep, wake the weights), then zero every
     vLLM parameter on every DP rank; returns their checksums as zeros. What
     the sync then fails to write stays zero."""
-    helpers.sleep(sock, sleep_level)
-    helpers.wake_up(sock, ["weights"])
+    helpers.sleep_for_sync(sock, sleep_level)
+    helpers.wake_weights(sock, sleep_level)
     helpers.weight_checker(sock, "reset")
     return helpers.weight_checker(sock, "checksum")["checksums"]
+
+
+def check_coverage(job, sleep_level: int) -> dict:
+    """A sync into zeroed vLLM weights: what it misses stays zero."""
+    zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
+    ray_ranks.send_all(job.trainers, job.server.socket_path, job.send_retries)
+    helpers.wake_to_serve(job.server.socket_path)
+    result = coverage(job.server.socket_path, zeros)
+    print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)
+    return result
 
 
 def coverage(sock: str, zeros: dict[str, str]) -> dict:
@@ -461,6 +487,10 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
+    print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(prompts, batch, strict=True)), sep="\n")
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase: `with timer.phase("sleep"): ...`."""
 
@@ -498,7 +528,7 @@ class Measured:
     def weight_source(self, loader: str):
         source = super().weight_source(loader)
         self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata())
-        return TimedSource(source, self.send_seconds, self._synchronize)
+        return TimedSource(source, self.send_seconds)
 
     def weight_sync_client(self, *args, **kwargs):
         return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
@@ -587,14 +617,16 @@ def other_processes_gpu_memory(gpu_uuid: str) -> float:
 
 
 class TimedSource:
-    """A weight source that adds the seconds spent producing its tensors
-    (FSDP gathers and casts) to seconds["source"]. `synchronize` waits for the
-    device, so GPU time counts and not only the kernel launches."""
+    """A weight source that adds the seconds spent producing its tensors to
+    seconds["source"]: host time (FSDP's gathers and the casts are launched
+    here; the GPU runs them while the next ones are launched). Waiting for the
+    device after every tensor would time the GPU's part too, but it would also
+    stall the send 400+ times a sync, so the measurement would slow down what
+    it measures. The send's total is timed with the device synchronised."""
 
-    def __init__(self, source, seconds: dict[str, float], synchronize) -> None:
+    def __init__(self, source, seconds: dict[str, float]) -> None:
         self._source = source
         self._seconds = seconds
-        self._synchronize = synchronize
 
     def metadata(self):
         return self._source.metadata()
@@ -607,7 +639,6 @@ class TimedSource:
         while True:
             start = time.perf_counter()
             item = next(items, None)
-            self._synchronize()
             self._seconds["source"] = self._seconds.get("source", 0.0) + time.perf_counter() - start
             if item is None:
                 return

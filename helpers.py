@@ -75,7 +75,8 @@ class Server:
     socket_path: str
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
-    healthy_after_s: float | None = None  # set by serving()
+    healthy_after_s: float | None = None  # what wait_until_healthy returned
+    milestones_shown: set[str] = field(default_factory=set)  # print_progress
     # The write end of the watchdog's `alive` pipe, the read end of its `done` pipe (start_server).
     watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)
 
@@ -241,28 +242,29 @@ START_MILESTONES = (
 )
 
 
-def _print_milestones(server: Server, shown: set[str]) -> None:
+def print_progress(server: Server) -> None:
+    """Print each START_MILESTONES line the server's log has reached since
+    the last call, with the seconds since its start."""
     try:
         text = server.log_path.read_text(errors="replace")
     except OSError:
         return
     for needle, label in START_MILESTONES:
-        if label not in shown and needle in text:
-            shown.add(label)
+        if label not in server.milestones_shown and needle in text:
+            server.milestones_shown.add(label)
             print(f"[server] {time.monotonic() - server.started_at:5.0f} s: {label}", flush=True)
 
 
 def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0) -> float:
     """Block until GET /health answers 200, printing the server's progress
-    (START_MILESTONES) meanwhile; return seconds since start.
+    (print_progress) meanwhile; return seconds since start.
 
     Raises ServerError at once if the process exits, or when the deadline
     passes, quoting the end of the server's log either way.
     """
     deadline = time.monotonic() + timeout_s
-    shown: set[str] = set()
     while True:
-        _print_milestones(server, shown)
+        print_progress(server)
         code = server.proc.poll()
         if code is not None:
             raise ServerError(
@@ -310,13 +312,13 @@ def stop_server(server: Server, grace_s: float = 20.0) -> None:
 
 
 @contextmanager
-def serving(serve_args: Sequence[str], *, timeout_s: float, **start_kwargs):
-    """start_server(serve_args, **start_kwargs), wait until healthy, yield
-    the server; on the way out, stop it, saying so and quoting its log if it
-    had exited on its own."""
+def serving(serve_args: Sequence[str], **start_kwargs):
+    """start_server(serve_args, **start_kwargs) and yield the server, still
+    starting (wait_until_healthy, once you have done what can overlap its
+    start); on the way out, stop it, saying so and quoting its log if it had
+    exited on its own."""
     server = start_server(serve_args, **start_kwargs)
     try:
-        server.healthy_after_s = wait_until_healthy(server, timeout_s=timeout_s)
         yield server
     finally:
         with signals_ignored():
@@ -391,15 +393,46 @@ def health(sock: str) -> bool:
 
 
 def sleep(sock: str, level: int) -> dict:
-    """POST /sleep: level 1 offloads weights to CPU, level 2 discards them;
-    both free the KV cache and pause scheduling."""
+    """POST /sleep: level 0 only pauses scheduling; level 1 also offloads the
+    weights to CPU, level 2 discards them; both free the KV cache."""
     return _request(sock, "POST", "/sleep", params={"level": level})
+
+
+def release_kv_cache(sock: str) -> dict:
+    """POST /release_kv_cache_memory: after /sleep?level=0, give the KV
+    cache's GPU memory back (the weights stay); /wake_up?tags=kv_cache maps it
+    again. Resets the prefix cache, whose entries the old weights computed."""
+    return _request(sock, "POST", "/release_kv_cache_memory")
+
+
+def sleep_for_sync(sock: str, level: int) -> None:
+    """Stop serving and free GPU memory for the trainer until the sync: at
+    level 0 the KV cache (the weights stay mapped, and the send overwrites
+    them in place), at levels 1 and 2 the weights too."""
+    sleep(sock, level)
+    if level == 0:
+        release_kv_cache(sock)
+
+
+def wake_weights(sock: str, level: int) -> None:
+    """POST /wake_up?tags=weights: map the weights back before the send,
+    unless level 0 kept them mapped."""
+    if level > 0:
+        wake_up(sock, ["weights"])
 
 
 def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
     """POST /wake_up?tags=...: map back the named memory pools (all if None)."""
     params = [("tags", t) for t in tags] if tags else None
     return _request(sock, "POST", "/wake_up", params=params)
+
+
+def wake_to_serve(sock: str) -> None:
+    """POST /wake_up?tags=kv_cache&tags=scheduling: the KV cache back, the
+    scheduler running; raise unless the server is then fully awake."""
+    state = wake_up(sock, ["kv_cache", "scheduling"])
+    if state["status"] != "awake":
+        raise ServerError(f"server still asleep after the last wake_up: {state}")
 
 
 def is_sleeping(sock: str) -> bool:

@@ -6,9 +6,10 @@ reachable only by this user (a Unix socket in a private directory). One round,
 as run_round() does it:
 
   1. generate                               vLLM samples; trainer and vLLM score the tokens
-  2. /sleep                                 vLLM frees its KV cache and weights
+  2. /sleep?level=0                         vLLM pauses, and frees its KV cache; its weights
+     + /release_kv_cache_memory             stay (--sleep-level 1 or 2 frees them too)
   3. train (--train)                        one policy-gradient step on the freed memory
-  4. /wake_up?tags=weights                  vLLM maps its weight memory back
+  4. (/wake_up?tags=weights)                levels 1 and 2 only: vLLM maps its weights back
   5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads its
                                             own GPU's buffer (direct loader: its own experts)
   6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again
@@ -24,7 +25,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -42,6 +42,7 @@ import helpers
 import models
 import toy_rl
 import weight_names
+from ray_ranks import PlacementError, cli, ray_get_all, send_all
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -73,8 +74,10 @@ def parser() -> argparse.ArgumentParser:
     add("--send-retries", type=int, default=1, help="direct loader: send again from the start, this many "
         "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")
-    add("--sleep-level", type=int, choices=(1, 2), default=2, help="1: vLLM copies its weights to CPU "
-        "while asleep; 2: it discards them (every weight is re-sent, so nothing is lost)")
+    add("--sleep-level", type=int, choices=(0, 1, 2), default=0, help="what vLLM frees for the trainer: "
+        "0: its KV cache only (the fastest; its weights stay on the GPU beside the trainer's and are "
+        "overwritten in place); 1: the weights too, copied to CPU; 2: the weights too, discarded (the send "
+        "rewrites every one)")
     add("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     add("--prompt", action="append", dest="prompts", metavar="TEXT", help=f"repeatable; default {DEFAULT_PROMPTS}")
     add("--rounds", type=int, default=1, help="rounds (one sync each) back to back")
@@ -94,19 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
     args.prompts = args.prompts or DEFAULT_PROMPTS
-    if args.num_gpus < 1:
-        p.error("--num-gpus must be at least 1")
-    if args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size:
-        p.error(f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size {args.tensor_parallel_size}")
-    if not 0 < args.gpu_memory_utilization < 1:
-        p.error("--gpu-memory-utilization must be between 0 and 1")
-    if args.packed_buffer_size_bytes < 1:
-        p.error("--packed-buffer-size-bytes must be positive")
-    if args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1:
-        p.error("--rounds, --max-tokens and --samples-per-prompt must be at least 1")
-    if args.send_retries < 0:
-        p.error("--send-retries must be 0 or more")
-    if problem := checks.loader_flag_problem(args, args.weight_loader):
+    if problem := checks.flag_problem(args):
         p.error(problem)
     return args
 
@@ -151,30 +142,38 @@ class FSDPTrainer:
             info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
         return info
 
-    def build_model(self, model_path: str, random_init: bool, seed: int = 0, lr: float | None = None) -> None:
-        """Build the model sharded from the start (never whole on one GPU).
-        With `lr`, for training: fp32 master weights (bf16 compute; AdamW
-        steps of a realistic size vanish in bf16 weights) and AdamW."""
+    def build_model(self, model_path: str, lr: float | None = None) -> None:
+        """Allocate the model sharded from the start (never whole on one GPU);
+        init_weights() sets its values. With `lr`, for training: fp32 master
+        weights (bf16 compute; AdamW steps of a realistic size vanish in bf16)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = models.meta_model(model_path, torch.bfloat16 if lr is None else torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for name in {name.rpartition(".")[0] for name in weight_names.fused_expert_tensors(model)}:
+            # Experts in their own FSDP unit: a sync gathers a layer's other weights in one all-gather
+            # without them (each rank sends its own experts as they are: LocalExpertSource).
+            fully_shard(model.get_submodule(name), mp_policy=mp_policy)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
         model.to_empty(device=self.device)
         models.restore_rotary_tables(model)
+        self.model, self.lr = model, lr
+
+    def init_weights(self, model_path: str, random_init: bool, seed: int = 0) -> None:
+        """Random weights (presets) or the checkpoint's, into the memory
+        build_model() allocated; then, for training, AdamW."""
         if random_init:
-            models.init_random_weights(model, seed)
+            models.init_random_weights(self.model, seed)
         else:
-            models.load_pretrained_weights(model, model_path)
-        self.model = model
-        if lr is not None:
+            models.load_pretrained_weights(self.model, model_path)
+        if self.lr is not None:
             # Now, while every parameter is a shard: after a forward, FSDP2
             # leaves the root's own parameters (embeddings, final norm,
             # lm_head) unsharded, and an optimizer built then would hold
             # copies that never receive a gradient.
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
 
     def _token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """log p(token_i | tokens_<i) for i >= 1, like vLLM's prompt_logprobs.
@@ -225,15 +224,12 @@ class FSDPTrainer:
 
 class BF16Source:
     """What vLLM's own loader receives: every tensor as `save_pretrained`
-    would write it (weight_names: transformers' own conversion reversed, so
-    each family's checkpoint names, persistent buffers such as a router's
-    correction bias included), gathered one at a time, in bf16 (fp32 where
-    transformers keeps a tensor in fp32). fp32 master weights would double
-    the bytes sent and overflow the packed buffer."""
+    would write it (weight_names.CheckpointForm: each family's checkpoint
+    names, persistent buffers such as a router's correction bias included),
+    gathered one FSDP module at a time, in bf16 (fp32 where transformers keeps
+    a tensor in fp32). Names and shapes are worked out once, not per sync."""
 
     def __init__(self, module: torch.nn.Module, exclude=()) -> None:
-        # Names, shapes and grouping follow from the model's structure alone:
-        # worked out once (meta tensors), not on every sync.
         self._form = weight_names.CheckpointForm(module, torch.bfloat16, exclude)
         self._metadata = [ParamMeta(name, dtype, shape) for name, shape, dtype in self._form.metadata]
 
@@ -278,14 +274,6 @@ class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
 # --- Placement: one trainer rank per GPU, on one node ---------------------------------------------
 
 
-class PlacementError(RuntimeError):
-    """Ray cannot give every trainer rank its GPU on one node."""
-
-
-class TrainerDied(RuntimeError):
-    """A trainer rank's process died (killed, out of memory, crashed)."""
-
-
 def start_trainers(num_trainers: int, gpus_per_trainer: float = 1, device_type: str = "cuda",
                    placement_timeout_s: float = 60, trainer_cls: type = MeasuredTrainer) -> tuple[list, object]:  # fmt: skip
     """Reserve one GPU per trainer rank on one node, start the ranks and join
@@ -316,61 +304,6 @@ def start_trainers(num_trainers: int, gpus_per_trainer: float = 1, device_type: 
     port = ray_get_all([trainers[0].open_rendezvous.remote()])[0]
     ray_get_all([t.join_process_group.remote(port) for t in trainers])
     return trainers, pg
-
-
-def ray_get_all(refs: list):
-    """ray.get(refs), but raise as soon as any one fails: the others may be
-    blocked in a collective waiting for it. A rank's ServerError (the server
-    refused or died) is raised as itself, a dead rank as TrainerDied."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        try:
-            ray.get(done[0])
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, helpers.ServerError):
-                raise helpers.ServerError(f"a trainer rank: {e.cause}") from None
-            raise
-        except ray.exceptions.RayActorError as e:
-            raise TrainerDied(f"a trainer rank's process died: {death_cause(e)}") from e
-    return ray.get(refs)
-
-
-def death_cause(error: Exception) -> str:
-    """The first line of Ray's report, and the error that killed the actor if
-    it names one (e.g. CUDA out of memory in the constructor)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    cause = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
-    return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
-
-
-def send_all(trainers: list, sock: str, retries: int = 0) -> tuple[list, int]:
-    """send_weights() on every rank; returns what each rank reports and how
-    many times the send was retried. A send the server failed part way (an
-    HTTP error, a refused chunk, a timeout) is sent again from the start, up to
-    `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
-    rank (TrainerDied) or a dead server is not retried."""
-    first = why = None
-    for attempt in range(retries + 1):
-        sends = [t.send_weights.remote() for t in trainers]
-        try:
-            return ray_get_all(sends), attempt
-        except helpers.ServerError as e:
-            first = first or e
-            if attempt == retries:
-                why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
-                break
-            if not helpers.health(sock):
-                why = "not retried: the server does not answer"
-                break
-            if len(ray.wait(sends, num_returns=len(sends), timeout=60)[0]) < len(sends):
-                why = "not retried: a trainer rank is still in the send"
-                break
-            print(f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
-                  f"(retry {attempt + 1} of {retries})", flush=True)  # fmt: skip
-    detail = why or (f"{attempt + 1} tries" if attempt else "")
-    raise helpers.ServerError(f"the send failed part way{f' ({detail})' if detail else ''}; "
-                              f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
 
 
 # --- The server and the job -----------------------------------------------------------------------
@@ -412,7 +345,7 @@ class Job:
     architecture: str
     gpu_name: str
     gpu_uuids: list[str]
-    loader: str = ""  # the weight loader the trainers' IPC engines were built for
+    send_retries: int = 0  # how often a send the server failed part way is sent again
 
 
 @contextmanager
@@ -434,21 +367,28 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             placements = ray_get_all([t.placement.remote() for t in trainers])
             gpu_ids = [p["gpu_ids"][0] for p in placements]
             print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
-            lr = args.lr if args.train else None
-            random_init = args.model in models.PRESETS
-            ray_get_all([t.build_model.remote(str(model_path), random_init, args.seed, lr) for t in trainers])
+            # The trainers' memory first: vLLM, starting, requires its share of each GPU to be free
+            # and counts any growth meanwhile as its own (a checkpoint load's transient buffers
+            # shrink its KV cache that much). Then the weights, while the server starts.
+            ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
+            filling = [t.init_weights.remote(str(model_path), args.model in models.PRESETS, args.seed)
+                       for t in trainers]  # fmt: skip
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
                 serve_args(args, model_path, gpu_ids),
                 socket_path=workdir / "vllm.sock",
                 log_path=args.server_log,
-                timeout_s=args.server_timeout,
                 # The server's workers import the direct loader (direct_load.py) from here.
                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
                 # A local Ray we started goes with us even if we are SIGKILLed (its agents would
-                # linger for minutes); by now, with the trainers built, all its processes are up.
+                # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
+                while ray.wait(filling, num_returns=len(filling), timeout=2)[1]:
+                    helpers.print_progress(server)
+                ray_get_all(filling)
+                print("[trainers] weights ready", flush=True)
+                server.healthy_after_s = helpers.wait_until_healthy(server, args.server_timeout)
                 print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}")
                 try:
                     yield Job(
@@ -486,35 +426,14 @@ def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> No
     sock = job.server.socket_path
     ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
                                                 job.gpu_uuids) for t in job.trainers])  # fmt: skip
-    job.loader = loader
-
-
-def send_retries(job: Job, args: argparse.Namespace) -> int:
-    """Only the direct loader's sends are retried: after a failed chunk, vLLM
-    0.32's own route leaves its layer-wise reload half done, and a second send
-    would load on top of it."""
-    return args.send_retries if job.loader == "direct" else 0
+    # Only the direct loader's sends are retried: after a failed chunk, vLLM
+    # 0.32's own route leaves its layer-wise reload half done, and a second
+    # send would load on top of it.
+    job.send_retries = args.send_retries if loader == "direct" else 0
 
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
     return ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
-
-
-def wake_for_serving(sock: str) -> None:
-    """Wake the KV cache and the scheduler; the server must then be fully awake."""
-    state = helpers.wake_up(sock, ["kv_cache", "scheduling"])
-    if state["status"] != "awake":
-        raise helpers.ServerError(f"server still asleep after the last wake_up: {state}")
-
-
-def check_coverage(job: Job, args: argparse.Namespace) -> dict:
-    """A sync into zeroed vLLM weights: what it misses stays zero."""
-    zeros = checks.zero_vllm_weights(job.server.socket_path, args.sleep_level)
-    send_all(job.trainers, job.server.socket_path, send_retries(job, args))
-    wake_for_serving(job.server.socket_path)
-    coverage = checks.coverage(job.server.socket_path, zeros)
-    print(f"[coverage] {coverage['parameters']} vLLM parameters, unwritten: {coverage['unwritten']}", flush=True)
-    return coverage
 
 
 def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.RoundRecord:
@@ -529,17 +448,17 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
     with timer.phase("sleep"):
-        helpers.sleep(sock, args.sleep_level)
+        helpers.sleep_for_sync(sock, args.sleep_level)
     loss = None
     if samples:
         with timer.phase("train"):
             loss = ray_get_all([t.train_step.remote(samples) for t in trainers])[0]
     with timer.phase("wake_weights"):
-        helpers.wake_up(sock, ["weights"])
+        helpers.wake_weights(sock, args.sleep_level)
     with timer.phase("send"):
-        send_per_rank, retried = send_all(trainers, sock, send_retries(job, args))
+        send_per_rank, retried = send_all(trainers, sock, job.send_retries)
     with timer.phase("wake_kv"):
-        wake_for_serving(sock)
+        helpers.wake_to_serve(sock)
     # 7. The gate: vLLM now scores the same tokens as the trainer.
     after = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
@@ -553,9 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     with colocated_job(args) as job:
         sock = job.server.socket_path
         setup_weight_transfer(job, args, args.weight_loader)
-        coverage = check_coverage(job, args) if args.check_coverage else None
+        coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
-        show_texts("before the first sync", args.prompts, greedy)
+        checks.show_texts("before the first sync", args.prompts, greedy)
         rounds, time_to_first_sync_s = [], None
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
@@ -563,27 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None))
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
-        show_texts("after the last sync", args.prompts, greedy)
+        checks.show_texts("after the last sync", args.prompts, greedy)
         result = checks.run_result(args, job, rounds, coverage, time_to_first_sync_s)
     return checks.report(args, result)
-
-
-def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
-    print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(prompts, batch, strict=True)), sep="\n")
-
-
-def cli(main_fn) -> None:
-    """Run main_fn() and exit with its code; the failures we expect (a dead
-    rank or server, no room for the trainers) as one `error:` line, Ctrl-C as
-    one line too (the cleanup has run on the way out). Anything else keeps its
-    traceback."""
-    try:
-        sys.exit(main_fn())
-    except (PlacementError, TrainerDied, helpers.ServerError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("error: interrupted; the server and the trainers are stopped", file=sys.stderr)
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ class PolicyGradientStep:
         on samples {"prompt_ids", "completion_ids", "advantage"}. Every rank
         takes its share; FSDP averages the gradients. Returns the loss."""
         if self.optimizer is None:
-            raise RuntimeError("build the model for training first: build_model(..., lr=...)")
+            raise RuntimeError("build the model for training first: build_model(..., lr=...), then init_weights()")
         self.model.train()
         mine = samples[self.rank :: self.world_size]
         # Every rank must run the same number of forward passes (each one

@@ -15,8 +15,9 @@ tensors at a time, so a sharded trainer gathers one parameter at a time:
     form.metadata                                 # [(name, shape, dtype)]
     for name, tensor in form: ...                 # every sync
 
-It works on the meta device and under FSDP2 (DTensor parameters are gathered
-with `full_tensor()` one group at a time, buffers are not sharded).
+It works on the meta device and under FSDP2: each FSDP module's parameters
+are gathered with one `unshard()` (one all-gather, not one per parameter) and
+freed with `reshard()` once its tensors are sent; buffers are not sharded.
 
 Cost: `revert_weight_conversion` takes a whole state dict, and without a
 `model._weight_conversions` (set by `from_pretrained`) it rebuilds the model's
@@ -131,7 +132,8 @@ def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: 
 class CheckpointForm:
     """The checkpoint form of `model`, worked out once from its structure
     (meta tensors: no data touched) and produced on demand, one conversion
-    group at a time (one all-gather per in-memory parameter under FSDP2):
+    group at a time; under FSDP2 one all-gather per FSDP module (its
+    `unshard()`), not one per parameter:
 
         form = CheckpointForm(model, torch.bfloat16)
         form.metadata                   # [(checkpoint name, shape, dtype)], in order
@@ -144,8 +146,8 @@ class CheckpointForm:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=()) -> None:
         self._model, self._dtype = model, dtype
-        state, excluded = state_tensors(model), set(exclude)
-        self._groups, self._unchanged, self.metadata = [], [], []
+        state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
+        self._groups, self._unchanged, self._owners, self.metadata = [], [], [], []
         for group in conversion_groups(model):
             if set(group) & excluded:
                 if not set(group) <= excluded:  # would drop a tensor nobody sends
@@ -156,16 +158,59 @@ class CheckpointForm:
             out = _revert(model, meta)
             self._groups.append(group)
             self._unchanged.append(list(out) == group and all(out[n] is meta[n] for n in group))
-            self.metadata += [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
+            metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
+            self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
+            self.metadata += metadata
 
     @torch.no_grad()
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        state = state_tensors(self._model)
-        for group, unchanged in zip(self._groups, self._unchanged, strict=True):
-            gathered = {n: _full(state[n]).detach() for n in group}
+        unsharded = None  # the FSDP2 module whose parameters are gathered now
+        for group, unchanged, owner in zip(self._groups, self._unchanged, self._owners, strict=True):
+            if owner is not unsharded:
+                if unsharded is not None:
+                    unsharded.reshard()
+                if owner is not None:
+                    owner.unshard()  # one all-gather for all its parameters, in its compute dtype
+                unsharded = owner
+            gathered = {n: _full(_live(self._model, n)).detach() for n in group}
             for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
-                yield name, t.to(_cast_dtype(self._model, name, t, self._dtype))
+                # A copy of what FSDP gathered: reshard() frees its memory, and a
+                # consumer may keep what it was given (vLLM's unpacked send does).
+                yield name, t.to(_cast_dtype(self._model, name, t, self._dtype), copy=owner is not None)
             del gathered
+        if unsharded is not None:
+            unsharded.reshard()
+
+
+def _live(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The tensor now at `name` (FSDP2 swaps a module's parameters for the
+    unsharded ones while it is unsharded)."""
+    module, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(module), leaf)
+
+
+def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype],
+                dtype: torch.dtype | None):  # fmt: skip
+    """The FSDP2 module whose unshard() gathers the parameters `names`
+    (`params`: the model's parameter names), if one module does and all are
+    sent cast to `dtype` (FSDP's gather in its compute dtype then gives the
+    same bits as gathering and casting); else None: each is then gathered on
+    its own with full_tensor()."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owners = set()
+    for name in names:
+        if name not in params:
+            continue  # a buffer: not sharded
+        module = name.rpartition(".")[0]
+        while not isinstance(model.get_submodule(module), FSDPModule):
+            if not module:
+                return None
+            module = module.rpartition(".")[0]
+        owners.add(module)
+    if len(owners) != 1 or dtype is None or dtypes != {dtype}:
+        return None
+    return model.get_submodule(owners.pop())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

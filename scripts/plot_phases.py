@@ -54,14 +54,15 @@ def round_segments(record: dict, split: bool = True) -> dict[str, float]:
     return out
 
 
-def run_label(facts: dict, loader: str) -> str:
+def run_label(facts: dict, loader: str, sleep_level: int | None = None) -> str:
     mode = "eager" if "--enforce-eager" in facts.get("command", "") else "compiled"
+    level = f", sleep level {sleep_level}" if sleep_level is not None else ""
     if facts.get("packed", True):
         size = facts.get("packed_buffer_size_bytes", 1 << 30) / (1 << 30)
         buffer = f"{size:g} GiB buffer"
     else:
         buffer = "unpacked"
-    return f"{LOADER_NAMES.get(loader, loader)} loader, {buffer}, {mode} server"
+    return f"{LOADER_NAMES.get(loader, loader)} loader, {buffer}, {mode} server{level}"
 
 
 def runs_in(path: Path) -> list[dict]:
@@ -77,7 +78,8 @@ def runs_in(path: Path) -> list[dict]:
             rounds = [round_segments(r, split=False) for r in variant["rounds"]]
         keys = [key for key, _, _ in SEGMENTS if key in rounds[0]]
         runs.append({
-            "label": run_label(facts, variant.get("weight_loader", "vllm")),
+            "label": run_label(facts, variant.get("weight_loader", "vllm"),
+                               variant.get("sleep_level", facts.get("sleep_level"))),
             "file": f"{path.parent.name}/{path.name}",
             "rounds": len(rounds),
             "segments": {key: statistics.median(r[key] for r in rounds) for key in keys},

@@ -392,6 +392,11 @@ def test_benchmark_flags_and_where_its_json_goes():
     assert (args.model, args.num_gpus) == ("tiny", 2)  # the script's own flags pass through
     bench, args = benchmark.parse_args(["--loaders", "direct", "--rounds", "5"])
     assert bench.loaders == ["direct"] and args.rounds == 5
+    assert bench.variants == [("direct", 0)]  # the script's default sleep level
+    bench, _ = benchmark.parse_args(["--variants", "direct:2", "direct:0", "vllm:0", "--sleep-level", "1"])
+    assert bench.variants == [("direct", 2), ("direct", 0), ("vllm", 0)] and bench.loaders == ["direct", "vllm"]
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--variants", "direct:3"])
     facts = {"gpu_name": "NVIDIA H200", "date": "2026-11-30", "model": "qwen3-30b-a3b-shape", "num_gpus": 2}
     assert str(benchmark.default_out(facts)) == "docs/benchmarks/2026-11-30-qwen3-30b-a3b-shape-2xh200.json"
     with pytest.raises(SystemExit):

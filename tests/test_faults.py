@@ -139,10 +139,11 @@ def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cp
     assert script.ray_get_all([t.send_count.remote() for t in trainers]) == [3, 3]
 
 
-def test_only_the_direct_loaders_sends_are_retried():
+def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     args = script.parse_args(["--send-retries", "2"])
-    job = script.Job(trainers=[], server=None, served_name="", dp_size=1, architecture="", gpu_name="",
-                     gpu_uuids=[], loader="direct")  # fmt: skip
-    assert script.send_retries(job, args) == 2
-    job.loader = "vllm"  # vLLM's own route cannot take a second send after a failed chunk
-    assert script.send_retries(job, args) == 0
+    job = script.Job(trainers=[], server=helpers.Server(proc=None, socket_path="", log_path=None), served_name="",
+                     dp_size=1, architecture="", gpu_name="", gpu_uuids=[])  # fmt: skip
+    script.setup_weight_transfer(job, args, "direct")
+    assert job.send_retries == 2
+    script.setup_weight_transfer(job, args, "vllm")  # vLLM's own route cannot take a second send after a failed chunk
+    assert job.send_retries == 0

@@ -214,10 +214,11 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         tmp = Path({str(tmp_path)!r})
         model = models.build_preset("tiny", tmp / "tiny")
         with helpers.hangups_unwind(), helpers.serving(
-            cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r}, timeout_s=240,
+            cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
             env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
         ) as server:
+            helpers.wait_until_healthy(server, timeout_s=240)
             print("pgid", server.pgid, flush=True)
             time.sleep(600)
     """)

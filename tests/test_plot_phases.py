@@ -27,7 +27,7 @@ def test_the_chart_has_a_bar_per_run_and_loader_and_names_every_phase(tmp_path):
     bench_json = tmp_path / "bench.json"
     bench_json.write_text(json.dumps({"command": "python3 benchmark.py --enforce-eager", "variants": [
         {"weight_loader": "vllm", "rounds": [a_round(27.0)]},
-        {"weight_loader": "direct", "rounds": [a_round(1.2, breakdown=False)]},
+        {"weight_loader": "direct", "sleep_level": 0, "rounds": [a_round(1.2, breakdown=False)]},
     ]}))  # fmt: skip
     out = tmp_path / "phases.svg"
 
@@ -40,6 +40,7 @@ def test_the_chart_has_a_bar_per_run_and_loader_and_names_every_phase(tmp_path):
         assert f">{phase}" in text
     assert "direct loader, 1 GiB buffer, compiled server" in text
     assert "vLLM&#x27;s loader, 1 GiB buffer, eager server" in text
+    assert "direct loader, 1 GiB buffer, eager server, sleep level 0" in text  # a variant's own sleep level
     assert "27.33 s, cut" in text  # longer than --xmax: cut, with its full length
     # the script's run: the medians, and the send split as rank 0 saw it
     run = plot_phases.runs_in(script_json)[0]

@@ -67,7 +67,23 @@ def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
     assert helpers.is_sleeping(sock)
     assert helpers.wake_up(sock, ["weights"])["status"] == "sleeping"
     assert helpers.is_sleeping(sock)
-    script.wake_for_serving(sock)
+    helpers.wake_to_serve(sock)
+    assert not helpers.is_sleeping(sock)
+    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+
+
+def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server):
+    """--sleep-level 0: paused, then the KV cache's release reaches every
+    engine (the CPU build cannot release it, and says so: the GPU runs cover
+    the release itself), weights never woken, then serving again."""
+    sock = cpu_server.socket_path
+    assert helpers.sleep(sock, 0) == {"status": "sleeping", "level": 0}
+    assert helpers.is_sleeping(sock)
+    with pytest.raises(helpers.ServerError, match="Selective discard is not supported on CPU"):
+        helpers.release_kv_cache(sock)
+    helpers.wake_weights(sock, 0)  # nothing to wake: a wake_up?tags=weights here would leave it asleep
+    assert helpers.is_sleeping(sock)
+    helpers.wake_to_serve(sock)
     assert not helpers.is_sleeping(sock)
     assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 

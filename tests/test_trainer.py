@@ -10,6 +10,7 @@ import torch
 
 import checks
 import helpers
+import ray_ranks
 import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, run_ranks
 
@@ -17,7 +18,8 @@ from conftest import SERVED_NAME, listening_tcp, run_ranks
 def _gather_source(trainer, ckpt, random_init, out_dir, loader):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    trainer.build_model(str(ckpt), random_init=random_init, seed=3)
+    trainer.build_model(str(ckpt))
+    trainer.init_weights(str(ckpt), random_init=random_init, seed=3)
     source = ModuleSource(trainer.model) if loader == "module" else trainer.weight_source(loader)
     meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
     tensors = {name: t.detach().clone() for name, t in source}
@@ -117,7 +119,8 @@ def test_direct_loader_source_for_a_renamed_family(tmp_path):
 def _random_models(trainer, out_dir):
     models_by_seed = []
     for seed in (3, 3, 4):
-        trainer.build_model(str(out_dir / "model"), random_init=True, seed=seed)
+        trainer.build_model(str(out_dir / "model"))
+        trainer.init_weights(str(out_dir / "model"), random_init=True, seed=seed)
         local = trainer.model.model.layers[0].mlp.experts.gate_up_proj.to_local().clone()
         models_by_seed.append(({n: t.clone() for n, t in trainer.weight_source("vllm")}, local))
     torch.save(models_by_seed, out_dir / f"rank{trainer.rank}.pt")
@@ -190,7 +193,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers
 
 
 def test_a_trainer_that_fails_to_start_says_why(ray_cluster, fresh_cpu_trainers):
-    with pytest.raises(script.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
+    with pytest.raises(ray_ranks.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
         fresh_cpu_trainers(trainer_cls=TrainerThatCannotStart)
 
 
@@ -219,11 +222,12 @@ def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(
     """Rank 1 waits in FSDP's all-gather for rank 0, which dies: the driver must
     hear of it at once instead of waiting for the collective's timeout."""
     trainers = fresh_cpu_trainers()
-    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True) for t in trainers])
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in trainers])
+    script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), True) for t in trainers])
     waiting = trainers[1].token_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
     start = time.monotonic()
     ray_cluster.kill(trainers[0])
-    with pytest.raises(script.TrainerDied, match="a trainer rank's process died"):
+    with pytest.raises(ray_ranks.TrainerDied, match="a trainer rank's process died"):
         script.ray_get_all([_call_on_a_killed_actor(ray_cluster, trainers[0]), waiting])
     assert time.monotonic() - start < 30
 
@@ -247,7 +251,8 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     cpu_server, cpu_trainers, tiny_checkpoint
 ):
     sock = cpu_server.socket_path
-    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
+    script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
     outs = helpers.completions(sock, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
 
@@ -256,7 +261,8 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     assert same.mean <= tolerances.mean and same.max <= tolerances.max, same
 
     # The trainer now holds other weights: the server is "stale" and the gate must say so.
-    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
+    script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
     stale = checks.logprob_gap(sock, SERVED_NAME, script.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
     assert stale.mean > 3 * tolerances.mean and stale.max > tolerances.max, stale
     assert checks.gate(same, stale, tolerances, weights_updated=True).passed is False
@@ -274,7 +280,8 @@ def _full_bf16(trainer):
 
 
 def _train_once(trainer, ckpt, out_dir, forward_first):
-    trainer.build_model(str(ckpt), random_init=False, lr=1e-2)
+    trainer.build_model(str(ckpt), lr=1e-2)
+    trainer.init_weights(str(ckpt), random_init=False)
     if forward_first:  # as every round does: the gate's forward pass comes before the step
         trainer.token_logprobs([[5, 6, 7, 8]])
     before = _full_bf16(trainer)
@@ -320,7 +327,8 @@ def test_train_step_after_a_forward_moves_every_weight_that_vllm_receives(tiny_c
 
 
 def _step_without_gradients(trainer, ckpt, out_dir):
-    trainer.build_model(str(ckpt), random_init=False, lr=1e-2)
+    trainer.build_model(str(ckpt), lr=1e-2)
+    trainer.init_weights(str(ckpt), random_init=False)
     trainer.model.lm_head.weight.requires_grad_(False)  # a parameter the step cannot move
     trainer.train_step(SAMPLES)
     torch.save(trainer.unchanged_by_last_step(), out_dir / f"unchanged{trainer.rank}.pt")
