@@ -4,7 +4,8 @@
     python benchmark.py --model tiny --num-gpus 2 --loaders direct
 
 It starts the trainers and the server once, then for each loader in --loaders
-(default: vllm, then direct), or each loader and sleep level in --variants:
+(default: vllm, then direct), or each loader, sleep level and buffer size in
+--variants:
   1. zeroes every vLLM parameter, so that round 1 has to bring the weights back
      (with --check-coverage: zeroes them, syncs, and lists those left zero);
   2. runs --rounds syncs (default 3), each checked by the script's logprob gate,
@@ -39,9 +40,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS), help="loaders to compare")
-    p.add_argument("--variants", nargs="+", metavar="LOADER:LEVEL", type=_variant, help="loader and sleep "
-                   "level of each variant, in order, e.g. direct:0 direct:2 vllm:0 (default: --loaders at the "
-                   "script's --sleep-level)")
+    p.add_argument("--variants", nargs="+", metavar="LOADER:LEVEL[:GIB]", type=_variant, help="loader, sleep "
+                   "level and (optionally) packed buffer size in GiB of each variant, in order, e.g. direct:0 "
+                   "direct:0:4 vllm:0 (default: --loaders at the script's --sleep-level and buffer size)")
     p.add_argument("--out", help="JSON path (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json)")
     bench, rest = p.parse_known_args(argv)
     if bench.help:
@@ -49,36 +50,45 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         print("\nAll other flags are rlhf_ipc_fsdp_ep.py's; --rounds defaults to 3 here.")
         sys.exit(0)
     args = script.parse_args(["--rounds", "3", *rest])  # a --rounds in `rest` comes later and wins
-    bench.variants = bench.variants or [(loader, args.sleep_level) for loader in bench.loaders]
-    bench.loaders = list(dict.fromkeys(loader for loader, _ in bench.variants))
+    if bench.variants and "--loaders" in (argv if argv is not None else sys.argv[1:]):
+        p.error("pass --loaders or --variants, not both")
+    bench.variants = bench.variants or [(loader, args.sleep_level, None) for loader in bench.loaders]
+    bench.loaders = list(dict.fromkeys(loader for loader, *_ in bench.variants))
     for loader in bench.loaders:  # every loader's flags, before any GPU work
         if problem := checks.loader_flag_problem(args, loader):
             p.error(problem)
     return bench, args
 
 
-def _variant(text: str) -> tuple[str, int]:
-    loader, _, level = text.partition(":")
-    if loader not in LOADERS or level not in ("0", "1", "2"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LOADER:LEVEL, LOADER one of {LOADERS}, LEVEL 0-2")
-    return loader, int(level)
+def _variant(text: str) -> tuple[str, int, int | None]:
+    """LOADER:LEVEL[:GIB] -> (loader, sleep level, packed buffer bytes or None: the script's)."""
+    loader, level, *gib = text.split(":")
+    if loader not in LOADERS or level not in ("0", "1", "2") or len(gib) > 1 or gib and not (gib[0].isdigit() and int(gib[0]) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOADER:LEVEL[:GIB], LOADER one of {LOADERS}, "
+                                         "LEVEL 0-2, GIB a whole number")  # fmt: skip
+    return loader, int(level), int(gib[0]) * 1024**3 if gib else None
 
 
-def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_level: int) -> dict:
-    """--rounds syncs through `loader` at `sleep_level`, starting from zeroed vLLM weights."""
-    args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level})
+def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_level: int,
+                buffer_bytes: int | None = None) -> dict:  # fmt: skip
+    """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
+    of `buffer_bytes`, if given), starting from zeroed vLLM weights."""
+    args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
+                                 "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer(job, args, loader)
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
         helpers.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
-        print(f"=== {loader} loader, sleep level {sleep_level}, round {i}/{args.rounds} ===", flush=True)
+        print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
+              f"buffer, round {i}/{args.rounds} ===", flush=True)  # fmt: skip
         rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None))
         print_send_breakdown(rounds[-1].send_breakdown_s)
     return {
         "weight_loader": loader,
         "sleep_level": sleep_level,
+        "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "coverage": coverage,
         "rounds": [r.to_json() for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
@@ -98,6 +108,9 @@ def print_send_breakdown(send_per_rank: list[dict]) -> None:
             + f" + packing and handshakes {s['total'] - s.get('source', 0) - server:.2f} s",
             flush=True,
         )
+        if engine := {k.removeprefix("engine_"): v for k, v in s.items() if k.startswith("engine_")}:
+            print("[send]   of the server's, inside DP engine 0: "
+                  + ", ".join(f"{part} {seconds:.2f} s" for part, seconds in engine.items()), flush=True)  # fmt: skip
 
 
 def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
@@ -138,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)
-        for loader, level in bench.variants:
-            variant = run_variant(job, args, loader, level)
+        for loader, level, buffer_bytes in bench.variants:
+            variant = run_variant(job, args, loader, level, buffer_bytes)
             result["variants"].append(variant)
             checks.write_json(out, result)  # after every step: a run cut short keeps what it measured
             print(checks.format_summary({**result, **variant}), flush=True)
@@ -148,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             checks.write_json(out, result)
         print(f"[json] {out}")
 
-    failures = [f"{v['weight_loader']} loader, sleep level {v['sleep_level']}, {failure}" for v in result["variants"]
+    failures = [f"{v['weight_loader']} loader, sleep level {v['sleep_level']}, "
+                f"{v['packed_buffer_size_bytes'] / 1024**3:g} GiB buffer, {failure}" for v in result["variants"]
                 for failure in checks.failed_checks(v, args.memory_growth_tolerance_gib)]  # fmt: skip
     if result.get("loaders_agree", {}).get("agree") is False:
         failures.append("the direct loader did not reproduce vLLM's parameters")

@@ -534,9 +534,11 @@ class Measured:
         return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
 
     def send_weights(self) -> dict[str, float]:
-        """Where this rank's send went: `source` (gathering and casting the
-        tensors), `server_*` (waiting on the server, rank 0 only), `total`;
-        the rest is packing and the trainer ranks' handshakes."""
+        """Where this rank's send went: `source` (producing the tensors: host
+        time, see TimedSource), `server_*` (waiting on the server, rank 0
+        only) and `engine_*` (the direct loader's own split of DP engine 0's
+        part of that), `total`; the rest is packing, the GPU's gathers and
+        the trainer ranks' handshakes."""
         self.send_seconds.clear()
         start = time.perf_counter()
         super().send_weights()
@@ -659,10 +661,15 @@ class TimedClient:
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return call(*args, **kwargs)
+                result = call(*args, **kwargs)
             finally:
                 key = f"server_{name}"
                 self._seconds[key] = self._seconds.get(key, 0.0) + time.perf_counter() - start
                 self._seconds[f"{key}_calls"] = self._seconds.get(f"{key}_calls", 0) + 1
+            # The direct loader says where the first engine's time went: kept
+            # apart (engine_*), as a part of the server's share above.
+            for part, seconds in (result.get("seconds", {}) if isinstance(result, dict) else {}).items():
+                self._seconds[f"engine_{part}"] = self._seconds.get(f"engine_{part}", 0.0) + seconds
+            return result
 
         return timed

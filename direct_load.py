@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +125,7 @@ class DirectLoadWorker:
         from vllm.config import set_current_vllm_config
         from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
+        start = time.perf_counter()
         session = self._direct_session_or_raise()
         update = _unpickle(payload)
         handles = update["ipc_handles"]
@@ -147,6 +149,7 @@ class DirectLoadWorker:
                     session.touched[id(experts)] = experts
                 else:
                     others.append((name, tensor))
+            experts_done = time.perf_counter()
             if others:
                 with set_current_vllm_config(self.vllm_config):
                     loaded = session.model.load_weights(others)
@@ -154,12 +157,18 @@ class DirectLoadWorker:
                     owner = session.param_owner.get(param_name)
                     if owner is not None:
                         session.touched[id(owner)] = owner
+        load_done = time.perf_counter()
         # The trainer refills this buffer as soon as we return: finish reading it.
         if session.device.type == "cuda":
             torch.cuda.synchronize(session.device)
         session.tensors += len(tensors)
         session.bytes += sum(sizes)
-        return {"tensors": len(tensors), "bytes": sum(sizes)}
+        # Where this engine's time went (the caller's clock also counts HTTP and
+        # the RPC to every engine): the expert copies are launched before
+        # load_weights and may finish in `sync_s`.
+        return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": {
+            "unpack_and_experts": experts_done - start, "load_weights": load_done - experts_done,
+            "sync": time.perf_counter() - load_done}}  # fmt: skip
 
     def direct_load_finish(self) -> dict:
         """Run each written layer's post-load processing, then the attention

@@ -543,12 +543,13 @@ class DirectLoadClient:
     def start_weight_update(self) -> None:
         collective_rpc(self.sock, "direct_load_start")
 
-    def update_weights(self, update_info: dict) -> None:
+    def update_weights(self, update_info: dict) -> dict:
+        """One chunk; returns what the first DP engine reports of it."""
         import base64
         import pickle
 
         update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids}
-        collective_rpc(self.sock, "direct_load_chunk", base64.b64encode(pickle.dumps(update)).decode())
+        return collective_rpc(self.sock, "direct_load_chunk", base64.b64encode(pickle.dumps(update)).decode())[0]
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         collective_rpc(self.sock, "direct_load_finish")

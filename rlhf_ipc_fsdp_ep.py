@@ -368,11 +368,14 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             gpu_ids = [p["gpu_ids"][0] for p in placements]
             print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
             # The trainers' memory first: vLLM, starting, requires its share of each GPU to be free
-            # and counts any growth meanwhile as its own (a checkpoint load's transient buffers
-            # shrink its KV cache that much). Then the weights, while the server starts.
+            # and sizes its KV cache assuming no other process's memory changes meanwhile. Random
+            # weights are filled in place while the server starts; a checkpoint's broadcast needs
+            # temporary GPU memory, so it is loaded first.
+            random_init = args.model in models.PRESETS
             ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
-            filling = [t.init_weights.remote(str(model_path), args.model in models.PRESETS, args.seed)
-                       for t in trainers]  # fmt: skip
+            filling = [t.init_weights.remote(str(model_path), random_init, args.seed) for t in trainers]
+            if not random_init:
+                ray_get_all(filling)
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
                 serve_args(args, model_path, gpu_ids),
@@ -384,11 +387,12 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
-                while ray.wait(filling, num_returns=len(filling), timeout=2)[1]:
+                while filling and server.proc.poll() is None:  # a failed rank or server fails at once
+                    done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
+                    ray_get_all(done)
                     helpers.print_progress(server)
-                ray_get_all(filling)
-                print("[trainers] weights ready", flush=True)
-                server.healthy_after_s = helpers.wait_until_healthy(server, args.server_timeout)
+                left = args.server_timeout - (time.monotonic() - server.started_at)
+                server.healthy_after_s = helpers.wait_until_healthy(server, left)
                 print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}")
                 try:
                     yield Job(

@@ -9,7 +9,7 @@ yields it. Rather than a table per family, this module asks transformers
 itself: `save_pretrained` takes `state_dict()` (parameters and persistent
 buffers), drops tied copies, and runs `revert_weight_conversion`, the reverse
 of the conversion `from_pretrained` applied. We do the same, one group of
-tensors at a time, so a sharded trainer gathers one parameter at a time:
+tensors at a time, so a sharded trainer holds one FSDP module gathered at a time:
 
     form = CheckpointForm(model, torch.bfloat16)  # once: names, shapes, groups (meta only)
     form.metadata                                 # [(name, shape, dtype)]
@@ -147,7 +147,7 @@ class CheckpointForm:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=()) -> None:
         self._model, self._dtype = model, dtype
         state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
-        self._groups, self._unchanged, self._owners, self.metadata = [], [], [], []
+        self._groups, self._unchanged, self._owners, self._group_metadata = [], [], [], []
         for group in conversion_groups(model):
             if set(group) & excluded:
                 if not set(group) <= excluded:  # would drop a tensor nobody sends
@@ -160,26 +160,49 @@ class CheckpointForm:
             self._unchanged.append(list(out) == group and all(out[n] is meta[n] for n in group))
             metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
             self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
-            self.metadata += metadata
+            self._group_metadata.append(metadata)
+        order = _gather_order(self._owners)
+        self._groups, self._unchanged, self._owners = ([x[i] for i in order] for x in
+                                                       (self._groups, self._unchanged, self._owners))  # fmt: skip
+        self.metadata = [m for i in order for m in self._group_metadata[i]]
 
     @torch.no_grad()
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         unsharded = None  # the FSDP2 module whose parameters are gathered now
-        for group, unchanged, owner in zip(self._groups, self._unchanged, self._owners, strict=True):
-            if owner is not unsharded:
-                if unsharded is not None:
-                    unsharded.reshard()
-                if owner is not None:
-                    owner.unshard()  # one all-gather for all its parameters, in its compute dtype
-                unsharded = owner
-            gathered = {n: _full(_live(self._model, n)).detach() for n in group}
-            for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
-                # A copy of what FSDP gathered: reshard() frees its memory, and a
-                # consumer may keep what it was given (vLLM's unpacked send does).
-                yield name, t.to(_cast_dtype(self._model, name, t, self._dtype), copy=owner is not None)
-            del gathered
-        if unsharded is not None:
-            unsharded.reshard()
+        try:
+            for group, unchanged, owner in zip(self._groups, self._unchanged, self._owners, strict=True):
+                if owner is not unsharded:
+                    if unsharded is not None:
+                        unsharded.reshard()
+                    if owner is not None:
+                        owner.unshard()  # one all-gather for all its parameters, in its compute dtype
+                    unsharded = owner
+                gathered = {n: _full(_live(self._model, n)).detach() for n in group}
+                if owner is not None and (wrong := {t.dtype for t in gathered.values()} - {self._dtype, torch.float32}):
+                    raise ValueError(f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
+                                     f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}")  # fmt: skip
+                for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
+                    # A copy of what FSDP gathered: reshard() frees its memory, and a
+                    # consumer may keep what it was given (vLLM's unpacked send does).
+                    yield name, t.to(_cast_dtype(self._model, name, t, self._dtype), copy=owner is not None)
+                del gathered
+        finally:  # also when the consumer stops early: the module's own (sharded) parameters back
+            if unsharded is not None:
+                unsharded.reshard()
+
+
+def _gather_order(owners: list) -> list[int]:
+    """The groups in an order that gathers each FSDP module once per sync:
+    each module's groups together, where its first group was (the root's
+    embeddings and lm_head, a layer's experts and its norms are apart in the
+    model's own order); a group no module gathers keeps its place."""
+    def module_of(i: int):
+        return id(owners[i]) if owners[i] is not None else ("alone", i)
+
+    first: dict = {}
+    for i in range(len(owners)):
+        first.setdefault(module_of(i), i)
+    return sorted(range(len(owners)), key=lambda i: (first[module_of(i)], i))
 
 
 def _live(model: torch.nn.Module, name: str) -> torch.Tensor:

@@ -6,8 +6,9 @@ Each RESULT.json is what rlhf_ipc_fsdp_ep.py --json writes (its "rounds") or
 what benchmark.py writes (its "variants", each with a "weight_loader" and its
 "rounds"). Each bar is one run and loader; its segments are the sync's phases
 in order: sleep, wake_weights, send, wake_kv. Where a round has rank 0's
-`send_breakdown_s`, send is split into `source` (gathering and casting the
-tensors), `server` (rank 0 waiting on the server: start, every chunk, finish)
+`send_breakdown_s`, send is split into `source` (producing the tensors:
+host time since 2026-11-30's fourth session, before that with the GPU's
+gathers and casts), `server` (rank 0 waiting on the server: start, every chunk, finish)
 and `other` (the rest of the send: packing and the trainer ranks'
 handshakes). Every segment is the median over the run's rounds of that
 segment; the number at the bar's end is the median cycle. A bar longer than
@@ -31,7 +32,7 @@ SEGMENTS = [
     ("sleep", "sleep", "#8c8c8c"),
     ("wake_weights", "wake weights", "#b3b3b3"),
     ("send", "send (not split)", "#4c72b0"),
-    ("send_source", "send: source (gather, cast)", "#55a868"),
+    ("send_source", "send: source (producing tensors)", "#55a868"),
     ("send_server", "send: server (rank 0 waits)", "#c44e52"),
     ("send_other", "send: other (packing, handshakes)", "#dd8452"),
     ("wake_kv", "wake KV cache", "#8172b3"),
@@ -78,7 +79,7 @@ def runs_in(path: Path) -> list[dict]:
             rounds = [round_segments(r, split=False) for r in variant["rounds"]]
         keys = [key for key, _, _ in SEGMENTS if key in rounds[0]]
         runs.append({
-            "label": run_label(facts, variant.get("weight_loader", "vllm"),
+            "label": run_label({**facts, **variant}, variant.get("weight_loader", "vllm"),
                                variant.get("sleep_level", facts.get("sleep_level"))),
             "file": f"{path.parent.name}/{path.name}",
             "rounds": len(rounds),

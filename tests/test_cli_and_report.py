@@ -392,11 +392,15 @@ def test_benchmark_flags_and_where_its_json_goes():
     assert (args.model, args.num_gpus) == ("tiny", 2)  # the script's own flags pass through
     bench, args = benchmark.parse_args(["--loaders", "direct", "--rounds", "5"])
     assert bench.loaders == ["direct"] and args.rounds == 5
-    assert bench.variants == [("direct", 0)]  # the script's default sleep level
-    bench, _ = benchmark.parse_args(["--variants", "direct:2", "direct:0", "vllm:0", "--sleep-level", "1"])
-    assert bench.variants == [("direct", 2), ("direct", 0), ("vllm", 0)] and bench.loaders == ["direct", "vllm"]
-    with pytest.raises(SystemExit):
-        benchmark.parse_args(["--variants", "direct:3"])
+    assert bench.variants == [("direct", 0, None)]  # the script's default sleep level and buffer
+    bench, _ = benchmark.parse_args(["--variants", "direct:2", "direct:0:4", "vllm:0", "--sleep-level", "1"])
+    assert bench.variants == [("direct", 2, None), ("direct", 0, 4 * 1024**3), ("vllm", 0, None)]
+    assert bench.loaders == ["direct", "vllm"]
+    for wrong in ("direct:3", "direct:0:x", "direct:0:0", "direct:0:1:2", "nccl:0"):
+        with pytest.raises(SystemExit):
+            benchmark.parse_args(["--variants", wrong])
+    with pytest.raises(SystemExit):  # which would win is not obvious: neither
+        benchmark.parse_args(["--loaders", "vllm", "--variants", "direct:0"])
     facts = {"gpu_name": "NVIDIA H200", "date": "2026-11-30", "model": "qwen3-30b-a3b-shape", "num_gpus": 2}
     assert str(benchmark.default_out(facts)) == "docs/benchmarks/2026-11-30-qwen3-30b-a3b-shape-2xh200.json"
     with pytest.raises(SystemExit):
@@ -441,3 +445,26 @@ def test_packed_sends_need_sizes_that_keep_every_tensor_aligned():
     assert checks.packing_problem([("a", (3,), bf16), ("b", (5,), bf16)]) is None  # all bf16: no constraint
     problem = checks.packing_problem([("odd", (3,), bf16), ("bias", (3,), fp32)])
     assert problem.startswith("odd is 6 bytes, not a multiple of 4") and "--no-packed --weight-loader vllm" in problem
+
+
+def test_timed_client_adds_the_servers_share_and_the_engines_own_split():
+    """The send's breakdown: seconds and calls per client method, plus what
+    the direct loader reports of its own time (engine_*), summed over chunks;
+    a client that reports nothing (vLLM's) adds no engine_* keys."""
+
+    class Client:
+        def update_weights(self, update_info):
+            return {"tensors": 1, "seconds": {"load_weights": 0.25, "sync": 0.5}}
+
+        def start_weight_update(self):
+            return None
+
+    seconds = {}
+    client = checks.TimedClient(Client(), seconds)
+    client.start_weight_update()
+    for _ in range(2):
+        assert client.update_weights({})["tensors"] == 1
+    assert seconds["server_update_weights_calls"] == 2 and seconds["server_start_weight_update_calls"] == 1
+    assert seconds["engine_load_weights"] == 0.5 and seconds["engine_sync"] == 1.0
+    assert set(seconds) == {"server_start_weight_update", "server_start_weight_update_calls", "server_update_weights",
+                            "server_update_weights_calls", "engine_load_weights", "engine_sync"}  # fmt: skip

