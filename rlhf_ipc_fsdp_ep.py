@@ -69,8 +69,8 @@ def parser() -> argparse.ArgumentParser:
         "/update_weights route. direct needs --tensor-parallel-size 1 and an unquantized model")
     add("--packed", action=argparse.BooleanOptionalAction, default=True,
         help="pack parameters into one reusable IPC buffer per rank (else one IPC handle per parameter)")
-    add("--packed-buffer-size-bytes", type=int, default=1024**3, help="each rank's packed IPC buffer; "
-        "must hold the largest parameter")
+    add("--packed-buffer-size-bytes", type=int, default=4 * 1024**3, help="each rank's packed IPC buffer; "
+        "must hold the largest parameter (fewer, larger chunks: a faster send, for that much trainer memory)")
     add("--send-retries", type=int, default=1, help="direct loader: send again from the start, this many "
         "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")

@@ -61,7 +61,7 @@ def test_every_flag_is_in_the_readme_and_only_those():
 def test_defaults_match_the_reference_setup():
     args = script.parse_args([])
     assert (args.model, args.num_gpus, args.tensor_parallel_size) == ("Qwen/Qwen3-30B-A3B", 4, 1)
-    assert args.packed and args.packed_buffer_size_bytes == 1024**3
+    assert args.packed and args.packed_buffer_size_bytes == 4 * 1024**3
     assert args.weight_loader == "direct"
     assert args.prompts == script.DEFAULT_PROMPTS
 
