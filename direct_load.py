@@ -59,6 +59,7 @@ class _Session:
     touched: dict[int, torch.nn.Module] = field(default_factory=dict)
     tensors: int = 0
     bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # this engine's time in the chunks, by part
 
 
 class DirectLoadWorker:
@@ -166,9 +167,11 @@ class DirectLoadWorker:
         # Where this engine's time went (the caller's clock also counts HTTP and
         # the RPC to every engine): the expert copies are launched before
         # load_weights and may finish in `sync_s`.
-        return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": {
-            "unpack_and_experts": experts_done - start, "load_weights": load_done - experts_done,
-            "sync": time.perf_counter() - load_done}}  # fmt: skip
+        seconds = {"unpack_and_experts": experts_done - start, "load_weights": load_done - experts_done,
+                   "sync": time.perf_counter() - load_done}  # fmt: skip
+        for part, value in seconds.items():
+            session.seconds[part] = session.seconds.get(part, 0.0) + value
+        return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
 
     def direct_load_finish(self) -> dict:
         """Run each written layer's post-load processing, then the attention
@@ -194,6 +197,10 @@ class DirectLoadWorker:
             torch.cuda.synchronize(session.device)
         session.importer.close()
         self._direct_session = None
+        # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
+        dp_rank = self.vllm_config.parallel_config.data_parallel_rank
+        print(f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
+              "the chunks: " + ", ".join(f"{k} {v:.3f}" for k, v in session.seconds.items()), flush=True)  # fmt: skip
         return {"tensors": session.tensors, "bytes": session.bytes, "layers_processed": len(session.touched)}
 
     def direct_load_layout(self) -> dict:

@@ -367,15 +367,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             placements = ray_get_all([t.placement.remote() for t in trainers])
             gpu_ids = [p["gpu_ids"][0] for p in placements]
             print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
-            # The trainers' memory first: vLLM, starting, requires its share of each GPU to be free
-            # and sizes its KV cache assuming no other process's memory changes meanwhile. Random
-            # weights are filled in place while the server starts; a checkpoint's broadcast needs
-            # temporary GPU memory, so it is loaded first.
-            random_init = args.model in models.PRESETS
-            ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
-            filling = [t.init_weights.remote(str(model_path), random_init, args.seed) for t in trainers]
-            if not random_init:
-                ray_get_all(filling)
+            filling = build_models(trainers, args, model_path)
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
                 serve_args(args, model_path, gpu_ids),
@@ -387,13 +379,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
-                while filling and server.proc.poll() is None:  # a failed rank or server fails at once
-                    done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
-                    ray_get_all(done)
-                    helpers.print_progress(server)
-                left = args.server_timeout - (time.monotonic() - server.started_at)
-                server.healthy_after_s = helpers.wait_until_healthy(server, left)
-                print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}")
+                wait_until_ready(server, filling, args.server_timeout)
                 try:
                     yield Job(
                         trainers=trainers,
@@ -411,6 +397,33 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             with helpers.signals_ignored():
                 leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
+
+
+def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:
+    """Every rank allocates its shard of the model, then fills it; returns the
+    fill's refs. The memory comes first: vLLM, starting, requires its share of
+    each GPU to be free, and sizes its KV cache assuming no other process's
+    memory changes meanwhile. So random weights (in place) are filled while the
+    server starts, and a checkpoint (its broadcast needs temporary GPU memory)
+    is loaded before."""
+    random_init = args.model in models.PRESETS
+    ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
+    filling = [t.init_weights.remote(str(model_path), random_init, args.seed) for t in trainers]
+    if not random_init:
+        ray_get_all(filling)
+    return filling
+
+
+def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float) -> None:
+    """Wait for the trainers' weights and for the server's health, printing
+    its progress; a failed rank or a dead server fails at once."""
+    while filling and server.proc.poll() is None:
+        done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
+        ray_get_all(done)
+        helpers.print_progress(server)
+    left = timeout_s - (time.monotonic() - server.started_at)
+    server.healthy_after_s = helpers.wait_until_healthy(server, left)
+    print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
 
 
 def leave_ray(started_ray: bool, pg) -> None:

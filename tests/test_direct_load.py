@@ -41,6 +41,8 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
     with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
         client.update_weights({**chunk, "tensor_sizes": []})
     client.finish_weight_update()  # closes the session: the next chunk needs a new start
+    # Every engine says in the server's log what it received and where its time went.
+    assert "[direct_load] DP rank 0: 0 tensors, 0.00 GB; seconds in the chunks: " in cpu_server.log_path.read_text()
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})
     with pytest.raises(ValueError, match="packed"):
