@@ -147,3 +147,46 @@ def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     assert job.send_retries == 2
     script.setup_weight_transfer(job, args, "vllm")  # vLLM's own route cannot take a second send after a failed chunk
     assert job.send_retries == 0
+
+
+def _never_healthy_server(tmp_path, code: str) -> helpers.Server:
+    """A real process in the server's place that never answers /health
+    (`code` runs instead of vLLM)."""
+    from conftest import private_socket_path
+
+    return helpers.start_server(["m"], socket_path=private_socket_path(), log_path=tmp_path / "server.log",
+                                launcher=(sys.executable, "-c", code))  # fmt: skip
+
+
+def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_trainers, tiny_checkpoint, tmp_path):
+    """While the server starts, the trainers fill their weights: a rank that
+    fails (here: rank 0 cannot read the checkpoint, while rank 1 waits for its
+    broadcast) ends the wait with its error, not after the server's start."""
+    trainers = fresh_cpu_trainers()
+    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in trainers])
+    filling = [t.init_weights.remote(str(tmp_path / "missing"), False) for t in trainers]
+    server = _never_healthy_server(tmp_path, "import time; time.sleep(300)")
+    begin = time.monotonic()
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="missing"):
+            script.wait_until_ready(server, filling, timeout_s=240)
+    finally:
+        helpers.stop_server(server)
+    assert time.monotonic() - begin < 60
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_a_server_that_dies_while_the_trainers_fill_ends_the_start_at_once(ray_cluster, tmp_path):
+    """...and a server that exits meanwhile ends it too, quoting its log,
+    without waiting for the trainers."""
+    slow_fill = ray.remote(_sleep).remote(120)
+    server = _never_healthy_server(tmp_path, "import sys; print('no GPU here'); sys.exit(3)")
+    begin = time.monotonic()
+    with pytest.raises(helpers.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
+        script.wait_until_ready(server, [slow_fill], timeout_s=240)
+    assert time.monotonic() - begin < 30
+    helpers.stop_server(server)
+    ray.cancel(slow_fill, force=True)
