@@ -161,6 +161,10 @@ class CheckpointForm:
             metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
             self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
             self._group_metadata.append(metadata)
+        # Where each tensor lives (module, attribute), found once: FSDP2 swaps the attribute
+        # for the unsharded parameter while its module is unsharded, so it is read on every sync.
+        self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                       for group in self._groups for n in group}  # fmt: skip
         order = _gather_order(self._owners)
         self._groups, self._unchanged, self._owners = ([x[i] for i in order] for x in
                                                        (self._groups, self._unchanged, self._owners))  # fmt: skip
@@ -177,7 +181,7 @@ class CheckpointForm:
                     if owner is not None:
                         owner.unshard()  # one all-gather for all its parameters, in its compute dtype
                     unsharded = owner
-                gathered = {n: _full(_live(self._model, n)).detach() for n in group}
+                gathered = {n: _full(getattr(*self._where[n])).detach() for n in group}
                 if owner is not None and (wrong := {t.dtype for t in gathered.values()} - {self._dtype, torch.float32}):
                     raise ValueError(f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
                                      f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}")  # fmt: skip
@@ -203,13 +207,6 @@ def _gather_order(owners: list) -> list[int]:
     for i in range(len(owners)):
         first.setdefault(module_of(i), i)
     return sorted(range(len(owners)), key=lambda i: (first[module_of(i)], i))
-
-
-def _live(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """The tensor now at `name` (FSDP2 swaps a module's parameters for the
-    unsharded ones while it is unsharded)."""
-    module, _, leaf = name.rpartition(".")
-    return getattr(model.get_submodule(module), leaf)
 
 
 def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype],
