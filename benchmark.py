@@ -39,7 +39,7 @@ LOADERS = ("vllm", "direct")
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("-h", "--help", action="store_true")
-    p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS), help="loaders to compare")
+    p.add_argument("--loaders", nargs="+", choices=LOADERS, help=f"loaders to compare (default: {' '.join(LOADERS)})")
     p.add_argument("--variants", nargs="+", metavar="LOADER:LEVEL[:GIB]", type=_variant, help="loader, sleep "
                    "level and (optionally) packed buffer size in GiB of each variant, in order, e.g. direct:0 "
                    "direct:0:4 vllm:0 (default: --loaders at the script's --sleep-level and buffer size)")
@@ -50,9 +50,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         print("\nAll other flags are rlhf_ipc_fsdp_ep.py's; --rounds defaults to 3 here.")
         sys.exit(0)
     args = script.parse_args(["--rounds", "3", *rest])  # a --rounds in `rest` comes later and wins
-    if bench.variants and "--loaders" in (argv if argv is not None else sys.argv[1:]):
+    if bench.variants and bench.loaders:
         p.error("pass --loaders or --variants, not both")
-    bench.variants = bench.variants or [(loader, args.sleep_level, None) for loader in bench.loaders]
+    bench.variants = bench.variants or [(loader, args.sleep_level, None) for loader in bench.loaders or LOADERS]
     bench.loaders = list(dict.fromkeys(loader for loader, *_ in bench.variants))
     for loader in bench.loaders:  # every loader's flags, before any GPU work
         if problem := checks.loader_flag_problem(args, loader):
@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
 def _variant(text: str) -> tuple[str, int, int | None]:
     """LOADER:LEVEL[:GIB] -> (loader, sleep level, packed buffer bytes or None: the script's)."""
     loader, level, *gib = text.split(":")
-    if loader not in LOADERS or level not in ("0", "1", "2") or len(gib) > 1 or gib and not (gib[0].isdigit() and int(gib[0]) > 0):
+    gib_ok = not gib or len(gib) == 1 and gib[0].isdigit() and int(gib[0]) > 0
+    if loader not in LOADERS or level not in ("0", "1", "2") or not gib_ok:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LOADER:LEVEL[:GIB], LOADER one of {LOADERS}, "
                                          "LEVEL 0-2, GIB a whole number")  # fmt: skip
     return loader, int(level), int(gib[0]) * 1024**3 if gib else None

@@ -401,6 +401,8 @@ def test_benchmark_flags_and_where_its_json_goes():
             benchmark.parse_args(["--variants", wrong])
     with pytest.raises(SystemExit):  # which would win is not obvious: neither
         benchmark.parse_args(["--loaders", "vllm", "--variants", "direct:0"])
+    with pytest.raises(SystemExit):  # however --loaders is spelled
+        benchmark.parse_args(["--loaders=vllm", "--variants", "direct:0"])
     facts = {"gpu_name": "NVIDIA H200", "date": "2026-11-30", "model": "qwen3-30b-a3b-shape", "num_gpus": 2}
     assert str(benchmark.default_out(facts)) == "docs/benchmarks/2026-11-30-qwen3-30b-a3b-shape-2xh200.json"
     with pytest.raises(SystemExit):
