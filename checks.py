@@ -131,7 +131,7 @@ def dlogp_stats(reference: list[list[float]], other: list[list[float]]) -> tuple
 
 
 def logprob_gap(
-    sock: str, model: str, trainer_logprobs: list[list[float]], sequences: list[list[int]], dp_size: int
+    sock: str, model: str, trainer_lps: list[list[float]], sequences: list[list[int]], dp_size: int
 ) -> LogprobGap:
     """Ask every DP engine for its prompt log-probabilities of `sequences`
     and compare them with the trainer's."""
@@ -139,8 +139,19 @@ def logprob_gap(
         [helpers.prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
         for dp_rank in range(dp_size)
     ]
-    stats = [dlogp_stats(trainer_logprobs, lps) for lps in server]
+    stats = [dlogp_stats(trainer_lps, lps) for lps in server]
     return LogprobGap([mean for _, mean in stats], [worst for worst, _ in stats], server)
+
+
+def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
+    """The trainer's log-probabilities of `sequences` (every rank runs the forward)."""
+    return ray_ranks.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
+
+
+def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
+    """logprob_gap between a colocated job's trainers and every one of its DP engines."""
+    return logprob_gap(job.server.socket_path, job.served_name, trainer_logprobs(job.trainers, sequences), sequences,
+                       job.dp_size)  # fmt: skip
 
 
 def add_arguments(parser) -> None:

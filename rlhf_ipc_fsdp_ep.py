@@ -449,10 +449,6 @@ def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> No
     job.send_retries = args.send_retries if loader == "direct" else 0
 
 
-def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
-    return ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
-
-
 def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.RoundRecord:
     """generate -> sleep -> (train) -> wake weights -> send -> wake KV -> gate."""
     sock, trainers, timer = job.server.socket_path, job.trainers, checks.PhaseTimer()
@@ -461,7 +457,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     temperature = args.temperature if args.train else 0.0
     batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
     sequences = [c.prompt_token_ids + c.token_ids for c in batch]
-    before = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
+    before = checks.job_logprob_gap(job, sequences)
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
     with timer.phase("sleep"):
@@ -477,7 +473,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     with timer.phase("wake_kv"):
         helpers.wake_to_serve(sock)
     # 7. The gate: vLLM now scores the same tokens as the trainer.
-    after = checks.logprob_gap(sock, job.served_name, trainer_logprobs(trainers, sequences), sequences, job.dp_size)
+    after = checks.job_logprob_gap(job, sequences)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
     return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
                                weights_updated=first_sync or bool(samples), training=training)  # fmt: skip

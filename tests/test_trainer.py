@@ -257,13 +257,13 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
 
     tolerances = checks.Tolerances.from_args(script.parse_args([]))
-    same = checks.logprob_gap(sock, SERVED_NAME, script.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+    same = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
     assert same.mean <= tolerances.mean and same.max <= tolerances.max, same
 
     # The trainer now holds other weights: the server is "stale" and the gate must say so.
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
     script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
-    stale = checks.logprob_gap(sock, SERVED_NAME, script.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+    stale = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
     assert stale.mean > 3 * tolerances.mean and stale.max > tolerances.max, stale
     assert checks.gate(same, stale, tolerances, weights_updated=True).passed is False
 
