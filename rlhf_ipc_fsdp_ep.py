@@ -129,9 +129,12 @@ class FSDPTrainer:
     def join_process_group(self, port: int) -> None:
         store = self._store if self.rank == 0 else dist.TCPStore(
             "127.0.0.1", port, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store, rank=self.rank,
-                                world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
-                                device_id=self.device if self.device.type == "cuda" else None)  # fmt: skip
+        # CUDA tensors (FSDP2) go over NCCL, the rest over gloo: vLLM's IPC engine syncs every chunk with
+        # all_gather_object + barrier on this group, which then wait on the host instead of spinning an
+        # NCCL kernel on the GPU that the colocated engine is copying on. (No device_id: it would bind
+        # the barrier to NCCL.)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo", store=store,
+                                rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
 
     def placement(self) -> dict:
         """Which GPU Ray gave this rank."""
