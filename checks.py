@@ -41,6 +41,9 @@ def flag_problem(args) -> str | None:
         (args.num_gpus < 1, "--num-gpus must be at least 1"),
         (args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size,
          f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size {args.tensor_parallel_size}"),
+        (args.num_nodes < 1 or args.num_gpus % (args.num_nodes * args.tensor_parallel_size),
+         f"--num-gpus {args.num_gpus} does not split into --num-nodes {args.num_nodes} equal nodes of whole "
+         f"tensor-parallel groups of {args.tensor_parallel_size}"),
         (not 0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization must be between 0 and 1"),
         (args.packed_buffer_size_bytes < 1, "--packed-buffer-size-bytes must be positive"),
         (args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1,
@@ -424,6 +427,8 @@ def run_facts(args, job) -> dict:
     return {
         "gpu_name": job.gpu_name,
         "num_gpus": args.num_gpus,
+        "num_nodes": args.num_nodes,
+        "rank_nodes": job.rank_nodes,  # each trainer rank's Ray node id
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": job.dp_size,
         "model": args.model,
@@ -457,9 +462,10 @@ def write_json(path: str | os.PathLike, result: dict) -> None:
 
 def format_summary(result: dict) -> str:
     """A plain-text table of a run's JSON result."""
-    train = result.get("train", False)
+    train, nodes = result.get("train", False), result.get("num_nodes", 1)
+    gpus = f"{result['num_gpus']} x {result['gpu_name']}" + (f" on {nodes} nodes" if nodes > 1 else "")
     lines = [
-        f"model {result['model']} ({result['architecture']}) | {result['num_gpus']} x {result['gpu_name']} | "
+        f"model {result['model']} ({result['architecture']}) | {gpus} | "
         f"vLLM {result['vllm_version']} | server start {result['server_start_s']:.1f} s",
         "",
         "round | "
@@ -496,6 +502,17 @@ def format_summary(result: dict) -> str:
     if result.get("retried_rounds"):
         lines.append(f"rounds whose send was retried: {result['retried_rounds']}")
     return "\n".join(lines)
+
+
+def show_layout(placements: list[dict], num_nodes: int) -> None:
+    """Print which node and GPUs each node's trainer ranks have (ranks in
+    node order, as many on each node)."""
+    per_node = len(placements) // num_nodes
+    for k in range(num_nodes):
+        ranks = placements[k * per_node : (k + 1) * per_node]
+        print(f"[trainers] node {k} ({ranks[0]['node_ip']}, Ray node {ranks[0]['node'][:8]}): ranks "
+              f"{ranks[0]['rank']}-{ranks[-1]['rank']} on GPUs {[p['gpu_ids'][0] for p in ranks]} "
+              f"({ranks[0].get('gpu_name', 'no GPU')})", flush=True)  # fmt: skip
 
 
 def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:

@@ -255,16 +255,20 @@ def print_progress(server: Server) -> None:
             print(f"[server] {time.monotonic() - server.started_at:5.0f} s: {label}", flush=True)
 
 
-def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0) -> float:
+def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0, also_check=None) -> float:
     """Block until GET /health answers 200, printing the server's progress
     (print_progress) meanwhile; return seconds since start.
 
     Raises ServerError at once if the process exits, or when the deadline
-    passes, quoting the end of the server's log either way.
+    passes, quoting the end of the server's log either way. `also_check()`,
+    if given, runs every poll, and may raise to stop the wait (e.g. when a
+    server on another node has exited).
     """
     deadline = time.monotonic() + timeout_s
     while True:
         print_progress(server)
+        if also_check:
+            also_check()
         code = server.proc.poll()
         if code is not None:
             raise ServerError(

@@ -28,7 +28,7 @@ import socket
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -42,7 +42,8 @@ import helpers
 import models
 import toy_rl
 import weight_names
-from ray_ranks import PlacementError, cli, ray_get_all, send_all
+from ray_ranks import (PlacementError, cli, leave_ray, raise_node_failure, ray_get_all, send_all, start_node_servers,
+                       start_trainers, stop_node_servers)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -62,7 +63,9 @@ def parser() -> argparse.ArgumentParser:
     # fmt: off
     add("--model", default="Qwen/Qwen3-30B-A3B", help="a Hugging Face id (downloaded), a local "
         f"directory, or a random-weight model built locally: {', '.join(models.PRESETS)}")
-    add("--num-gpus", type=int, default=4, help="GPUs to reserve through Ray; one trainer rank per GPU")
+    add("--num-gpus", type=int, default=4, help="GPUs to reserve through Ray, in all; one trainer rank per GPU")
+    add("--num-nodes", type=int, default=1, help="nodes the GPUs are on, as many on each; the first is this one. "
+        "One vLLM server spans them: its DP engines and experts cover every GPU (docs/SCALING.md)")
     add("--tensor-parallel-size", type=int, default=1, help="vLLM TP; data parallel size is num-gpus / this")
     add("--weight-loader", choices=("direct", "vllm"), default="direct", help="direct: the server's direct "
         "loader (direct_load.py), each GPU gets its own experts in one copy per layer; vllm: vLLM's "
@@ -115,20 +118,21 @@ class FSDPTrainer:
             torch.cuda.set_device(self.device)  # Ray made this rank's GPU the only visible one
         self.model = self.optimizer = self.engine = None
 
-    def open_rendezvous(self) -> int:
-        """Rank 0: listen for the other ranks on a loopback port the kernel
-        picks, and return it. (A port picked earlier and closed could be taken
-        meanwhile; and torch's TCPStore alone listens on every interface.)"""
-        self._listener = socket.create_server(("127.0.0.1", 0))
+    def open_rendezvous(self, host: str) -> int:
+        """Rank 0: listen for the other ranks on `host` (loopback on one node),
+        on a port the kernel picks, and return it. (A port picked earlier and
+        closed could be taken meanwhile; and torch's TCPStore alone listens on
+        every interface.)"""
+        self._listener = socket.create_server((host, 0))
         port = self._listener.getsockname()[1]
-        self._store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=True,
+        self._store = dist.TCPStore(host, port, self.world_size, is_master=True,
                                     master_listen_fd=self._listener.fileno(), wait_for_workers=False,
                                     timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
         return port
 
-    def join_process_group(self, port: int) -> None:
+    def join_process_group(self, host: str, port: int) -> None:
         store = self._store if self.rank == 0 else dist.TCPStore(
-            "127.0.0.1", port, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+            host, port, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
         # CUDA tensors (FSDP2) go over NCCL, the rest over gloo: vLLM's IPC engine syncs every chunk with
         # all_gather_object + barrier on this group, which then wait on the host instead of spinning an
         # NCCL kernel on the GPU that the colocated engine is copying on. (No device_id: it would bind
@@ -137,9 +141,9 @@ class FSDPTrainer:
                                 rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
 
     def placement(self) -> dict:
-        """Which GPU Ray gave this rank."""
+        """Which GPU, on which node, Ray gave this rank."""
         info = {"rank": self.rank, "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-                "node": ray.get_runtime_context().get_node_id()}  # fmt: skip
+                "node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
             info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
@@ -274,53 +278,21 @@ class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
     timed and inspected from outside (checks.Measured)."""
 
 
-# --- Placement: one trainer rank per GPU, on one node ---------------------------------------------
-
-
-def start_trainers(num_trainers: int, gpus_per_trainer: float = 1, device_type: str = "cuda",
-                   placement_timeout_s: float = 60, trainer_cls: type = MeasuredTrainer) -> tuple[list, object]:  # fmt: skip
-    """Reserve one GPU per trainer rank on one node, start the ranks and join
-    them in one process group. Returns (trainers, placement group).
-    Raises PlacementError if Ray cannot place them in time."""
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    have = ray.cluster_resources().get("GPU", 0)
-    if gpus_per_trainer and have < num_trainers * gpus_per_trainer:
-        raise PlacementError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
-    bundle = {"CPU": 1, **({"GPU": gpus_per_trainer} if gpus_per_trainer else {})}
-    # STRICT_PACK: CUDA IPC only works between processes on one machine.
-    pg = placement_group([bundle] * num_trainers, strategy="STRICT_PACK")
-    if not pg.wait(timeout_seconds=placement_timeout_s):
-        ray.util.remove_placement_group(pg)
-        raise PlacementError(
-            f"Ray could not place {num_trainers} trainers with {bundle} each on one node "
-            f"within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
-        )
-    actor = ray.remote(trainer_cls)
-    trainers = [
-        actor.options(num_cpus=1, num_gpus=gpus_per_trainer,
-                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-        .remote(r, num_trainers, device_type)
-        for r in range(num_trainers)
-    ]  # fmt: skip
-    port = ray_get_all([trainers[0].open_rendezvous.remote()])[0]
-    ray_get_all([t.join_process_group.remote(port) for t in trainers])
-    return trainers, pg
-
-
 # --- The server and the job -----------------------------------------------------------------------
 
 
-def serve_args(args: argparse.Namespace, model_path: Path, gpu_ids: list[str]) -> list[str]:
-    """`vllm serve` flags: one DP engine per TP group, experts split over
-    every GPU, memory it can release while the trainer works."""
+def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None) -> list[str]:
+    """`vllm serve` flags after the model's path, for the engines on one
+    node's GPUs: one DP engine per TP group, experts split over every GPU of
+    every node, memory it can release while the trainer works. On more nodes,
+    node 0 runs the API server and its engines, every other node its engines
+    alone (--headless), which reach node 0's at `head` (address, port)."""
+    dp_size = args.num_gpus // args.tensor_parallel_size
     # fmt: off
     flags = [
-        str(model_path),
         "--served-model-name", args.model,
         "--tensor-parallel-size", str(args.tensor_parallel_size),
-        "--data-parallel-size", str(args.num_gpus // args.tensor_parallel_size),
+        "--data-parallel-size", str(dp_size),
         "--enable-expert-parallel",
         "--device-ids", ",".join(gpu_ids),
         "--enable-sleep-mode",
@@ -329,6 +301,12 @@ def serve_args(args: argparse.Namespace, model_path: Path, gpu_ids: list[str]) -
         "--worker-extension-cls", "direct_load.DirectLoadWorker",  # reached through /collective_rpc
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
     ]
+    if args.num_nodes > 1:
+        local = dp_size // args.num_nodes
+        flags += ["--data-parallel-size-local", str(local), "--data-parallel-address", head[0],
+                  "--data-parallel-rpc-port", str(head[1])]
+        if node > 0:
+            flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
     # fmt: on
     if args.enforce_eager:
         flags.append("--enforce-eager")
@@ -349,40 +327,45 @@ class Job:
     gpu_name: str
     gpu_uuids: list[str]
     send_retries: int = 0  # how often a send the server failed part way is sent again
+    rank_nodes: list[str] = field(default_factory=list)  # each rank's Ray node id
 
 
 @contextmanager
 def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
     """Reserve the GPUs, start a trainer rank on each with the model sharded
-    over them, start `vllm serve` on the same GPUs. On the way out (error,
-    Ctrl-C, SIGTERM, SIGHUP) stop the server's whole process group, the
-    trainers, and Ray if this started it."""
+    over them, start `vllm serve` on the same GPUs (on more nodes: through a
+    NodeServer actor on each other node). On the way out (error, Ctrl-C,
+    SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
+    started it."""
     with helpers.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
         workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket, models
-        pg, started_ray = None, not ray.is_initialized()
+        pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
             model_path = models.resolve_model(args.model, workdir)
             checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
             if started_ray:
                 ray.init(include_dashboard=False)
-            print(f"[trainers] reserving {args.num_gpus} GPUs through Ray", flush=True)
-            trainers, pg = start_trainers(args.num_gpus, placement_timeout_s=args.placement_timeout)
+            print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
+            trainers, pg = start_trainers(MeasuredTrainer, args.num_gpus, args.num_nodes,
+                                          placement_timeout_s=args.placement_timeout)  # fmt: skip
             placements = ray_get_all([t.placement.remote() for t in trainers])
-            gpu_ids = [p["gpu_ids"][0] for p in placements]
-            print(f"[trainers] rank -> GPU: {gpu_ids} ({placements[0]['gpu_name']})", flush=True)
+            checks.show_layout(placements, args.num_nodes)
             filling = build_models(trainers, args, model_path)
+            # The servers' workers import the direct loader (direct_load.py) from here.
+            env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+            flags = serve_plan(args, placements)
+            node_servers = start_node_servers(pg, args.model, args.server_log, env, flags[1:])
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
-                serve_args(args, model_path, gpu_ids),
+                [str(model_path), *flags[0]],
                 socket_path=workdir / "vllm.sock",
                 log_path=args.server_log,
-                # The server's workers import the direct loader (direct_load.py) from here.
-                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))},
+                env=env,
                 # A local Ray we started goes with us even if we are SIGKILLed (its agents would
                 # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
-                wait_until_ready(server, filling, args.server_timeout)
+                wait_until_ready(server, filling, args.server_timeout, node_servers)
                 try:
                     yield Job(
                         trainers=trainers,
@@ -392,14 +375,35 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                         architecture=models.architecture(model_path),
                         gpu_name=placements[0]["gpu_name"],
                         gpu_uuids=[p["gpu_uuid"] for p in placements],
+                        rank_nodes=[p["node"] for p in placements],
                     )
+                except helpers.ServerError as e:  # name the node whose server died, if one did
+                    raise_node_failure(node_servers, seen_as=e)
+                    raise
                 finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
                     with helpers.signals_ignored():
+                        node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)
         finally:
             with helpers.signals_ignored():
+                stop_node_servers(node_servers)
                 leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
+
+
+def serve_plan(args: argparse.Namespace, placements: list[dict]) -> list[list[str]]:
+    """serve_args() for each node, pinned to the GPUs of its trainer ranks
+    (Ray placed them in node order); node 0's API and DP handshake on its address."""
+    per_node = args.num_gpus // args.num_nodes
+    gpus = [[p["gpu_ids"][0] for p in placements[k : k + per_node]] for k in range(0, args.num_gpus, per_node)]
+    head = (placements[0]["node_ip"], free_port(placements[0]["node_ip"])) if args.num_nodes > 1 else None
+    return [serve_args(args, node_gpus, k, head) for k, node_gpus in enumerate(gpus)]
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
+    with socket.create_server((host, 0)) as s:
+        return s.getsockname()[1]
 
 
 def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:
@@ -417,25 +421,17 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
     return filling
 
 
-def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float) -> None:
+def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float, node_servers: list = ()) -> None:
     """Wait for the trainers' weights and for the server's health, printing
-    its progress; a failed rank or a dead server fails at once."""
+    its progress; a failed rank, or a server that exits on any node, fails at once."""
     while filling and server.proc.poll() is None:
         done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
         ray_get_all(done)
+        raise_node_failure(node_servers)
         helpers.print_progress(server)
     left = timeout_s - (time.monotonic() - server.started_at)
-    server.healthy_after_s = helpers.wait_until_healthy(server, left)
+    server.healthy_after_s = helpers.wait_until_healthy(server, left, also_check=lambda: raise_node_failure(node_servers))
     print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
-
-
-def leave_ray(started_ray: bool, pg) -> None:
-    """Leave Ray as we found it: shut down if we started it (again is a no-op),
-    else our placement group removed, and the trainers with it."""
-    if started_ray:
-        ray.shutdown()
-    elif pg is not None:
-        ray.util.remove_placement_group(pg)
 
 
 # --- The RL round ---------------------------------------------------------------------------------

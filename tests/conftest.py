@@ -108,7 +108,7 @@ def cpu_trainers(ray_cluster):
     import rlhf_ipc_fsdp_ep as script
 
     trainers, _ = script.start_trainers(
-        2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60, trainer_cls=script.FSDPTrainer
+        script.FSDPTrainer, 2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60
     )
     return trainers
 
@@ -156,12 +156,12 @@ def _rank_main(rank, world_size, ports, fn, args):
 
     trainer = script.MeasuredTrainer(rank, world_size, device_type="cpu")
     if rank == 0:
-        port = trainer.open_rendezvous()
+        port = trainer.open_rendezvous("127.0.0.1")
         for _ in range(world_size - 1):
             ports.put(port)
     else:
         port = ports.get()
-    trainer.join_process_group(port)
+    trainer.join_process_group("127.0.0.1", port)
     fn(trainer, *args)
 
 
@@ -187,8 +187,8 @@ def fresh_cpu_trainers(ray_cluster):
     started = []
 
     def start(n=2, **kwargs):
-        kwargs.setdefault("trainer_cls", script.FSDPTrainer)
-        trainers, _ = script.start_trainers(n, gpus_per_trainer=0, device_type="cpu", **kwargs)
+        trainer_cls = kwargs.pop("trainer_cls", script.FSDPTrainer)
+        trainers, _ = script.start_trainers(trainer_cls, n, gpus_per_trainer=0, device_type="cpu", **kwargs)
         placements = script.ray_get_all([t.placement.remote() for t in trainers])
         started.append((trainers, [p["pid"] for p in placements]))
         return trainers

@@ -174,13 +174,13 @@ def test_server_calls_give_up_before_the_trainers_collectives_do():
 
 def test_too_few_gpus_is_a_clear_error(ray_cluster):
     with pytest.raises(script.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
-        script.start_trainers(2, gpus_per_trainer=1, device_type="cpu")
+        script.start_trainers(script.FSDPTrainer, 2, gpus_per_trainer=1, device_type="cpu")
 
 
 def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
     start = time.monotonic()
     with pytest.raises(script.PlacementError, match="could not place 16 trainers"):
-        script.start_trainers(16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
+        script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
     assert time.monotonic() - start < 30
 
 

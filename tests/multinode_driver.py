@@ -1,0 +1,113 @@
+"""A driver on a two-node Ray cluster (ray.cluster_utils.Cluster, both nodes
+on this machine, one fake GPU each): it places the trainers, plans each node's
+`vllm serve`, and starts and loses the second node's server through its
+NodeServer actor, writing what it saw to the JSON file named by argv[1] for
+test_multinode.py. A fake launcher stands in for `vllm serve`: vLLM on CPU
+has no data-parallel MoE. Run in its own process: pytest's other tests share
+one local Ray, and a process can join only one.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS), str(TESTS.parent)]
+
+import conftest  # noqa: E402,F401  (its environment: no auth, offline, ...)
+import ray  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
+
+import checks  # noqa: E402
+import helpers  # noqa: E402
+import ray_ranks  # noqa: E402
+import rlhf_ipc_fsdp_ep as script  # noqa: E402
+
+SLEEPS = (sys.executable, "-c", "import time; print('engines starting', flush=True); time.sleep(600)")
+FAILS = (sys.executable, "-c", "import sys; print('no GPU on this node'); sys.exit(3)")
+
+
+def _all_reduce_rank(trainer) -> float:
+    total = torch.tensor([float(trainer.rank + 1)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _server_pid(node_server) -> int:
+    return node_server.server.proc.pid
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def main(out_path: str, log_dir: str) -> None:
+    seen = {}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, num_gpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        seen["driver_node"] = ray.get_runtime_context().get_node_id()
+        seen["one_node_for_two"] = _error_of(lambda: ray_ranks.start_trainers(
+            script.FSDPTrainer, 2, num_nodes=1, device_type="cpu", placement_timeout_s=5))  # fmt: skip
+
+        trainers, pg = ray_ranks.start_trainers(script.FSDPTrainer, 2, num_nodes=2, device_type="cpu")
+        placements = ray_ranks.ray_get_all([t.placement.remote() for t in trainers])
+        seen["placements"] = placements
+        seen["strategy"] = placement_group_table(pg)["strategy"]
+        seen["all_reduce"] = ray_ranks.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
+        checks.show_layout(placements, 2)
+        seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
+        args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
+        head = (placements[0]["node_ip"], script.free_port(placements[0]["node_ip"]))
+        seen["head"] = list(head)
+        seen["flags"] = [script.serve_args(args, gpus, k, head) for k, gpus in enumerate(seen["layout"])]
+        log = str(Path(log_dir) / "server.log")
+
+        # A node's server that exits during the start: the wait ends at once, naming the node.
+        first = helpers.start_server(["m"], socket_path=conftest.private_socket_path(),
+                                     log_path=Path(log_dir) / "head.log", launcher=SLEEPS)  # fmt: skip
+        failing = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
+        begin = time.monotonic()
+        seen["failed_start"] = _error_of(lambda: script.wait_until_ready(first, [], 120, failing))
+        seen["failed_start_s"] = time.monotonic() - begin
+        helpers.stop_server(first)
+        ray_ranks.stop_node_servers(failing)
+
+        # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
+        running = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
+        pid = ray.get(running[0].__ray_call__.remote(_server_pid))
+        seen["running_failure"] = ray.get(running[0].failure.remote())
+        os.kill(pid, 9)
+        time.sleep(1)
+        seen["died_mid_run"] = _error_of(lambda: ray_ranks.raise_node_failure(
+            running, seen_as=helpers.ServerError("POST /sleep failed")))  # fmt: skip
+        ray_ranks.stop_node_servers(running)
+
+        # An actor lost with its server running (the driver gone, say): the watchdog stops it.
+        orphaned = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
+        pid = ray.get(orphaned[0].__ray_call__.remote(_server_pid))
+        ray.kill(orphaned[0])
+        deadline = time.monotonic() + 30
+        while helpers.start_time(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen["orphan_alive_after_s"] = None if helpers.start_time(pid) is None else 30
+        seen["log_files"] = sorted(os.listdir(log_dir))
+    finally:
+        with open(out_path, "w") as f:
+            json.dump(seen, f, indent=1)
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

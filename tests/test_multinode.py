@@ -1,0 +1,84 @@
+"""More than one node (issue #10), on a two-node Ray cluster in one process
+tree: where the trainer ranks go, what each node's `vllm serve` is told, and
+how a server on another node that fails is reported and cleaned up. The
+driver runs in its own process (multinode_driver.py); these tests read what it saw."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlhf_ipc_fsdp_ep as script
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multinode")
+    proc = subprocess.run([sys.executable, str(TESTS / "multinode_driver.py"), str(out / "seen.json"), str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert (out / "seen.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "seen.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return result
+
+
+def test_ranks_go_in_node_order_one_node_each_rank_0_on_the_drivers(seen):
+    placements = seen["placements"]
+    assert [p["rank"] for p in placements] == [0, 1]
+    assert placements[0]["node"] == seen["driver_node"] != placements[1]["node"]
+    assert seen["strategy"] == "STRICT_SPREAD"
+    assert seen["layout"] == [["0"], ["0"]]  # each node's own GPU ids, as Ray gave them
+    assert seen["all_reduce"] == [3.0, 3.0]  # one process group across the nodes
+
+
+def test_the_first_node_must_hold_its_share_of_the_gpus(seen):
+    assert "this node has 1 GPUs in Ray, and needs 2" in seen["one_node_for_two"]
+
+
+def test_each_node_serves_its_own_gpus_and_the_first_one_runs_the_api(seen):
+    head, node0, node1 = seen["head"], seen["flags"][0], seen["flags"][1]
+
+    def value(flags, flag):
+        return flags[flags.index(flag) + 1]
+
+    for flags in (node0, node1):
+        assert value(flags, "--data-parallel-size") == "2" and value(flags, "--data-parallel-size-local") == "1"
+        assert value(flags, "--data-parallel-address") == head[0]
+        assert value(flags, "--data-parallel-rpc-port") == str(head[1])
+        assert value(flags, "--device-ids") == "0"
+    assert "--headless" not in node0 and "--data-parallel-start-rank" not in node0
+    assert "--headless" in node1 and value(node1, "--data-parallel-start-rank") == "1"
+
+
+def test_a_node_server_that_exits_at_start_ends_the_wait_naming_the_node(seen):
+    error = seen["failed_start"]
+    assert error.startswith("ServerError: the vLLM server on node 1 (")
+    assert "exited with code 3" in error and "no GPU on this node" in error
+    assert seen["failed_start_s"] < 30
+
+
+def test_a_node_server_that_dies_mid_run_is_named_with_the_request_that_saw_it(seen):
+    assert seen["running_failure"] is None
+    assert "the vLLM server on node 1" in seen["died_mid_run"] and "exited with code -9" in seen["died_mid_run"]
+    assert "seen here as: POST /sleep failed" in seen["died_mid_run"]
+
+
+def test_a_lost_node_actor_takes_its_server_with_it(seen):
+    assert seen["orphan_alive_after_s"] is None
+    assert "server.node1.log" in seen["log_files"]
+
+
+def test_num_nodes_must_split_the_gpus_evenly():
+    with pytest.raises(SystemExit):
+        script.parse_args(["--num-gpus", "3", "--num-nodes", "2"])
+    script.parse_args(["--num-gpus", "4", "--num-nodes", "2"])
+
+
+def test_one_node_keeps_the_single_node_flags():
+    args = script.parse_args(["--num-gpus", "2", "--model", "m"])
+    flags = script.serve_args(args, ["0", "1"])
+    assert not {"--headless", "--data-parallel-address", "--data-parallel-size-local"} & set(flags)
