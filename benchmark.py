@@ -71,9 +71,11 @@ def _variant(text: str) -> tuple[str, int, int | None]:
 
 
 def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_level: int,
-                buffer_bytes: int | None = None) -> dict:  # fmt: skip
+                buffer_bytes: int | None = None, started_at: float | None = None) -> dict:  # fmt: skip
     """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
-    of `buffer_bytes`, if given), starting from zeroed vLLM weights."""
+    of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
+    `started_at` (the benchmark's start), also the seconds from then to the
+    end of this variant's first gated sync."""
     args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer(job, args, loader)
@@ -86,6 +88,8 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
               f"buffer, round {i}/{args.rounds} ===", flush=True)  # fmt: skip
         rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None))
         print_send_breakdown(rounds[-1].send_breakdown_s)
+        if i == 1 and started_at is not None:
+            time_to_first_sync_s = time.monotonic() - started_at
     return {
         "weight_loader": loader,
         "sleep_level": sleep_level,
@@ -96,6 +100,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": checks.memory_growth_gib(rounds),
+        **({"time_to_first_sync_s": time_to_first_sync_s} if started_at is not None else {}),
     }
 
 
@@ -153,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)
         for loader, level, buffer_bytes in bench.variants:
-            variant = run_variant(job, args, loader, level, buffer_bytes)
+            variant = run_variant(job, args, loader, level, buffer_bytes, None if result["variants"] else start)
             result["variants"].append(variant)
+            # Like the script's, but after zeroing vLLM's weights (and the coverage check, if asked).
+            result.setdefault("time_to_first_sync_s", variant.get("time_to_first_sync_s"))
             checks.write_json(out, result)  # after every step: a run cut short keeps what it measured
             print(checks.format_summary({**result, **variant}), flush=True)
         if set(bench.loaders) == set(LOADERS):
