@@ -24,5 +24,6 @@ for variant in "$@"; do
   grep -E "^\[gate\]|^\[send\]|^\[agree\]|^\[server\] healthy|Error|error:|FAILED" "$out/logs/$name.out" | tail -30
   sed -n '/^model /,$p' "$out/logs/$name.out" | head -40
   echo "leftover vllm processes: $(pgrep -fc 'vllm.entrypoints|EngineCore|VLLM' || true)"
+  pgrep -fa 'vllm.entrypoints|EngineCore|VLLM' | cut -c1-200 | sed 's/^/  leftover: /' || true
 done
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
