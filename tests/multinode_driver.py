@@ -42,6 +42,17 @@ def _server_pid(node_server) -> int:
     return node_server.server.proc.pid
 
 
+def _left_of_node_servers() -> list[str]:
+    """Live processes (not zombies) whose command line names a NodeServer's
+    private directory: its server, and the server's watchdog."""
+    left = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        argv = helpers.cmdline(pid)
+        if b"rlhf-ipc-node-" in argv and helpers.start_time(pid) is not None:
+            left.append(argv.replace(b"\0", b" ").decode(errors="replace")[:200])
+    return left
+
+
 def _error_of(fn) -> str:
     try:
         fn()
@@ -101,6 +112,8 @@ def main(out_path: str, log_dir: str) -> None:
         while helpers.start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
         seen["orphan_alive_after_s"] = None if helpers.start_time(pid) is None else 30
+        time.sleep(2)
+        seen["left_after_stops"] = _left_of_node_servers()
         seen["log_files"] = sorted(os.listdir(log_dir))
     finally:
         with open(out_path, "w") as f:

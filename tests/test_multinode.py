@@ -69,6 +69,7 @@ def test_a_node_server_that_dies_mid_run_is_named_with_the_request_that_saw_it(s
 
 def test_a_lost_node_actor_takes_its_server_with_it(seen):
     assert seen["orphan_alive_after_s"] is None
+    assert seen["left_after_stops"] == []  # no server and no watchdog of any of the three starts
     assert "server.node1.log" in seen["log_files"]
 
 
