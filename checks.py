@@ -41,7 +41,7 @@ def flag_problem(args) -> str | None:
         (args.num_gpus < 1, "--num-gpus must be at least 1"),
         (args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size,
          f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size {args.tensor_parallel_size}"),
-        (args.num_nodes < 1 or args.num_gpus % (args.num_nodes * args.tensor_parallel_size),
+        (args.tensor_parallel_size < 1 or args.num_nodes < 1 or args.num_gpus % (args.num_nodes * args.tensor_parallel_size),
          f"--num-gpus {args.num_gpus} does not split into --num-nodes {args.num_nodes} equal nodes of whole "
          f"tensor-parallel groups of {args.tensor_parallel_size}"),
         (not 0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization must be between 0 and 1"),
