@@ -86,10 +86,11 @@ def leave_ray(started_ray: bool, pg) -> None:
         ray.util.remove_placement_group(pg)
 
 
-def ray_get_all(refs: list):
+def ray_get_all(refs: list, who: str = "a trainer rank"):
     """ray.get(refs), but raise as soon as any one fails: the others may be
-    blocked in a collective waiting for it. A rank's ServerError (the server
-    refused or died) is raised as itself, a dead rank as TrainerDied."""
+    blocked in a collective waiting for it. A ServerError (the server
+    refused or died) is raised as itself, prefixed by `who` raised it; a dead
+    rank as TrainerDied."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -97,7 +98,7 @@ def ray_get_all(refs: list):
             ray.get(done[0])
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, helpers.ServerError):
-                raise helpers.ServerError(str(e.cause)) from None
+                raise helpers.ServerError(f"{who}: {e.cause}") from None
             raise
         except ray.exceptions.RayActorError as e:
             raise TrainerDied(f"a trainer rank's process died: {death_cause(e)}") from e
@@ -195,7 +196,8 @@ def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node:
         pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
     try:
         ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher)
-                     for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)])  # fmt: skip
+                     for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
+                    who="a node's vLLM server")  # fmt: skip
     except BaseException:
         stop_node_servers(servers)  # those that did start
         raise
