@@ -442,6 +442,8 @@ def run_facts(args, job) -> dict:
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "sleep_level": args.sleep_level,
         "server_start_s": job.server.healthy_after_s,
+        "weights_in_after_s": job.weights_in_after_s,  # seconds into the server's start (they overlap)
+        "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
     }
 
 
@@ -499,6 +501,10 @@ def format_summary(result: dict) -> str:
         lines.append(f"GPU memory growth, round 2 -> last: {result['memory_growth_gib']:+.3f} GiB")
     if result.get("time_to_first_sync_s") is not None:
         lines.append(f"time to the first gated sync: {result['time_to_first_sync_s']:.1f} s")
+    if result.get("weights_in_after_s") is not None:
+        read = max(result.get("checkpoint_bytes_read_per_rank") or [0])
+        source = f"the checkpoint, {read / 1e9:.2f} GB read per rank" if read else "random"
+        lines.append(f"trainer weights ({source}) in {result['weights_in_after_s']:.0f} s into the server's start")
     if result.get("retried_rounds"):
         lines.append(f"rounds whose send was retried: {result['retried_rounds']}")
     return "\n".join(lines)

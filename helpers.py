@@ -267,14 +267,14 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
     deadline = time.monotonic() + timeout_s
     while True:
         print_progress(server)
-        if also_check:
-            also_check()
         code = server.proc.poll()
         if code is not None:
             raise ServerError(
                 f"vLLM server exited with code {code} during start; last lines of "
                 f"{server.log_path}:\n{log_tail(server)}"
             )
+        if also_check:  # after our own server's exit: that one we name for sure
+            also_check()
         if health(server.socket_path):
             return time.monotonic() - server.started_at
         if time.monotonic() > deadline:

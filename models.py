@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -201,15 +203,94 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         local.normal_(0.0, std, generator=gen)
 
 
-def load_pretrained_weights(model: torch.nn.Module, model_path: str) -> None:
-    """Rank 0 reads the checkpoint into CPU memory and broadcasts it; each
-    rank keeps only its shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoModelForCausalLM
+def load_pretrained_weights(model: torch.nn.Module, model_path: str | os.PathLike) -> int:
+    """Fill `model`, sharded and allocated (FSDP2, after to_empty), from the
+    checkpoint's safetensors files, each rank reading only what its own
+    shards need; returns the bytes this rank read. No collective: every rank
+    loads on its own, and no GPU memory is taken beyond the shards (the files
+    are read and converted on the CPU, then copied in).
 
-    full = {}
-    if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).state_dict()
-    set_model_state_dict(
-        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    )
+    transformers' own loader does the work: `convert_and_load_state_dict_in_model`
+    (what `from_pretrained` calls) reads every checkpoint tensor lazily, slices
+    each one whose destination is a DTensor to this rank's rows (for fused
+    experts: only this rank's experts' files tensors are read) and runs the
+    model's conversions (per-expert files -> fused experts, renames) on that
+    part. One step does not fit: it assigns a new Parameter to each module,
+    which would detach FSDP2's own; for the call, it copies into the existing
+    shard instead."""
+    from safetensors import safe_open
+    from transformers import core_model_loading
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise ValueError(f"{model_path}: a quantized checkpoint; the trainer loads unquantized ones only")
+    read, mapping = [0], get_model_conversion_mapping(model)  # the conversions from_pretrained applies
+    with ExitStack() as files:
+        slices = {}  # checkpoint name -> a lazy slice of its memory-mapped file
+        for path in checkpoint_files(Path(model_path)):
+            f = files.enter_context(safe_open(path, framework="pt", device="cpu"))
+            slices.update({name: _CountedSlice(f.get_slice(name), read) for name in f.keys()})
+        # dtype None: each tensor is cast to its destination's dtype (bf16, or fp32 master weights).
+        config = LoadStateDictConfig(dtype=None, device_map={"": "cpu"}, weight_mapping=mapping)
+        with (mock.patch.object(core_model_loading, "set_param_for_module", _copy_into_shard),
+              mock.patch.dict(os.environ, HF_DEACTIVATE_ASYNC_LOAD="1")):  # one tensor in host memory at a time
+            info, _ = core_model_loading.convert_and_load_state_dict_in_model(model, slices, config)  # fmt: skip
+    _check_loaded(model, model_path, mapping, info)
+    return read[0]
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        return [model_path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [model_path / "model.safetensors"]
+
+
+class _CountedSlice:
+    """A safetensors slice that adds the bytes of each read to `counter[0]`."""
+
+    def __init__(self, file_slice, counter: list[int]) -> None:
+        self._slice, self._counter = file_slice, counter
+        self.get_shape, self.get_dtype = file_slice.get_shape, file_slice.get_dtype
+
+    def __getitem__(self, index):
+        t = self._slice[index]
+        self._counter[0] += t.numel() * t.element_size()
+        return t
+
+
+def _copy_into_shard(model, target_name, value, loading_info, hf_quantizer=None) -> None:
+    """transformers' set_param_for_module, but copying into the tensor the
+    model has (a DTensor's local shard, a buffer) instead of replacing it."""
+    module_name, _, attr = target_name.rpartition(".")
+    held = getattr(model.get_submodule(module_name), attr)
+    dest = held.to_local() if hasattr(held, "to_local") else held
+    value = value[0] if isinstance(value, list) else value
+    loading_info.missing_keys.discard(target_name)
+    if dest.shape != value.shape:
+        loading_info.mismatched_keys.add((target_name, tuple(value.shape), tuple(dest.shape)))
+        return
+    with torch.no_grad():
+        dest.copy_(value)
+
+
+def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> None:
+    """Raise unless every tensor was filled, each from a conversion that
+    slicing by the destination's rows keeps right."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    # Each source tensor was sliced by its destination's rows (dim 0): right for renames and for
+    # stacking experts (then concatenating on a later dim), not for e.g. a qkv chunk.
+    for conversion in mapping:
+        ops = getattr(conversion, "operations", [])
+        if conversion.was_used() and not all(
+            isinstance(op, MergeModulelist) or (isinstance(op, Concatenate) and op.dim > 0) for op in ops
+        ):
+            raise ValueError(f"{model_path}: cannot load {conversion} by rows; a trainer shard needs it whole")
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
+    problems = {"missing": sorted(info.missing_keys - tied), "of another shape": sorted(info.mismatched_keys),
+                "not converted": sorted(info.conversion_errors)}  # fmt: skip
+    if any(problems.values()):
+        raise ValueError(f"checkpoint {model_path} does not fit the model: "
+                         f"{ {k: v[:5] for k, v in problems.items() if v} }")  # fmt: skip

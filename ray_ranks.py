@@ -3,26 +3,38 @@
 Every rank of the trainer takes part in collectives, so a call is made on all
 of them at once and must not wait on a rank that is gone:
 
-  start_trainers  one trainer rank per GPU, on whole nodes, rank 0 on this one
-  ray_get_all     every rank's result, failing at the first error (a dead rank
-                  as TrainerDied, naming why; a server error as itself)
-  send_all        one weight sync on every rank, sent again when the server
-                  failed it part way (--send-retries)
-  NodeServer      an actor that owns the headless `vllm serve` of another node
-  leave_ray       Ray left as we found it
-  cli             a program's failures as one `error:` line, not a traceback
+  Rank              a trainer rank's side: its GPU, the process group it joins
+  start_trainers    one trainer rank per GPU, on whole nodes, rank 0 on this one
+  ray_get_all       every rank's result, failing at the first error (a dead
+                    rank as TrainerDied, naming why; a server error as itself)
+  send_all          one weight sync on every rank, sent again when the server
+                    failed it part way (--send-retries)
+  NodeServer        an actor that owns the headless `vllm serve` of another node
+  wait_until_ready  the trainers' weights filled, every node's server healthy
+  job_env           the driver's VLLM_/NCCL_/GLOO_/HF_/TORCH_ settings, for every node
+  leave_ray         Ray left as we found it
+  cli               a program's failures as one `error:` line, not a traceback
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import sys
 import tempfile
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import ray
+import torch
+import torch.distributed as dist
 
 import helpers
+
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (helpers.SERVER_CALL_TIMEOUT_S)
 
 
 class PlacementError(RuntimeError):
@@ -31,6 +43,50 @@ class PlacementError(RuntimeError):
 
 class TrainerDied(RuntimeError):
     """A trainer rank's process died (killed, out of memory, crashed)."""
+
+
+class Rank:
+    """One rank of a torch.distributed job on one GPU, as a Ray actor: what
+    start_trainers asks of the class it starts (a trainer derives from it)."""
+
+    def __init__(self, rank: int, world_size: int, device_type: str = "cuda"):
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Ray made this rank's GPU the only visible one
+
+    def open_rendezvous(self, host: str) -> int:
+        """Rank 0: listen for the other ranks on `host` (loopback on one node),
+        on a port the kernel picks, and return it. (A port picked earlier and
+        closed could be taken meanwhile; and torch's TCPStore alone listens on
+        every interface.)"""
+        self._listener = socket.create_server((host, 0))
+        port = self._listener.getsockname()[1]
+        self._store = dist.TCPStore(host, port, self.world_size, is_master=True,
+                                    master_listen_fd=self._listener.fileno(), wait_for_workers=False,
+                                    timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        return port
+
+    def join_process_group(self, host: str, port: int) -> None:
+        store = self._store if self.rank == 0 else dist.TCPStore(
+            host, port, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        if host != "127.0.0.1":  # more than one node: gloo on the interface the other nodes reach
+            os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
+        # CUDA tensors (FSDP2) go over NCCL, the rest over gloo: vLLM's IPC engine syncs every chunk with
+        # all_gather_object + barrier on this group, which then wait on the host instead of spinning an
+        # NCCL kernel on the GPU that the colocated engine is copying on. (No device_id: it would bind
+        # the barrier to NCCL.)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo", store=store,
+                                rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+
+    def placement(self) -> dict:
+        """Which GPU, on which node, Ray gave this rank."""
+        info = {"rank": self.rank, "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+                "node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
+        return info
 
 
 def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpus_per_trainer: float = 1,
@@ -77,6 +133,30 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
     return trainers, pg
 
 
+def job_env() -> dict[str, str]:
+    """The driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for
+    ray.init(runtime_env=...): Ray's workers get the environment of the Ray
+    node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
+    `HF_HUB_OFFLINE` exported where the script runs would not reach the other
+    nodes' trainers and servers. VLLM_HOST_IP is each node's own address."""
+    prefixes = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_")
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes) and k != "VLLM_HOST_IP"}
+
+
+def gloo_interface_env(node_ip: str) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for a process that talks gloo to other nodes: the
+    network interface that holds this node's cluster address. Without it,
+    gloo binds the address the host's name resolves to, on many
+    distributions 127.0.1.1, which no other node reaches. A value the user
+    set wins."""
+    import psutil  # a Ray dependency
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    names = [name for name, addrs in psutil.net_if_addrs().items() if any(a.address == node_ip for a in addrs)]
+    return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
+
+
 def leave_ray(started_ray: bool, pg) -> None:
     """Leave Ray as we found it: shut down if we started it (again is a no-op),
     else our placement group removed, and the trainers with it."""
@@ -90,7 +170,7 @@ def ray_get_all(refs: list, who: str = "a trainer rank"):
     """ray.get(refs), but raise as soon as any one fails: the others may be
     blocked in a collective waiting for it. A ServerError (the server
     refused or died) is raised as itself, prefixed by `who` raised it; a dead
-    rank as TrainerDied."""
+    actor (`who`'s process) as TrainerDied."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -101,7 +181,7 @@ def ray_get_all(refs: list, who: str = "a trainer rank"):
                 raise helpers.ServerError(f"{who}: {e.cause}") from None
             raise
         except ray.exceptions.RayActorError as e:
-            raise TrainerDied(f"a trainer rank's process died: {death_cause(e)}") from e
+            raise TrainerDied(f"{who}'s process died: {death_cause(e)}") from e
     return ray.get(refs)
 
 
@@ -163,6 +243,7 @@ class NodeServer:
             model_path = models.resolve_model(model, self.workdir)
         except SystemExit as e:  # its one-line error, for this node
             raise helpers.ServerError(f"{self.where()}: {e}") from None
+        env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
         self.server = helpers.start_server([str(model_path), *serve_flags], socket_path=self.workdir / "vllm.sock",
                                            log_path=log_path, env=env, launcher=launcher)  # fmt: skip
         return self.where()
@@ -183,21 +264,27 @@ class NodeServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
+    with socket.create_server((host, 0)) as s:
+        return s.getsockname()[1]
+
+
 def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node: list[list[str]],
                        launcher=helpers.DEFAULT_LAUNCHER) -> list:  # fmt: skip
     """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
     node's bundle starts `vllm serve <model> <flags>` there, its log at
-    `log_path` with `.node<k>` before the suffix (on that node's disk).
-    Returns the actors, each already starting its server."""
+    `log_path` made absolute, with `.node<k>` before the suffix (on that
+    node's disk). Returns the actors, each already starting its server."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    actor, log = ray.remote(NodeServer), Path(log_path)
+    actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
     servers = [actor.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
     try:
         ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher)
                      for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
-                    who="a node's vLLM server")  # fmt: skip
+                    who="the Ray actor of a node's vLLM server")  # fmt: skip
     except BaseException:
         stop_node_servers(servers)  # those that did start
         raise
@@ -205,27 +292,50 @@ def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node:
 
 
 def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> None:
-    """Raise a ServerError naming the first node whose server has exited (or
-    whose NodeServer actor is lost), and how; `seen_as`: the error that made
-    us look. Else return."""
-    for k, server in enumerate(node_servers, start=1):
+    """Raise a ServerError naming every node whose server has exited (or
+    whose NodeServer actor is lost or does not answer), and how; `seen_as`:
+    the error that made us look. Else return."""
+    asked = [server.failure.remote() for server in node_servers]  # all at once: one slow node delays no other
+    failures = []
+    for k, ref in enumerate(asked, start=1):
         try:
-            failure = ray.get(server.failure.remote(), timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            failure = f"the actor that owns node {k}'s vLLM server is lost: {death_cause(e)}"
-        if failure:
-            raise helpers.ServerError(failure + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
+            failures.append(ray.get(ref, timeout=60))
+        except ray.exceptions.RayActorError as e:
+            failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
+        except ray.exceptions.GetTimeoutError:
+            failures.append(f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")
+    if failures := [f for f in failures if f]:
+        raise helpers.ServerError("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
+
+
+def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float, node_servers: list = ()) -> float:
+    """Wait for the trainers' weights and for the server's health, printing
+    its progress; a failed rank, or a server that exits on any node, fails at
+    once. Returns when the last rank's weights were in, in seconds into the
+    server's start."""
+    while filling and server.proc.poll() is None:
+        done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
+        ray_get_all(done)
+        raise_node_failure(node_servers)
+        helpers.print_progress(server)
+    filled_after_s = time.monotonic() - server.started_at
+    print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
+    left = timeout_s - filled_after_s
+    server.healthy_after_s = helpers.wait_until_healthy(server, left, also_check=lambda: raise_node_failure(node_servers))
+    print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
+    return filled_after_s
 
 
 def stop_node_servers(node_servers: list) -> list:
     """Stop every node's server and wait until its processes are gone; what
     cannot be stopped this way (its node or actor lost) its watchdog stops.
     Returns [] (nothing left to stop)."""
-    for server in node_servers:
+    stops = [server.stop.remote() for server in node_servers]
+    for k, stop in enumerate(stops, start=1):
         try:
-            ray.get(server.stop.remote(), timeout=60)
+            ray.get(stop, timeout=60)
         except Exception as e:  # keep going: the other nodes' servers still need stopping
-            print(f"[shutdown] a node's vLLM server: {death_cause(e)}", flush=True)
+            print(f"[shutdown] node {k}'s vLLM server: {death_cause(e)}", flush=True)
     return []
 
 

@@ -24,17 +24,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
-import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 import checks
@@ -42,8 +39,8 @@ import helpers
 import models
 import toy_rl
 import weight_names
-from ray_ranks import (PlacementError, cli, leave_ray, raise_node_failure, ray_get_all, send_all, start_node_servers,
-                       start_trainers, stop_node_servers)
+from ray_ranks import (Rank, cli, free_port, gloo_interface_env, job_env, leave_ray, raise_node_failure, ray_get_all,
+                       send_all, start_node_servers, start_trainers, stop_node_servers, wait_until_ready)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -52,7 +49,6 @@ DEFAULT_PROMPTS = [
     "The future of AI is",
     "Reinforcement learning from human feedback",
 ]
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (helpers.SERVER_CALL_TIMEOUT_S)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,46 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- The trainer: one FSDP2 rank per GPU ----------------------------------------------------------
 
 
-class FSDPTrainer:
-    """One FSDP2 rank on one GPU; a Ray actor (start_trainers)."""
+class FSDPTrainer(Rank):
+    """One FSDP2 rank on one GPU; a Ray actor (start_trainers, which joins the
+    ranks in one process group: ray_ranks.Rank)."""
 
-    def __init__(self, rank: int, world_size: int, device_type: str = "cuda"):
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # Ray made this rank's GPU the only visible one
-        self.model = self.optimizer = self.engine = None
-
-    def open_rendezvous(self, host: str) -> int:
-        """Rank 0: listen for the other ranks on `host` (loopback on one node),
-        on a port the kernel picks, and return it. (A port picked earlier and
-        closed could be taken meanwhile; and torch's TCPStore alone listens on
-        every interface.)"""
-        self._listener = socket.create_server((host, 0))
-        port = self._listener.getsockname()[1]
-        self._store = dist.TCPStore(host, port, self.world_size, is_master=True,
-                                    master_listen_fd=self._listener.fileno(), wait_for_workers=False,
-                                    timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-        return port
-
-    def join_process_group(self, host: str, port: int) -> None:
-        store = self._store if self.rank == 0 else dist.TCPStore(
-            host, port, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-        # CUDA tensors (FSDP2) go over NCCL, the rest over gloo: vLLM's IPC engine syncs every chunk with
-        # all_gather_object + barrier on this group, which then wait on the host instead of spinning an
-        # NCCL kernel on the GPU that the colocated engine is copying on. (No device_id: it would bind
-        # the barrier to NCCL.)
-        dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo", store=store,
-                                rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-
-    def placement(self) -> dict:
-        """Which GPU, on which node, Ray gave this rank."""
-        info = {"rank": self.rank, "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-                "node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
-        if self.device.type == "cuda":
-            props = torch.cuda.get_device_properties(self.device)
-            info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
-        return info
+    model = optimizer = engine = None
 
     def build_model(self, model_path: str, lr: float | None = None) -> None:
         """Allocate the model sharded from the start (never whole on one GPU);
@@ -168,19 +129,22 @@ class FSDPTrainer:
         models.restore_rotary_tables(model)
         self.model, self.lr = model, lr
 
-    def init_weights(self, model_path: str, random_init: bool, seed: int = 0) -> None:
-        """Random weights (presets) or the checkpoint's, into the memory
-        build_model() allocated; then, for training, AdamW."""
+    def init_weights(self, model_path: str, random_init: bool, seed: int = 0) -> int:
+        """Random weights (presets) or the checkpoint's (this rank's shards
+        only), into the memory build_model() allocated; then, for training,
+        AdamW. Returns the bytes read from the checkpoint."""
+        read = 0
         if random_init:
             models.init_random_weights(self.model, seed)
         else:
-            models.load_pretrained_weights(self.model, model_path)
+            read = models.load_pretrained_weights(self.model, model_path)
         if self.lr is not None:
             # Now, while every parameter is a shard: after a forward, FSDP2
             # leaves the root's own parameters (embeddings, final norm,
             # lm_head) unsharded, and an optimizer built then would hold
             # copies that never receive a gradient.
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
+        return read
 
     def _token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """log p(token_i | tokens_<i) for i >= 1, like vLLM's prompt_logprobs.
@@ -328,6 +292,8 @@ class Job:
     gpu_uuids: list[str]
     send_retries: int = 0  # how often a send the server failed part way is sent again
     rank_nodes: list[str] = field(default_factory=list)  # each rank's Ray node id
+    weights_in_after_s: float | None = None  # the trainers' weights filled, seconds into the server's start
+    checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
 
 
 @contextmanager
@@ -343,8 +309,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
         try:
             model_path = models.resolve_model(args.model, workdir)
             checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
-            if started_ray:
-                ray.init(include_dashboard=False)
+            if started_ray:  # a running cluster if there is one (RAY_ADDRESS, `ray start`), else a local Ray
+                ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
             trainers, pg = start_trainers(MeasuredTrainer, args.num_gpus, args.num_nodes,
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip
@@ -353,6 +319,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             filling = build_models(trainers, args, model_path)
             # The servers' workers import the direct loader (direct_load.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+            network = gloo_interface_env(placements[0]["node_ip"]) if args.num_nodes > 1 else {}
             flags = serve_plan(args, placements)
             node_servers = start_node_servers(pg, args.model, args.server_log, env, flags[1:])
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
@@ -360,12 +327,12 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 [str(model_path), *flags[0]],
                 socket_path=workdir / "vllm.sock",
                 log_path=args.server_log,
-                env=env,
+                env={**env, **network},
                 # A local Ray we started goes with us even if we are SIGKILLed (its agents would
                 # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
-                wait_until_ready(server, filling, args.server_timeout, node_servers)
+                weights_in_after_s = wait_until_ready(server, filling, args.server_timeout, node_servers)
                 try:
                     yield Job(
                         trainers=trainers,
@@ -376,6 +343,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                         gpu_name=placements[0]["gpu_name"],
                         gpu_uuids=[p["gpu_uuid"] for p in placements],
                         rank_nodes=[p["node"] for p in placements],
+                        weights_in_after_s=weights_in_after_s,
+                        checkpoint_bytes_read_per_rank=ray_get_all(filling),
                     )
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
@@ -400,38 +369,15 @@ def serve_plan(args: argparse.Namespace, placements: list[dict]) -> list[list[st
     return [serve_args(args, node_gpus, k, head) for k, node_gpus in enumerate(gpus)]
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
-    with socket.create_server((host, 0)) as s:
-        return s.getsockname()[1]
-
-
 def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:
     """Every rank allocates its shard of the model, then fills it; returns the
-    fill's refs. The memory comes first: vLLM, starting, requires its share of
-    each GPU to be free, and sizes its KV cache assuming no other process's
-    memory changes meanwhile. So random weights (in place) are filled while the
-    server starts, and a checkpoint (its broadcast needs temporary GPU memory)
-    is loaded before."""
-    random_init = args.model in models.PRESETS
+    fill's refs, to wait on while the server starts. The memory comes first:
+    vLLM, starting, requires its share of each GPU to be free, and sizes its
+    KV cache assuming no other process's memory changes meanwhile; filling
+    (random weights in place, or the checkpoint read into the shards) takes
+    no more."""
     ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
-    filling = [t.init_weights.remote(str(model_path), random_init, args.seed) for t in trainers]
-    if not random_init:
-        ray_get_all(filling)
-    return filling
-
-
-def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float, node_servers: list = ()) -> None:
-    """Wait for the trainers' weights and for the server's health, printing
-    its progress; a failed rank, or a server that exits on any node, fails at once."""
-    while filling and server.proc.poll() is None:
-        done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
-        ray_get_all(done)
-        raise_node_failure(node_servers)
-        helpers.print_progress(server)
-    left = timeout_s - (time.monotonic() - server.started_at)
-    server.healthy_after_s = helpers.wait_until_healthy(server, left, also_check=lambda: raise_node_failure(node_servers))
-    print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
+    return [t.init_weights.remote(str(model_path), args.model in models.PRESETS, args.seed) for t in trainers]
 
 
 # --- The RL round ---------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import helpers  # noqa: E402
 import ray_ranks  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
-SLEEPS = (sys.executable, "-c", "import time; print('engines starting', flush=True); time.sleep(600)")
+SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
+           "os.environ.get('GLOO_SOCKET_IFNAME'), flush=True); time.sleep(600)")
 FAILS = (sys.executable, "-c", "import sys; print('no GPU on this node'); sys.exit(3)")
 
 
@@ -65,7 +66,9 @@ def main(out_path: str, log_dir: str) -> None:
     seen = {}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=2, num_gpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
+    # Set after the nodes started, as if exported only where the driver runs: job_env() carries them.
+    os.environ.update(NCCL_SOCKET_IFNAME="from-the-driver", VLLM_HOST_IP="the-drivers-own")
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": ray_ranks.job_env()})
     try:
         seen["driver_node"] = ray.get_runtime_context().get_node_id()
         seen["one_node_for_two"] = _error_of(lambda: ray_ranks.start_trainers(
@@ -76,10 +79,12 @@ def main(out_path: str, log_dir: str) -> None:
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
         seen["all_reduce"] = ray_ranks.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
+        seen["node1_env"] = ray.get(trainers[1].__ray_call__.remote(
+            lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}))  # fmt: skip
         checks.show_layout(placements, 2)
         seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
         args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
-        head = (placements[0]["node_ip"], script.free_port(placements[0]["node_ip"]))
+        head = (placements[0]["node_ip"], ray_ranks.free_port(placements[0]["node_ip"]))
         seen["head"] = list(head)
         seen["flags"] = [script.serve_args(args, gpus, k, head) for k, gpus in enumerate(seen["layout"])]
         log = str(Path(log_dir) / "server.log")
@@ -89,15 +94,20 @@ def main(out_path: str, log_dir: str) -> None:
                                      log_path=Path(log_dir) / "head.log", launcher=SLEEPS)  # fmt: skip
         failing = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
         begin = time.monotonic()
-        seen["failed_start"] = _error_of(lambda: script.wait_until_ready(first, [], 120, failing))
+        seen["failed_start"] = _error_of(lambda: ray_ranks.wait_until_ready(first, [], 120, failing))
         seen["failed_start_s"] = time.monotonic() - begin
         helpers.stop_server(first)
         ray_ranks.stop_node_servers(failing)
 
         # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
-        running = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
+        os.chdir(log_dir)  # a relative --server-log: the node's log lands here, not in its actor's cwd
+        running = ray_ranks.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS)
         pid = ray.get(running[0].__ray_call__.remote(_server_pid))
         seen["running_failure"] = ray.get(running[0].failure.remote())
+        time.sleep(1)
+        seen["node1_log"] = (Path(log_dir) / "server.node1.log").read_text()
+        ip = placements[1]["node_ip"]
+        seen["node1_interface"] = ray_ranks.gloo_interface_env(ip).get("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"))
         os.kill(pid, 9)
         time.sleep(1)
         seen["died_mid_run"] = _error_of(lambda: ray_ranks.raise_node_failure(

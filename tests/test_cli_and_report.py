@@ -12,6 +12,7 @@ import torch
 import checks
 import helpers
 import models
+import ray_ranks
 import rlhf_ipc_fsdp_ep as script
 import toy_rl
 
@@ -376,7 +377,7 @@ def test_a_job_leaves_a_ray_it_did_not_start_as_it_was(ray_cluster, tmp_path):
     from ray.util.placement_group import placement_group_table
 
     args = script.parse_args(["--model", "tiny", "--num-gpus", "2"])
-    with pytest.raises(script.PlacementError, match="asked for 2 GPUs"):
+    with pytest.raises(ray_ranks.PlacementError, match="asked for 2 GPUs"):
         with script.colocated_job(args):
             pass
     assert ray.is_initialized()

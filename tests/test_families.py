@@ -295,3 +295,57 @@ def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
         assert [n for n, _ in form] == [n for n, _, _ in form.metadata]
         assert sorted(map(id, unshards)) == sorted(map(id, gathered))  # each once
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # resharded
+
+
+def _load_own_shards(trainer, checkpoints, out_dir):
+    """Each checkpoint into a trainer built the script's way; what every rank
+    then holds, whole, and the bytes it read."""
+    seen = {}
+    for name, path in checkpoints.items():
+        trainer.build_model(str(path))
+        read = trainer.init_weights(str(path), random_init=False)
+        whole = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+                 for n, t in weight_names.state_tensors(trainer.model).items()}  # fmt: skip
+        seen[name] = {"read": read, "tensors": whole}
+    torch.save(seen, Path(out_dir) / f"rank{trainer.rank}.pt")
+
+
+def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
+    """models.load_pretrained_weights on 2 FSDP2 ranks (the script's build),
+    for families whose checkpoint form differs from their memory form
+    (per-expert files -> fused experts; Mixtral's w1/w2/w3; DeepSeek-V3's
+    router bias buffer) and tied embeddings: every parameter and persistent
+    buffer is what from_pretrained gives, and each rank read about half the
+    files' bytes (its own rows and experts)."""
+    from conftest import run_ranks
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    import models
+
+    checkpoints = {}
+    for family, tied, shard_size in (("qwen3_moe", False, "200KB"), ("qwen3_moe", True, "200KB"),
+                                     ("mixtral", False, "5GB"), ("deepseek_v3", False, "200KB")):  # fmt: skip
+        config = family_config(family)
+        config.tie_word_embeddings = tied
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        models.init_random_weights(model, seed=5)
+        path = tmp_path / f"{family}{'-tied' if tied else ''}"
+        model.save_pretrained(path, max_shard_size=shard_size)  # several files and an index, or one file
+        checkpoints[path.name] = path
+    assert sorted(len(models.checkpoint_files(p)) > 1 for p in checkpoints.values()) == [False, True, True, True]
+    run_ranks(_load_own_shards, 2, checkpoints, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, path in checkpoints.items():
+        reference = weight_names.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        total = 0
+        for file in models.checkpoint_files(path):
+            with safe_open(file, framework="pt") as f:
+                total += sum(f.get_slice(k)[:].nbytes for k in f.keys())
+        for rank in ranks:
+            got = rank[name]["tensors"]
+            assert sorted(got) == sorted(reference), name
+            # from_pretrained keeps DeepSeek-V3's router bias in fp32, the meta build in bf16: same values
+            wrong = [n for n, t in reference.items() if not torch.equal(got[n].to(t.dtype), t)]
+            assert not wrong, (name, wrong)
+            assert 0.45 * total <= rank[name]["read"] <= 0.55 * total, (name, rank[name]["read"], total)

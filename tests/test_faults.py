@@ -14,6 +14,7 @@ from conftest import start_cpu_server
 
 import helpers
 import models
+import ray_ranks
 import rlhf_ipc_fsdp_ep as script
 
 # Ray's workers cannot import this test module: ship its classes by value.
@@ -160,8 +161,8 @@ def _never_healthy_server(tmp_path, code: str) -> helpers.Server:
 
 def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_trainers, tiny_checkpoint, tmp_path):
     """While the server starts, the trainers fill their weights: a rank that
-    fails (here: rank 0 cannot read the checkpoint, while rank 1 waits for its
-    broadcast) ends the wait with its error, not after the server's start."""
+    fails (here: the checkpoint cannot be read) ends the wait with its error,
+    not after the server's start."""
     trainers = fresh_cpu_trainers()
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in trainers])
     filling = [t.init_weights.remote(str(tmp_path / "missing"), False) for t in trainers]
@@ -169,7 +170,7 @@ def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_tr
     begin = time.monotonic()
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="missing"):
-            script.wait_until_ready(server, filling, timeout_s=240)
+            ray_ranks.wait_until_ready(server, filling, timeout_s=240)
     finally:
         helpers.stop_server(server)
     assert time.monotonic() - begin < 60
@@ -186,7 +187,7 @@ def test_a_server_that_dies_while_the_trainers_fill_ends_the_start_at_once(ray_c
     server = _never_healthy_server(tmp_path, "import sys; print('no GPU here'); sys.exit(3)")
     begin = time.monotonic()
     with pytest.raises(helpers.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
-        script.wait_until_ready(server, [slow_fill], timeout_s=240)
+        ray_ranks.wait_until_ready(server, [slow_fill], timeout_s=240)
     assert time.monotonic() - begin < 30
     helpers.stop_server(server)
     ray.cancel(slow_fill, force=True)

@@ -35,6 +35,16 @@ def test_ranks_go_in_node_order_one_node_each_rank_0_on_the_drivers(seen):
     assert seen["all_reduce"] == [3.0, 3.0]  # one process group across the nodes
 
 
+def test_the_drivers_settings_reach_the_other_node_but_not_its_address(seen):
+    assert seen["node1_env"]["NCCL_SOCKET_IFNAME"] == "from-the-driver"
+    assert seen["node1_env"]["VLLM_HOST_IP"] != "the-drivers-own"
+
+
+def test_a_node_server_talks_gloo_on_the_interface_of_its_nodes_address(seen):
+    assert seen["node1_interface"]  # this machine's interface with the nodes' address (both nodes are here)
+    assert f"engines starting, gloo on {seen['node1_interface']}" in seen["node1_log"]
+
+
 def test_the_first_node_must_hold_its_share_of_the_gpus(seen):
     assert "this node has 1 GPUs in Ray, and needs 2" in seen["one_node_for_two"]
 

@@ -10,7 +10,6 @@ import pytest
 
 import helpers
 import models
-import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, private_socket_path, start_cpu_server
 
 

@@ -169,17 +169,17 @@ def test_the_trainers_rendezvous_listens_on_loopback_only(cpu_trainers):
 def test_server_calls_give_up_before_the_trainers_collectives_do():
     """A hung server must surface as a server error, not as a trainer rank
     timing out in a collective."""
-    assert helpers.SERVER_CALL_TIMEOUT_S + 10 < script.COLLECTIVE_TIMEOUT.total_seconds()
+    assert helpers.SERVER_CALL_TIMEOUT_S + 10 < ray_ranks.COLLECTIVE_TIMEOUT.total_seconds()
 
 
 def test_too_few_gpus_is_a_clear_error(ray_cluster):
-    with pytest.raises(script.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
+    with pytest.raises(ray_ranks.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
         script.start_trainers(script.FSDPTrainer, 2, gpus_per_trainer=1, device_type="cpu")
 
 
 def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
     start = time.monotonic()
-    with pytest.raises(script.PlacementError, match="could not place 16 trainers"):
+    with pytest.raises(ray_ranks.PlacementError, match="could not place 16 trainers"):
         script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
     assert time.monotonic() - start < 30
 
