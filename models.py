@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
+import threading
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -225,26 +226,49 @@ def load_pretrained_weights(model: torch.nn.Module, model_path: str | os.PathLik
 
     if getattr(model.config, "quantization_config", None) is not None:
         raise ValueError(f"{model_path}: a quantized checkpoint; the trainer loads unquantized ones only")
+    if not (paths := checkpoint_files(Path(model_path))):
+        raise ValueError(f"{model_path} has no safetensors files on this node (model.safetensors, or an index)")
     read, mapping = [0], get_model_conversion_mapping(model)  # the conversions from_pretrained applies
     with ExitStack() as files:
         slices = {}  # checkpoint name -> a lazy slice of its memory-mapped file
-        for path in checkpoint_files(Path(model_path)):
+        for path in paths:
             f = files.enter_context(safe_open(path, framework="pt", device="cpu"))
             slices.update({name: _CountedSlice(f.get_slice(name), read) for name in f.keys()})
         # dtype None: each tensor is cast to its destination's dtype (bf16, or fp32 master weights).
         config = LoadStateDictConfig(dtype=None, device_map={"": "cpu"}, weight_mapping=mapping)
-        with (mock.patch.object(core_model_loading, "set_param_for_module", _copy_into_shard),
-              mock.patch.dict(os.environ, HF_DEACTIVATE_ASYNC_LOAD="1")):  # one tensor in host memory at a time
+        # The patch is process-wide while it lasts: one load at a time, and no other from_pretrained
+        # meanwhile in this process (its set_param_for_module would be ours).
+        with (_ONE_LOAD_AT_A_TIME, mock.patch.object(core_model_loading, "set_param_for_module", _copy_into_shard),
+              _env("HF_DEACTIVATE_ASYNC_LOAD", "1")):  # read one tensor at a time, not all of them ahead
             info, _ = core_model_loading.convert_and_load_state_dict_in_model(model, slices, config)  # fmt: skip
     _check_loaded(model, model_path, mapping, info)
     return read[0]
 
 
+_ONE_LOAD_AT_A_TIME = threading.Lock()
+
+
+@contextmanager
+def _env(key: str, value: str):
+    """os.environ[key] = value for a while (only that key: mock.patch.dict
+    would clear and refill the whole environment under other threads)."""
+    before = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+
+
 def checkpoint_files(model_path: Path) -> list[Path]:
+    """The checkpoint's safetensors files; [] if it has none."""
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
         return [model_path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [model_path / "model.safetensors"]
+    return [model_path / "model.safetensors"] if (model_path / "model.safetensors").is_file() else []
 
 
 class _CountedSlice:
@@ -264,6 +288,8 @@ def _copy_into_shard(model, target_name, value, loading_info, hf_quantizer=None)
     """transformers' set_param_for_module, but copying into the tensor the
     model has (a DTensor's local shard, a buffer) instead of replacing it."""
     module_name, _, attr = target_name.rpartition(".")
+    if attr == "_extra_state":
+        raise ValueError(f"{target_name}: a module's extra state; the trainer loads tensors only")
     held = getattr(model.get_submodule(module_name), attr)
     dest = held.to_local() if hasattr(held, "to_local") else held
     value = value[0] if isinstance(value, list) else value
@@ -281,16 +307,21 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     # Each source tensor was sliced by its destination's rows (dim 0): right for renames and for
-    # stacking experts (then concatenating on a later dim), not for e.g. a qkv chunk.
+    # stacking experts on dim 0 (then concatenating on a later dim), not for e.g. a qkv chunk.
     for conversion in mapping:
         ops = getattr(conversion, "operations", [])
         if conversion.was_used() and not all(
-            isinstance(op, MergeModulelist) or (isinstance(op, Concatenate) and op.dim > 0) for op in ops
+            (isinstance(op, MergeModulelist) and op.dim == 0) or (isinstance(op, Concatenate) and op.dim > 0)
+            for op in ops
         ):
             raise ValueError(f"{model_path}: cannot load {conversion} by rows; a trainer shard needs it whole")
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
-    problems = {"missing": sorted(info.missing_keys - tied), "of another shape": sorted(info.mismatched_keys),
-                "not converted": sorted(info.conversion_errors)}  # fmt: skip
+    # FSDP2 splits like torch.chunk: a rank can hold no rows of a tensor (16 ranks, 60 experts), and
+    # then transformers, reading none of its sources, reports it missing or unconvertible.
+    empty = {n for n, t in weight_names.state_tensors(model).items()
+             if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0}  # fmt: skip
+    problems = {"missing": sorted(info.missing_keys - tied - empty), "of another shape": sorted(info.mismatched_keys),
+                "not converted": sorted(set(info.conversion_errors) - empty)}  # fmt: skip
     if any(problems.values()):
         raise ValueError(f"checkpoint {model_path} does not fit the model: "
                          f"{ {k: v[:5] for k, v in problems.items() if v} }")  # fmt: skip

@@ -138,9 +138,13 @@ def job_env() -> dict[str, str]:
     ray.init(runtime_env=...): Ray's workers get the environment of the Ray
     node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
     `HF_HUB_OFFLINE` exported where the script runs would not reach the other
-    nodes' trainers and servers. VLLM_HOST_IP is each node's own address."""
-    prefixes = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_")
-    return {k: v for k, v in os.environ.items() if k.startswith(prefixes) and k != "VLLM_HOST_IP"}
+    nodes' trainers and servers. Not VLLM_HOST_IP (each node's own address),
+    nor secrets (`HF_TOKEN`, `VLLM_API_KEY`: Ray keeps a job's runtime env
+    where its dashboard and job list show it). Interface names
+    (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`) set here hold on every node."""
+    prefixes, secret = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_"), ("TOKEN", "KEY", "SECRET", "PASSWORD")
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(prefixes) and k != "VLLM_HOST_IP" and not any(s in k for s in secret)}  # fmt: skip
 
 
 def gloo_interface_env(node_ip: str) -> dict[str, str]:
@@ -295,15 +299,15 @@ def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> 
     """Raise a ServerError naming every node whose server has exited (or
     whose NodeServer actor is lost or does not answer), and how; `seen_as`:
     the error that made us look. Else return."""
-    asked = [server.failure.remote() for server in node_servers]  # all at once: one slow node delays no other
+    asked = [server.failure.remote() for server in node_servers]
+    answered = set(ray.wait(asked, num_returns=len(asked), timeout=60)[0])  # 60 s for all of them together
     failures = []
     for k, ref in enumerate(asked, start=1):
         try:
-            failures.append(ray.get(ref, timeout=60))
+            failures.append(ray.get(ref) if ref in answered else
+                            f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")  # fmt: skip
         except ray.exceptions.RayActorError as e:
             failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
-        except ray.exceptions.GetTimeoutError:
-            failures.append(f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")
     if failures := [f for f in failures if f]:
         raise helpers.ServerError("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
 
@@ -319,7 +323,8 @@ def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float, no
         raise_node_failure(node_servers)
         helpers.print_progress(server)
     filled_after_s = time.monotonic() - server.started_at
-    print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
+    if not filling:  # else the server exited first, and wait_until_healthy says how
+        print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
     left = timeout_s - filled_after_s
     server.healthy_after_s = helpers.wait_until_healthy(server, left, also_check=lambda: raise_node_failure(node_servers))
     print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)

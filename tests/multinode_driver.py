@@ -54,6 +54,24 @@ def _left_of_node_servers() -> list[str]:
     return left
 
 
+def _interface_with(ip: str) -> str | None:
+    """The interface holding `ip`, asked of the kernel (SIOCGIFADDR), not of
+    psutil as ray_ranks.gloo_interface_env does."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None
+
+
 def _error_of(fn) -> str:
     try:
         fn()
@@ -107,7 +125,7 @@ def main(out_path: str, log_dir: str) -> None:
         time.sleep(1)
         seen["node1_log"] = (Path(log_dir) / "server.node1.log").read_text()
         ip = placements[1]["node_ip"]
-        seen["node1_interface"] = ray_ranks.gloo_interface_env(ip).get("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"))
+        seen["node1_interface"] = os.environ.get("GLOO_SOCKET_IFNAME") or _interface_with(ip)
         os.kill(pid, 9)
         time.sleep(1)
         seen["died_mid_run"] = _error_of(lambda: ray_ranks.raise_node_failure(

@@ -89,7 +89,7 @@ def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     path = models.resolve_model("tiny", tmp_path)
     name, size = models.largest_parameter(models.meta_model(path))
     assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
-    args = script.parse_args(["--packed-buffer-size-bytes", str(size - 1)])
+    args = script.parse_args(["--model", "tiny", "--packed-buffer-size-bytes", str(size - 1)])
     with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
         checks.before_gpu_work(args, path, ["direct"])
     args.packed_buffer_size_bytes = size
@@ -98,7 +98,7 @@ def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
 
 def test_direct_loader_refuses_experts_that_do_not_split_evenly(tmp_path):
     path = models.resolve_model("tiny", tmp_path)  # 8 experts
-    args = script.parse_args(["--num-gpus", "3"])
+    args = script.parse_args(["--model", "tiny", "--num-gpus", "3"])
     with pytest.raises(SystemExit, match="8 experts, which do not split evenly over 3 GPUs.*--weight-loader vllm"):
         checks.before_gpu_work(args, path, ["direct"])
     with pytest.raises(SystemExit, match="do not split evenly"):
@@ -106,6 +106,17 @@ def test_direct_loader_refuses_experts_that_do_not_split_evenly(tmp_path):
     checks.before_gpu_work(args, path, ["vllm"])  # vLLM's loader takes any split
     args.num_gpus = 4
     checks.before_gpu_work(args, path, ["direct"])
+
+
+def test_a_checkpoint_without_safetensors_is_refused_before_gpu_work(tmp_path):
+    """Each trainer rank reads its own shards from the safetensors files; a
+    directory with a config and no such files (pytorch_model.bin only, or a
+    download that stopped) ends the run before any GPU work, in one line."""
+    path = models.resolve_model("tiny", tmp_path)  # config and tokenizer, no weights
+    (path / "pytorch_model.bin").write_bytes(b"")
+    args = script.parse_args(["--model", str(path), "--num-gpus", "2"])
+    with pytest.raises(SystemExit, match=r"^error: .*tiny has no safetensors files \(model.safetensors, or an index"):
+        checks.before_gpu_work(args, path, ["direct"])
 
 
 @pytest.mark.parametrize(

@@ -297,12 +297,13 @@ def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # resharded
 
 
-def _load_own_shards(trainer, checkpoints, out_dir):
-    """Each checkpoint into a trainer built the script's way; what every rank
-    then holds, whole, and the bytes it read."""
+def _load_own_shards(trainer, checkpoints, out_dir, lr=None):
+    """Each checkpoint into a trainer built the script's way (`lr`: fp32
+    master weights, for training); what every rank then holds, whole, and the
+    bytes it read."""
     seen = {}
     for name, path in checkpoints.items():
-        trainer.build_model(str(path))
+        trainer.build_model(str(path), lr)
         read = trainer.init_weights(str(path), random_init=False)
         whole = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
                  for n, t in weight_names.state_tensors(trainer.model).items()}  # fmt: skip
@@ -349,3 +350,26 @@ def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
             wrong = [n for n, t in reference.items() if not torch.equal(got[n].to(t.dtype), t)]
             assert not wrong, (name, wrong)
             assert 0.45 * total <= rank[name]["read"] <= 0.55 * total, (name, rank[name]["read"], total)
+
+
+def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(tmp_path):
+    """3 ranks, 4 experts: FSDP2 gives them 2, 2 and 0 experts (and uneven
+    rows of everything else); for training the shards are fp32 masters of the
+    bf16 checkpoint. Every rank still ends with from_pretrained's values."""
+    from conftest import run_ranks
+    from transformers import AutoModelForCausalLM
+
+    import models
+
+    config = family_config("qwen3_moe")
+    config.num_experts, config.vocab_size = 4, 1025
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    models.init_random_weights(model, seed=6)
+    model.save_pretrained(tmp_path / "ckpt")
+    run_ranks(_load_own_shards, 3, {"ckpt": tmp_path / "ckpt"}, tmp_path, 1e-5)
+    reference = weight_names.state_tensors(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
+    for rank in range(3):
+        got = torch.load(tmp_path / f"rank{rank}.pt")["ckpt"]["tensors"]
+        assert {t.dtype for t in got.values()} == {torch.float32}
+        wrong = [n for n, t in reference.items() if not torch.equal(got[n].to(t.dtype), t)]
+        assert not wrong, (rank, wrong)

@@ -169,7 +169,7 @@ def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_tr
     server = _never_healthy_server(tmp_path, "import time; time.sleep(300)")
     begin = time.monotonic()
     try:
-        with pytest.raises(ray.exceptions.RayTaskError, match="missing"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="missing has no safetensors files on this node"):
             ray_ranks.wait_until_ready(server, filling, timeout_s=240)
     finally:
         helpers.stop_server(server)
