@@ -506,7 +506,8 @@ def format_summary(result: dict) -> str:
         lines.append(f"time to the first gated sync: {result['time_to_first_sync_s']:.1f} s")
     if result.get("weights_in_after_s") is not None:
         read = max(result.get("checkpoint_bytes_read_per_rank") or [0])
-        source = f"the checkpoint, {read / 1e9:.2f} GB read per rank" if read else "random"
+        size = f"{read / 1e9:.2f} GB" if read >= 1e8 else f"{read / 1e6:.2f} MB"
+        source = f"the checkpoint, {size} read per rank" if read else "random"
         lines.append(f"trainer weights ({source}) in {result['weights_in_after_s']:.0f} s into the server's start")
     if result.get("retried_rounds"):
         lines.append(f"rounds whose send was retried: {result['retried_rounds']}")

@@ -349,6 +349,10 @@ def test_summary_table_and_json_keys(tmp_path):
     assert "3.00 s" in row1 and "1.000" in row1 and row1.endswith("1.50 s | 0.500")
     assert "GPU memory growth, round 2 -> last: +0.250 GiB" in text
     assert "time to the first gated sync: 123.4 s" in text
+    for read, shown in ((30_530_000_000, "the checkpoint, 30.53 GB read per rank"), (756_480, "the checkpoint, 0.76 MB"),
+                        (0, "trainer weights (random) in 69 s")):  # fmt: skip
+        extra = checks.format_summary({**result, "weights_in_after_s": 69.0, "checkpoint_bytes_read_per_rank": [read]})
+        assert shown in extra
     # Strict JSON (NVML's NaN becomes null) with the keys promised in the README.
     checks.write_json(tmp_path / "r.json", result)
     loaded = json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)
