@@ -334,18 +334,12 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             ) as server:
                 weights_in_after_s = wait_until_ready(server, filling, args.server_timeout, node_servers)
                 try:
-                    yield Job(
-                        trainers=trainers,
-                        server=server,
-                        served_name=args.model,
-                        dp_size=args.num_gpus // args.tensor_parallel_size,
-                        architecture=models.architecture(model_path),
-                        gpu_name=placements[0]["gpu_name"],
-                        gpu_uuids=[p["gpu_uuid"] for p in placements],
-                        rank_nodes=[p["node"] for p in placements],
-                        weights_in_after_s=weights_in_after_s,
-                        checkpoint_bytes_read_per_rank=ray_get_all(filling),
-                    )
+                    yield Job(trainers=trainers, server=server, served_name=args.model,
+                              dp_size=args.num_gpus // args.tensor_parallel_size,
+                              architecture=models.architecture(model_path), gpu_name=placements[0]["gpu_name"],
+                              gpu_uuids=[p["gpu_uuid"] for p in placements], rank_nodes=[p["node"] for p in placements],
+                              weights_in_after_s=weights_in_after_s,
+                              checkpoint_bytes_read_per_rank=ray_get_all(filling))  # fmt: skip
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
