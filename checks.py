@@ -63,7 +63,8 @@ def loader_flag_problem(args, loader: str) -> str | None:
 
 
 def before_gpu_work(args, model_path, loaders: list[str]) -> None:
-    """Exit with one line if the model cannot be synced as asked: a parameter
+    """Exit with one line if the model cannot be synced as asked: a checkpoint
+    without safetensors files (what the trainer ranks read), a parameter
     larger than the packed buffer, or experts the direct loader cannot split."""
     if args.model not in models.PRESETS and not models.checkpoint_files(Path(model_path)):
         raise SystemExit(f"error: {model_path} has no safetensors files (model.safetensors, or an index of them): "

@@ -31,21 +31,21 @@ def main(preset: str, out: str, time_full_read: bool) -> None:
     path = models.build_preset(preset, out)
     form = weight_names.CheckpointForm(models.meta_model(path), torch.bfloat16)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    start, files, batch, weight_map, total = time.perf_counter(), 0, {}, {}, 0
+    start, files, batch, batch_bytes, weight_map, total = time.perf_counter(), 0, {}, 0, {}, 0
 
     def flush() -> None:
-        nonlocal files, batch
+        nonlocal files, batch, batch_bytes
         name = f"model-{files:05d}.safetensors"
         save_file(batch, path / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(batch, name))
-        files, batch = files + 1, {}
+        files, batch, batch_bytes = files + 1, {}, 0
 
     for name, shape, dtype in form.metadata:
         std = 1.0 if "norm" in name or "embed_tokens" in name else shape[-1] ** -0.5
         t = torch.ones(shape, dtype=dtype) if "norm" in name else torch.randn(shape, device=device).mul_(std)
         batch[name] = t.to(dtype).cpu()
-        total += batch[name].nbytes
-        if sum(x.nbytes for x in batch.values()) >= FILE_BYTES:
+        total, batch_bytes = total + batch[name].nbytes, batch_bytes + batch[name].nbytes
+        if batch_bytes >= FILE_BYTES:
             flush()
     if batch:
         flush()
