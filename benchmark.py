@@ -79,6 +79,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer(job, args, loader)
+    checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
         helpers.weight_checker(job.server.socket_path, "reset")

@@ -21,10 +21,12 @@ import ray
 import torch
 import torch.distributed as dist
 
+import direct_load
 import helpers
 import models
 import ray_ranks
 import weight_names
+from vllm_compat import TrainerSource
 
 GiB = 1024**3
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
@@ -83,6 +85,18 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
         raise SystemExit(f"error: {problem}")
 
 
+def placement_problem(placements: list[dict]) -> str | None:
+    """Why the trainer ranks Ray placed cannot sync, or None: two ranks on
+    one GPU (one engine per GPU reads the IPC buffer of "the" rank on its GPU,
+    and vLLM keeps one handle per GPU, so one rank's weights would be lost)."""
+    uuids = [p.get("gpu_uuid") for p in placements]
+    shared = sorted({u for u in uuids if u and uuids.count(u) > 1})
+    if shared:
+        ranks = [[i for i, u in enumerate(uuids) if u == s] for s in shared]
+        return f"trainer ranks {ranks[0]} share GPU {shared[0]}: the sync needs one rank per GPU"
+    return None
+
+
 def packing_problem(metadata: list[tuple[str, tuple, torch.dtype]]) -> str | None:
     """vLLM's packed IPC buffer holds the tensors back to back, unpadded, and
     views each at its offset: after a tensor whose size is not a multiple of
@@ -114,6 +128,8 @@ class LogprobGap:
     mean_per_dp_rank: list[float]
     max_per_dp_rank: list[float]
     server: list[list[list[float]]]  # per DP rank, per sequence, per token
+    trainer: list[list[float]] | None = None  # per sequence, per token
+    quantile_per_dp_rank: list[float] | None = None  # the QUANTILE of |dlogp| per DP rank
 
     @property
     def mean(self) -> float:  # the worst engine's
@@ -123,10 +139,30 @@ class LogprobGap:
     def max(self) -> float:
         return _worst(self.max_per_dp_rank)
 
+    @property
+    def quantile(self) -> float:
+        return _worst(self.quantile_per_dp_rank or self.max_per_dp_rank)
+
+
+QUANTILE = 0.95  # of |dlogp| over the tokens: the max grows with the token count, and bf16 kernels differ
+
 
 def dlogp_stats(reference: list[list[float]], other: list[list[float]]) -> tuple[float, float]:
     """(max, mean) |a - b| over every token of every sequence; NaN anywhere
     makes both NaN, which fails any `<= tolerance` gate."""
+    diffs = _abs_diffs(reference, other)
+    return _worst(diffs), sum(diffs) / len(diffs)
+
+
+def dlogp_quantile(reference: list[list[float]], other: list[list[float]], q: float = QUANTILE) -> float:
+    """The q-quantile of |a - b| over every token (nearest rank); NaN if any is NaN."""
+    diffs = _abs_diffs(reference, other)
+    if any(math.isnan(d) for d in diffs):
+        return math.nan
+    return sorted(diffs)[min(len(diffs) - 1, math.ceil(q * len(diffs)) - 1)]
+
+
+def _abs_diffs(reference: list[list[float]], other: list[list[float]]) -> list[float]:
     diffs: list[float] = []
     for ref, oth in zip(reference, other, strict=True):
         if len(ref) != len(oth):
@@ -134,7 +170,7 @@ def dlogp_stats(reference: list[list[float]], other: list[list[float]]) -> tuple
         diffs += [abs(a - b) for a, b in zip(ref, oth, strict=True)]
     if not diffs:
         raise ValueError("no tokens to compare")
-    return _worst(diffs), sum(diffs) / len(diffs)
+    return diffs
 
 
 def logprob_gap(
@@ -147,7 +183,8 @@ def logprob_gap(
         for dp_rank in range(dp_size)
     ]
     stats = [dlogp_stats(trainer_lps, lps) for lps in server]
-    return LogprobGap([mean for _, mean in stats], [worst for worst, _ in stats], server)
+    quantiles = [dlogp_quantile(trainer_lps, lps) for lps in server]
+    return LogprobGap([mean for _, mean in stats], [worst for worst, _ in stats], server, trainer_lps, quantiles)
 
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
@@ -166,9 +203,14 @@ def add_arguments(parser) -> None:
     # fmt: off
     add = parser.add_argument
     add("--logprob-mean-tolerance", type=float, default=0.1, help="largest accepted mean |trainer - vLLM| "
-        "log-probability (nats) after a sync, on the worst DP engine (README: the values measured)")
-    add("--logprob-max-tolerance", type=float, default=1.0,
-        help="largest accepted single-token |trainer - vLLM| log-probability after a sync")
+        "log-probability (nats) after a sync, on the worst DP engine; once a round has measured the noise "
+        "(its 'before', on identical weights), --noise-multiple times that, if lower")
+    add("--logprob-quantile-tolerance", type=float, default=1.0, help=f"the same for the {QUANTILE:.0%} "
+        "quantile of |trainer - vLLM| over the tokens")
+    add("--logprob-max-tolerance", type=float, help="also gate the single worst token (off by default: "
+        "the max over many sampled tokens grows with their number)")
+    add("--noise-multiple", type=float, default=2.0, help="after a sync, |trainer - vLLM| may be this many "
+        "times the noise measured on identical weights in the same round")
     add("--memory-growth-tolerance-gib", type=float, default=0.5,
         help="fail if GPU memory after a sync grows more than this from round 2 to the last")
     add("--check-coverage", action="store_true", help="before round 1, zero every vLLM parameter, sync, "
@@ -177,36 +219,97 @@ def add_arguments(parser) -> None:
     # fmt: on
 
 
+# Below these, noise-relative tolerances would hold the gate to kernels' luck.
+MEAN_FLOOR, QUANTILE_FLOOR = 0.01, 0.1
+
+
 @dataclass
 class Tolerances:
     mean: float  # the gate: wrong weights move every token
-    max: float  # a guard: single sampled tokens differ by up to ~0.7 nats in bf16 with equal weights
+    quantile: float = 1.0  # the QUANTILE of |dlogp|: a guard against a few tokens grossly off
+    max: float | None = None  # the single worst token, if asked for
+    noise_multiple: float = 2.0
 
     @classmethod
     def from_args(cls, args) -> Tolerances:
-        return cls(args.logprob_mean_tolerance, args.logprob_max_tolerance)
+        return cls(args.logprob_mean_tolerance, args.logprob_quantile_tolerance, args.logprob_max_tolerance,
+                   args.noise_multiple)  # fmt: skip
+
+    def given(self, noise: LogprobGap | None) -> tuple[float, float]:
+        """(mean, quantile) tolerances, tightened to `noise_multiple` times
+        the noise measured on identical weights, where it was."""
+        if noise is None or math.isnan(noise.mean) or math.isnan(noise.quantile):
+            return self.mean, self.quantile
+        return (min(self.mean, max(self.noise_multiple * noise.mean, MEAN_FLOOR)),
+                min(self.quantile, max(self.noise_multiple * noise.quantile, QUANTILE_FLOOR)))  # fmt: skip
+
+
+@dataclass
+class ChangeTest:
+    """Did vLLM's log-probabilities follow the trainer's step? Per token, the
+    trainer's change (after - before) against vLLM's, on the worst engine."""
+
+    trainer_change_rms: float
+    noise_rms: float  # |trainer - vLLM| with identical weights
+    residual_rms: float  # vLLM's change minus the trainer's
+    verdict: str  # "followed", "did not follow", or "too small to see" (below the noise: the exact check decides)
+
+
+def change_test(before: LogprobGap, after: LogprobGap) -> ChangeTest | None:
+    """After a step (before: vLLM held the previous sync, the trainer had not
+    stepped; after: both should hold the stepped weights). None without the
+    trainer's numbers."""
+    if before.trainer is None or after.trainer is None:
+        return None
+    t_change = [a - b for ta, tb in zip(after.trainer, before.trainer, strict=True) for a, b in zip(ta, tb, strict=True)]
+    trainer_rms = _rms(t_change)
+    noise = max(_rms([v - t for vs, ts in zip(engine, before.trainer, strict=True) for v, t in zip(vs, ts, strict=True)])
+                for engine in before.server)  # fmt: skip
+    residual = 0.0
+    for engine_before, engine_after in zip(before.server, after.server, strict=True):
+        v_change = [a - b for va, vb in zip(engine_after, engine_before, strict=True) for a, b in zip(va, vb, strict=True)]
+        residual = max(residual, _rms([v - t for v, t in zip(v_change, t_change, strict=True)]))
+    if not trainer_rms > 3 * noise:
+        verdict = "too small to see"
+    else:
+        verdict = "followed" if residual <= 0.5 * trainer_rms else "did not follow"
+    return ChangeTest(trainer_rms, noise, residual, verdict)
+
+
+def _rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
 
 
 @dataclass
 class Gate:
     passed: bool
     changed_per_dp_rank: list[bool]
+    mean_tolerance: float | None = None  # as applied this round (given the noise)
+    quantile_tolerance: float | None = None
+    change: ChangeTest | None = None
 
 
-def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_updated: bool) -> Gate:
+def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_updated: bool,
+         noise: LogprobGap | None = None, stepped: bool = False) -> Gate:  # fmt: skip
     """A round passes when EVERY engine is within the tolerances after the
-    sync and, if the weights were updated, EVERY engine's log-probabilities
-    changed: a sync that silently did nothing on one engine leaves its
-    numbers exactly as they were. (Asked of vLLM only: its outputs repeat bit
-    for bit on the same weights, while the trainer's HF MoE forward need not.)
-    `<=` is False for NaN, so a NaN never passes."""
+    sync (tightened by the noise measured on identical weights, `noise`, if
+    given); if the weights were updated, EVERY engine's log-probabilities
+    changed (a sync that silently did nothing on one engine leaves its
+    numbers exactly as they were: vLLM's outputs repeat bit for bit on the
+    same weights, while the trainer's HF MoE forward need not); and, after a
+    training step (`stepped`), vLLM's change follows the trainer's where the
+    step moved them beyond the noise. `<=` is False for NaN."""
     changed = [b != a for b, a in zip(before.server, after.server, strict=True)]
+    mean_tol, quantile_tol = tolerances.given(noise)
+    change = change_test(before, after) if stepped and noise is not None else None
     passed = (
-        after.mean <= tolerances.mean
-        and after.max <= tolerances.max
+        after.mean <= mean_tol
+        and after.quantile <= quantile_tol
+        and (tolerances.max is None or after.max <= tolerances.max)
         and (all(changed) or not weights_updated)
+        and (change is None or change.verdict != "did not follow")
     )
-    return Gate(passed, changed)
+    return Gate(passed, changed, mean_tol, quantile_tol, change)
 
 
 # ---------------------------------------------------------------------------
@@ -239,6 +342,51 @@ def coverage(sock: str, zeros: dict[str, str]) -> dict:
     zero (vLLM's /weight_checker: slow, it hashes every tensor)."""
     written = set(helpers.weight_checker(sock, "compare", baseline=zeros)["mismatches"])
     return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
+
+
+# ---------------------------------------------------------------------------
+# The exact check: every engine holds, bit for bit, what the trainer sent
+# ---------------------------------------------------------------------------
+
+
+def prepare_exact_check(job) -> dict:
+    """Tell every engine what the trainers' current weight source sends, so
+    it learns which of its parameters each tensor is written into
+    (direct_load.exact_check_prepare). After setting up a loader's transfer,
+    before a full sync: it leaves zeros where it probes."""
+    sent = ray_ranks.ray_get_all([job.trainers[0].sent_metadata.remote()])[0]
+    answer = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
+    # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
+    ray_ranks.ray_get_all([t.set_exact_casts.remote({int(i): d for i, d in answer["casts"].items()})
+                           for t in job.trainers])  # fmt: skip
+    return answer
+
+
+@dataclass
+class ExactCheck:
+    """Whether every DP engine holds exactly what the trainer rank on its GPU
+    sent (direct_load.exact_check), per vLLM parameter."""
+
+    passed: bool
+    seconds: float  # the trainers' second pass and every engine's fingerprints
+    parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
+    dp_engines: int
+    problem: str | None = None  # the first engine's words: which parameters differ
+
+
+def exact_check(job) -> ExactCheck:
+    """Each trainer rank fingerprints what it sent; each DP engine compares
+    that with what it holds, per parameter, on its GPU."""
+    start = time.perf_counter()
+    sums = ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers])
+    expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
+    try:
+        answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
+    except helpers.ServerError as e:
+        text = str(e)
+        problem = text[text.find("exact check:"):] if "exact check:" in text else text
+        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, problem[:2000])
+    return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size)
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +428,12 @@ class RoundRecord:
     mem_reserved_gib: list[float]
     memory_gib_per_rank: list[dict]
     send_retries: int = 0  # sends the server failed part way and that were sent again
+    quantile_abs_dlogp_before: float | None = None  # the QUANTILE of |dlogp| over the tokens, worst engine
+    quantile_abs_dlogp_after: float | None = None
+    quantile_abs_dlogp_after_per_dp_rank: list[float] | None = None
+    gate_tolerances: dict | None = None  # as applied: mean, quantile, max, and whether the noise set them
+    change_test: dict | None = None  # after a step: did vLLM follow the trainer's change (ChangeTest)
+    exact_check: dict | None = None  # ExactCheck: every engine holds, bit for bit, what was sent
     # With --train only:
     reward_mean: float | None = None
     loss: float | None = None
@@ -322,21 +476,32 @@ def round_record(
         gate_passed=result.passed,
         mem_reserved_gib=[m.trainer_reserved for m in memory],
         memory_gib_per_rank=[asdict(m) for m in memory],
+        quantile_abs_dlogp_before=before.quantile,
+        quantile_abs_dlogp_after=after.quantile,
+        quantile_abs_dlogp_after_per_dp_rank=after.quantile_per_dp_rank,
+        change_test=asdict(result.change) if result.change else None,
     )
 
 
 def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: list[dict], before: LogprobGap,
-                 after: LogprobGap, send_retries: int, weights_updated: bool,
-                 training: dict | None = None) -> RoundRecord:  # fmt: skip
-    """A round as the JSON records it, with the gate's verdict (printed):
+                 after: LogprobGap, send_retries: int, weights_updated: bool, exact: ExactCheck | None = None,
+                 noise: LogprobGap | None = None, training: dict | None = None) -> RoundRecord:  # fmt: skip
+    """A round as the JSON records it, with the checks' verdicts (printed):
     `phases` and `send_per_rank` as measured, the logprob gaps before and
-    after the sync, and with --train `training` = {"reward_mean", "loss"}
-    (loss None when no step was taken)."""
+    after the sync (`noise`: the gap on identical weights, if this round
+    measured it: its `before`), the exact check, and with --train `training`
+    = {"reward_mean", "loss"} (loss None when no step was taken). The round
+    passes only if the gate and the exact check both pass (failed_checks)."""
     tolerances = Tolerances.from_args(args)
-    verdict = gate(before, after, tolerances, weights_updated)
+    stepped = training is not None and training["loss"] is not None
+    verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
     sync_bytes = ray.get(trainers[0].sync_bytes.remote())
     record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers), weights_updated)
     record.send_retries = send_retries
+    record.gate_tolerances = {"mean": verdict.mean_tolerance, "quantile": verdict.quantile_tolerance,
+                              "max": tolerances.max, "from_noise": noise is not None}  # fmt: skip
+    if exact is not None:
+        record.exact_check = asdict(exact)
     if training is not None:
         record.reward_mean, record.loss = training["reward_mean"], training["loss"]
         if training["loss"] is None:
@@ -348,6 +513,11 @@ def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: 
 
 
 def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
+    exact = record.exact_check
+    if exact is not None:
+        print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {exact['dp_engines']} DP engines "
+              f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s)" if exact["passed"]
+              else f"[exact] FAIL: {exact['problem']}", flush=True)  # fmt: skip
     changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
     changed += f"{len(record.logprobs_changed_per_dp_rank)} DP engines"
     if record.weights_updated and not record.logprobs_changed:
@@ -356,15 +526,22 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
             "small to change a bf16 weight)"
         )
     extra = f", reward {record.reward_mean:.3f}" if record.reward_mean is not None else ""
+    if record.change_test:
+        c = record.change_test
+        extra += (f", step's change {c['trainer_change_rms']:.4f} rms (noise {c['noise_rms']:.4f}): vLLM "
+                  f"{c['verdict']}" + (f" (residual {c['residual_rms']:.4f})" if c["verdict"] != "too small to see" else ""))  # fmt: skip
     if record.send_retries:
         extra += f", after {record.send_retries} retried send(s)"
     if record.unchanged_by_step:
         extra += f", {len(record.unchanged_by_step)} parameters unchanged by the step"
+    tol = record.gate_tolerances or {"mean": tolerances.mean, "quantile": tolerances.quantile, "from_noise": False}
+    basis = " from this round's noise" if tol["from_noise"] else ""
     print(
         f"[gate] |dlogp| mean {record.mean_abs_dlogp_before:.4f} before -> "
-        f"{record.mean_abs_dlogp_after:.4f} after, worst engine (tolerance {tolerances.mean}), max "
-        f"{record.max_abs_dlogp_before:.4f} -> {record.max_abs_dlogp_after:.4f} "
-        f"(tolerance {tolerances.max}), {changed}{extra}: {'pass' if record.gate_passed else 'FAIL'}",
+        f"{record.mean_abs_dlogp_after:.4f} after, worst engine (tolerance {tol['mean']:.4g}{basis}), "
+        f"p{QUANTILE * 100:.0f} {record.quantile_abs_dlogp_before:.4f} -> {record.quantile_abs_dlogp_after:.4f} "
+        f"(tolerance {tol['quantile']:.4g}), max {record.max_abs_dlogp_after:.4f}, {changed}{extra}: "
+        f"{'pass' if record.gate_passed else 'FAIL'}",
         flush=True,
     )
 
@@ -381,6 +558,8 @@ def memory_growth_gib(rounds: list[RoundRecord]) -> float:
 
 def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
     failures = [f"round {i}: logprob gate" for i, r in enumerate(result["rounds"], 1) if not r["gate_passed"]]
+    failures += [f"round {i}: exact check: {r['exact_check']['problem']}" for i, r in enumerate(result["rounds"], 1)
+                 if r.get("exact_check") and not r["exact_check"]["passed"]]  # fmt: skip
     failures += [
         f"round {i}: the step left {len(r['unchanged_by_step'])} trainer parameters unchanged, "
         f"e.g. {r['unchanged_by_step'][:3]}"
@@ -476,7 +655,7 @@ def format_summary(result: dict) -> str:
         "",
         "round | "
         + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
-        + " |    cycle | GB per GPU |   GB/s | mean|dlogp| before -> after | max after | changed | gate"
+        + " |    cycle | GB per GPU |   GB/s | mean|dlogp| before -> after | max after | changed | gate | exact"
         + (" |    train | reward" if train else ""),
     ]
     for i, r in enumerate(result["rounds"], 1):
@@ -488,7 +667,8 @@ def format_summary(result: dict) -> str:
             f"{r['gpu_receive_gb_per_s']:>6.2f} | {r['mean_abs_dlogp_before']:>14.4f} -> "
             f"{r['mean_abs_dlogp_after']:<8.4f} | {r['max_abs_dlogp_after']:>9.4f} | "
             f"{'yes' if r['logprobs_changed'] else 'no':>7} | "
-            f"{'pass' if r['gate_passed'] else 'FAIL'}"
+            f"{'pass' if r['gate_passed'] else 'FAIL'} | "
+            f"{'-' if not r.get('exact_check') else 'pass' if r['exact_check']['passed'] else 'FAIL':>5}"
         )
         if train:
             reward = f"{r['reward_mean']:.3f}" if "reward_mean" in r else "-"
@@ -566,8 +746,27 @@ class Measured:
 
     def weight_source(self, loader: str):
         source = super().weight_source(loader)
-        self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata())
+        self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata)
+        self.sent_source, self.exact_casts = source, {}  # for the exact check: what this rank sends
         return TimedSource(source, self.send_seconds)
+
+    def sent_metadata(self) -> list[list]:
+        """[name, dtype, shape, is an expert block] of every tensor this rank
+        sends, in send order (expert blocks: LocalExpertSource's own experts)."""
+        blocks = getattr(self.sent_source, "expert_blocks", {})
+        return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.name in blocks]
+                for m in self.sent_source.metadata]  # fmt: skip
+
+    def sent_fingerprints(self) -> list[list[int]]:
+        """direct_load.exact_fingerprint of every tensor this rank sends, in
+        send order: a second pass over the same source (the same gathers and
+        casts, so the same bytes), after the send, so the proof adds nothing
+        to the sync itself. Every rank must call it (FSDP gathers)."""
+        return direct_load.exact_fingerprints(direct_load.as_held(self.sent_source.tensors(), self.exact_casts))
+
+    def set_exact_casts(self, casts: dict[int, str]) -> None:
+        """Which sent tensors vLLM holds in another dtype (exact_check_prepare)."""
+        self.exact_casts = casts
 
     def weight_sync_client(self, *args, **kwargs):
         return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
@@ -657,7 +856,7 @@ def other_processes_gpu_memory(gpu_uuid: str) -> float:
         return math.nan
 
 
-class TimedSource:
+class TimedSource(TrainerSource):
     """A weight source that adds the seconds spent producing its tensors to
     seconds["source"]: host time (FSDP's gathers and the casts are launched
     here; the GPU runs them while the next ones are launched). Waiting for the
@@ -665,18 +864,18 @@ class TimedSource:
     stall the send 400+ times a sync, so the measurement would slow down what
     it measures. The send's total is timed with the device synchronised."""
 
-    def __init__(self, source, seconds: dict[str, float]) -> None:
+    def __init__(self, source: TrainerSource, seconds: dict[str, float]) -> None:
         self._source = source
         self._seconds = seconds
 
-    def metadata(self):
-        return self._source.metadata()
+    def param_metas(self):
+        return self._source.metadata
 
     def __getattr__(self, name: str):  # anything else the source offers (e.g. expert_blocks)
         return getattr(self._source, name)
 
-    def __iter__(self):
-        items = iter(self._source)
+    def tensors(self):
+        items = self._source.tensors()
         while True:
             start = time.perf_counter()
             item = next(items, None)

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_compat import local_expert_ids
+
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
@@ -72,20 +74,7 @@ class DirectLoadWorker:
             raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
         if (unfinished := getattr(self, "_direct_session", None)) is not None:
             unfinished.importer.close()  # a send that failed part way: start afresh
-        model = self.model_runner.get_model()
-        device = next(model.parameters()).device
-        self._direct_session = _Session(
-            model=model,
-            device=device,
-            gpu_uuid=_gpu_uuid(device),
-            expert_layers=_expert_layers(model),
-            param_owner={
-                f"{prefix}.{name}" if prefix else name: module
-                for prefix, module in model.named_modules()
-                for name, _ in module.named_parameters(recurse=False)
-            },
-            importer=PackedBufferImporter(),
-        )
+        self._direct_session = _session(self.model_runner.get_model(), PackedBufferImporter())
 
     def direct_load_check(self, expected: str) -> dict:
         """Before any send: raise, naming the cause, unless this engine holds,
@@ -140,25 +129,7 @@ class DirectLoadWorker:
         dtypes = [getattr(torch, name) for name in update["dtype_names"]]
         tensors = unpack_tensor(buffer, update["names"], update["shapes"], dtypes, sizes)
 
-        others = []
-        with torch.no_grad():
-            for name, tensor in tensors:
-                layer_name, _, tensor_name = name.rpartition(".")
-                experts = session.expert_layers.get(layer_name)
-                if experts is not None and tensor_name in EXPERT_TENSORS:
-                    _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank)
-                    session.touched[id(experts)] = experts
-                else:
-                    others.append((name, tensor))
-            experts_done = time.perf_counter()
-            if others:
-                with set_current_vllm_config(self.vllm_config):
-                    loaded = session.model.load_weights(others)
-                for param_name in loaded or ():
-                    owner = session.param_owner.get(param_name)
-                    if owner is not None:
-                        session.touched[id(owner)] = owner
-        load_done = time.perf_counter()
+        experts_done, load_done = _load(session, tensors, trainer_rank, self.vllm_config)
         # The trainer refills this buffer as soon as we return: finish reading it.
         if session.device.type == "cuda":
             torch.cuda.synchronize(session.device)
@@ -174,27 +145,9 @@ class DirectLoadWorker:
         return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
 
     def direct_load_finish(self) -> dict:
-        """Run each written layer's post-load processing, then the attention
-        layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj),
-        as vLLM's reload does, and release the IPC buffer."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
+        """Process what the send wrote (`_finish`) and release the IPC buffer."""
         session = self._direct_session_or_raise()
-        with torch.no_grad():
-            for module in session.touched.values():
-                method = getattr(module, "quant_method", None)
-                if method is None or not hasattr(method, "process_weights_after_loading"):
-                    continue
-                if hasattr(module, "_already_called_process_weights_after_loading"):
-                    delattr(module, "_already_called_process_weights_after_loading")
-                method.process_weights_after_loading(module)
-            with set_current_vllm_config(self.vllm_config):  # as vLLM's finish_weight_update runs it
-                for module in session.model.modules():
-                    if is_deferred_attention_layer(module):
-                        module.process_weights_after_loading(self.vllm_config.model_config.dtype)
-        if session.device.type == "cuda":
-            torch.cuda.synchronize(session.device)
+        _finish(session, self.vllm_config)
         session.importer.close()
         self._direct_session = None
         # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
@@ -209,7 +162,7 @@ class DirectLoadWorker:
         model = self.model_runner.get_model()
         layers = {}
         for name, experts in _expert_layers(model).items():
-            ids = experts.expert_map_manager.get_local_expert_ids()
+            ids = local_expert_ids(experts)
             layers[name] = {
                 "w13_weight": list(experts.w13_weight.shape),
                 "w2_weight": list(experts.w2_weight.shape),
@@ -241,11 +194,114 @@ class DirectLoadWorker:
             )
         return {"dp_rank": dp_rank, "parameters": len(reference), "differ": differ}
 
+    def exact_check_prepare(self, sent: str) -> dict:
+        """Learn which of this engine's parameters each tensor the trainer
+        sends is written into (`exact_targets`; `sent`: JSON [[name, dtype,
+        shape, is_expert_block], ...], the source's metadata in send order). Before a full
+        sync: it leaves zeros where it probes, until the sync overwrites them."""
+        import json
+
+        self._exact_targets, casts, self._exact_values_only = exact_targets(
+            self.model_runner.get_model(), json.loads(sent), self.vllm_config)
+        return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
+                "parameters": len({t for ts in self._exact_targets for t in ts})}  # fmt: skip
+
+    def exact_check(self, expected: str) -> dict:
+        """Prove that this engine holds exactly what the trainer rank on its
+        GPU sent (`exact_problems`; `expected`: JSON {gpu_uuid: [[plain,
+        by_column], ...]} in the order exact_check_prepare was given). Raise,
+        naming this DP engine and the parameters that differ, if any does."""
+        import json
+
+        targets = getattr(self, "_exact_targets", None)
+        if targets is None:
+            raise RuntimeError("exact_check_prepare was not called")
+        model = self.model_runner.get_model()
+        uuid = _gpu_uuid(next(model.parameters()).device)
+        per_rank = json.loads(expected)
+        sent = per_rank[uuid] if uuid in per_rank else _no_trainer_rank(uuid, list(per_rank))
+        dp_rank = self.vllm_config.parallel_config.data_parallel_rank
+        checked, problems = exact_problems(model, targets, sent, self._exact_values_only)
+        if problems:
+            raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
+                               f"differ: " + "; ".join(problems[:4]))  # fmt: skip
+        return {"dp_rank": dp_rank, "parameters": checked}
+
     def _direct_session_or_raise(self) -> _Session:
         session = getattr(self, "_direct_session", None)
         if session is None:
             raise RuntimeError("direct_load_start was not called")
         return session
+
+
+def _session(model: torch.nn.Module, importer) -> _Session:
+    """A direct load's state on one engine: where every parameter and fused
+    expert layer is, and the IPC importer its chunks are read through."""
+    device = next(model.parameters()).device
+    return _Session(
+        model=model,
+        device=device,
+        gpu_uuid=_gpu_uuid(device),
+        expert_layers=_expert_layers(model),
+        param_owner={
+            f"{prefix}.{name}" if prefix else name: module
+            for prefix, module in model.named_modules()
+            for name, _ in module.named_parameters(recurse=False)
+        },
+        importer=importer,
+    )
+
+
+def _finish(session: _Session, vllm_config) -> None:
+    """Run each written layer's post-load processing, then the attention
+    layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj), as
+    vLLM's reload does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    with torch.no_grad():
+        for module in session.touched.values():
+            method = getattr(module, "quant_method", None)
+            if method is None or not hasattr(method, "process_weights_after_loading"):
+                continue
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                delattr(module, "_already_called_process_weights_after_loading")
+            method.process_weights_after_loading(module)
+        with set_current_vllm_config(vllm_config):  # as vLLM's finish_weight_update runs it
+            for module in session.model.modules():
+                if is_deferred_attention_layer(module):
+                    module.process_weights_after_loading(vllm_config.model_config.dtype)
+    if session.device.type == "cuda":
+        torch.cuda.synchronize(session.device)
+
+
+def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
+    """Write one chunk's tensors into the engine's model: each expert block
+    the trainer rank on this GPU sent, in one copy into its layer's fused
+    parameter; the rest through the model's own `load_weights`. Records the
+    layers written (for direct_load_finish); returns when the expert copies
+    and the loads were launched (perf_counter)."""
+    from vllm.config import set_current_vllm_config
+
+    others = []
+    with torch.no_grad():
+        for name, tensor in tensors:
+            layer_name, _, tensor_name = name.rpartition(".")
+            experts = session.expert_layers.get(layer_name)
+            if experts is not None and tensor_name in EXPERT_TENSORS:
+                _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank)
+                session.touched[id(experts)] = experts
+            else:
+                others.append((name, tensor))
+        experts_done = time.perf_counter()
+        if others:
+            with set_current_vllm_config(vllm_config):
+                loaded = session.model.load_weights(others)
+            for param_name in loaded or ():
+                owner = session.param_owner.get(param_name)
+                if owner is not None:
+                    session.touched[id(owner)] = owner
+    return experts_done, time.perf_counter()
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -269,7 +325,7 @@ def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
 def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int) -> str | None:
     """Why the trainer rank's block `name` (`shape`, `dtype`) is not exactly
     what this engine's expert layer holds in `param`, or None."""
-    held = list(experts.expert_map_manager.get_local_expert_ids())
+    held = local_expert_ids(experts)
     n = shape[0]
     sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
     if not held or not sent:
@@ -323,3 +379,155 @@ def _fingerprint(tensor: torch.Tensor) -> str:
         plain += chunk.sum()
         weighted += (chunk * position).sum()
     return f"{tuple(tensor.shape)}:{tensor.dtype}:{plain.item()}:{weighted.item()}"
+
+
+def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list[list[str]], dict[int, str]]:
+    """For each tensor the trainer sends ([name, dtype, shape, is an expert
+    block of the direct loader], in send order), the parameters of `model` it
+    is written into: found by loading it once, as zeros, through the model's
+    own `load_weights` (whatever the family stacks or renames), or, for an
+    expert block, its layer's fused parameter. One expert's tensor of an expert another
+    engine holds is written nowhere here. Also {index: dtype} of the tensors
+    vLLM holds in another dtype than they are sent in (e.g. a router kept in
+    fp32): the trainer fingerprints those cast, as vLLM's loader casts them."""
+    from vllm.config import set_current_vllm_config
+
+    device = next(model.parameters()).device
+    layers = _expert_layers(model)  # by vLLM's layer name
+    where = {id(module): prefix for prefix, module in model.named_modules()}  # the parameters' prefix
+    by_prefix = {where[id(layer)]: layer for layer in layers.values()}
+    targets = []
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
+        for name, dtype, shape, block in sent:
+            if block:
+                layer_name, _, tensor_name = name.rpartition(".")
+                targets.append([f"{where[id(layers[layer_name])]}.{EXPERT_TENSORS[tensor_name]}"])
+                continue
+            zeros = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+            loaded = sorted(model.load_weights([(name, zeros)]) or ())
+            targets.append([t for t in loaded if not _held_elsewhere(name, by_prefix.get(t.rpartition(".")[0]))])
+    params = dict(model.named_parameters())
+    casts = {}
+    for index, ((_, dtype, _, _), names) in enumerate(zip(sent, targets, strict=True)):
+        held = {str(params[n].dtype).removeprefix("torch.") for n in names if n in params}
+        if held and held != {dtype}:
+            casts[index] = held.pop()
+    return targets, casts, _relaid_out(sent, targets, by_prefix)
+
+
+def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[str]:
+    """The fused-expert parameters vLLM's own loader fills from a FUSED
+    checkpoint tensor (not one expert's): it may lay those out its own way
+    (GPT-OSS: [E, H, 2I] transposed, gate and up de-interleaved), so only
+    their values can be compared. The direct loader's blocks it copies as
+    they are, and per-expert tensors it stacks: those are compared whole."""
+    import re
+
+    out = set()
+    for (name, _, _, block), names in zip(sent, targets, strict=True):
+        if block or re.search(r"\.experts\.\d+\.", name):
+            continue
+        out |= {t for t in names if t.rpartition(".")[0] in by_prefix}
+    return sorted(out)
+
+
+def as_held(tensors, casts: dict):
+    """The tensors the trainer sends, each cast to the dtype vLLM holds it in
+    where that differs (`casts`, from exact_targets): what to fingerprint."""
+    for index, (_, tensor) in enumerate(tensors):
+        yield tensor.to(getattr(torch, casts[index])) if index in casts else tensor
+
+
+def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
+                   values_only: list[str] = ()) -> tuple[int, list[str]]:  # fmt: skip
+    """(parameters checked, what is wrong with them): each parameter's
+    fingerprint against the sum of those of the tensors written into it
+    (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
+    for those in `values_only` (exact_targets), their values alone."""
+    if len(sent) != len(targets):
+        raise ValueError(f"{len(sent)} fingerprints for the {len(targets)} tensors exact_check_prepare was given")
+    want: dict[str, list[int]] = {}
+    for sums, names in zip(sent, targets, strict=True):
+        for name in names:  # a stacked parameter's fingerprint is the sum of its pieces'
+            total = want.setdefault(name, [0, 0])
+            want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, sums, strict=True)]
+    params = dict(model.named_parameters())
+    held = dict(zip(params, exact_fingerprints(params.values()), strict=True))
+    problems = []
+    for name in params:
+        if name not in want:
+            problems.append(f"{name}: no tensor the trainer sends is written into it")
+        elif name in values_only and held[name][0] == want[name][0]:
+            continue
+        elif held[name] != want[name]:
+            problems.append(f"{name}: " + ("the values sent, in another layout (transposed or permuted)"
+                                           if held[name][0] == want[name][0] else "not what the trainer sent"))  # fmt: skip
+    return len(params), problems
+
+
+def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
+    """Whether `sent_name`, written into a parameter of the fused expert
+    layer `experts` (None: of no expert layer), is one expert's tensor
+    (checkpoint form, `...experts.<id>....`) of an expert another engine
+    holds: vLLM's loader skips those, so they add nothing here."""
+    import re
+
+    found = re.search(r"\.experts\.(\d+)\.", sent_name)
+    return experts is not None and found is not None and int(found.group(1)) not in local_expert_ids(experts)
+
+
+# The exact check's fingerprint: every element's bits through a fixed 32-bit
+# mix (lowbias32), summed. Two sums: `plain` mixes the bits alone, so it does
+# not depend on where an element sits and survives what vLLM's loader does to
+# the trainer's tensors: stacking (q/k/v into qkv_proj, gate/up, experts into
+# one fused tensor), splitting by expert, concatenating biases; `by_column`
+# mixes the bits with the element's column (its index along the last dim,
+# which stacking on dim 0 keeps), so a transposed tensor differs too. Integer
+# arithmetic: the trainer's GPU, an engine's GPU and a CPU give the same sums.
+FINGERPRINT_MODULUS = 1 << 62
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of int64 values below 2**32 (products wrap; the low 32 bits are exact)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def exact_fingerprints(tensors) -> list[list[int]]:
+    """exact_fingerprint of each tensor, waiting for the device once."""
+    sums = [_fingerprint_sums(t) for t in tensors]
+    return torch.stack(sums).cpu().tolist() if sums else []
+
+
+def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
+    """[plain, by_column] of a tensor's elements (see above), each modulo
+    FINGERPRINT_MODULUS, so the fingerprint of a stack of tensors is the sum
+    of theirs."""
+    return _fingerprint_sums(tensor).tolist()
+
+
+@torch.no_grad()
+def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """exact_fingerprint as an int64 tensor of 2 on the tensor's device,
+    computed in pieces of bounded size."""
+    flat = tensor.detach()
+    columns = flat.shape[-1] if flat.dim() >= 2 and flat.shape[-1] > 0 else 1
+    rows = flat.contiguous().reshape(-1, columns)
+    bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
+    unsigned = (1 << (8 * rows.element_size())) - 1 if rows.element_size() < 8 else -1
+    salt = _mix32(torch.arange(columns, device=rows.device, dtype=torch.int64) + 0x9E3779B9) if columns > 1 else 0
+    sums = torch.zeros(2, dtype=torch.int64, device=rows.device)
+    step = max(1, _FINGERPRINT_CHUNK // columns)
+    for start in range(0, rows.shape[0], step):
+        bits = rows[start : start + step].view(bits_dtype).to(torch.int64) & unsigned
+        if rows.element_size() == 8:  # fold 64-bit patterns into 32
+            bits = (bits ^ (bits >> 32)) & _MASK32
+        bits = bits ^ 0x5BD1E995  # so that zeros count too
+        sums[0] += _mix32(bits).sum() % FINGERPRINT_MODULUS
+        sums[1] += _mix32(bits ^ salt).sum() % FINGERPRINT_MODULUS
+        sums %= FINGERPRINT_MODULUS
+    return sums

@@ -534,6 +534,9 @@ class DirectLoadClient:
     built, so a layout the server cannot take fails before any send."""
 
     def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple]) -> None:
+        if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
+            raise ValueError(f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader "
+                             "needs one rank per GPU")  # fmt: skip
         self.sock = sock
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}

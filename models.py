@@ -128,11 +128,41 @@ def build_preset(name: str, out_dir: str | os.PathLike) -> Path:
 
 
 def meta_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """The model's modules and parameter shapes, with no memory behind them."""
+    """The model's modules and parameter shapes, with no memory behind them,
+    each tensor in the dtype `from_pretrained(model_path, dtype=dtype)` gives it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    _keep_in_fp32(model, dtype)
+    return model
+
+
+def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """fp32 for the parameters and persistent buffers that transformers keeps
+    in fp32 whatever the model's dtype (its dtype plan: for bf16
+    `_keep_in_fp32_modules_strict`, e.g. the routers' e_score_correction_bias;
+    for fp16 `_keep_in_fp32_modules` too). `from_config` builds them in
+    `dtype`: only `from_pretrained` applies the plan, as it loads. Built in
+    bf16, a tensor stays bf16 through to_empty, the random init and the
+    checkpoint load (which casts to the destination's dtype), so an fp32
+    checkpoint's 2.0 + 2**-12 would become 2.0 on the trainer, and vLLM would
+    receive the rounded value with no check to notice. Names match the plan
+    as in transformers' loader."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    if not (plan := model._get_dtype_plan(dtype)):
+        return
+    pattern, glob_of_group, _ = build_glob_alternation(list(plan))
+    for name, tensor in weight_names.state_tensors(model).items():
+        if not tensor.is_floating_point() or not (match := pattern.search(name)):
+            continue
+        want = plan[glob_of_group[match.lastgroup]]
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor.data = tensor.data.to(want)  # the same Parameter: a tie or a reference to it holds
+        else:
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[attr] = tensor.to(want)
 
 
 def architecture(model_path: str | os.PathLike) -> str:
@@ -234,7 +264,8 @@ def load_pretrained_weights(model: torch.nn.Module, model_path: str | os.PathLik
         for path in paths:
             f = files.enter_context(safe_open(path, framework="pt", device="cpu"))
             slices.update({name: _CountedSlice(f.get_slice(name), read) for name in f.keys()})
-        # dtype None: each tensor is cast to its destination's dtype (bf16, or fp32 master weights).
+        # dtype None: each tensor is cast to its destination's dtype (bf16, or fp32 master weights;
+        # fp32 where transformers keeps a tensor in fp32: meta_model built it so).
         config = LoadStateDictConfig(dtype=None, device_map={"": "cpu"}, weight_mapping=mapping)
         # The patch is process-wide while it lasts: one load at a time, and no other from_pretrained
         # meanwhile in this process (its set_param_for_module would be ours).

@@ -121,15 +121,19 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
             f"one this node) within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
     actor = ray.remote(trainer_cls)
-    trainers = [
-        actor.options(num_cpus=1, num_gpus=gpus_per_trainer, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=r // per_node)).remote(r, num_trainers, device_type)
-        for r in range(num_trainers)
-    ]  # fmt: skip
-    # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
-    host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
-    port = ray_get_all([trainers[0].open_rendezvous.remote(host)])[0]
-    ray_get_all([t.join_process_group.remote(host, port) for t in trainers])
+    try:
+        trainers = [
+            actor.options(num_cpus=1, num_gpus=gpus_per_trainer, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=r // per_node)).remote(r, num_trainers, device_type)
+            for r in range(num_trainers)
+        ]  # fmt: skip
+        # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
+        host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
+        port = ray_get_all([trainers[0].open_rendezvous.remote(host)])[0]
+        ray_get_all([t.join_process_group.remote(host, port) for t in trainers])
+    except BaseException:  # a rank that did not start, or Ctrl-C: the caller never gets the group to remove
+        ray.util.remove_placement_group(pg)  # and its trainers with it
+        raise
     return trainers, pg
 
 

@@ -41,6 +41,7 @@ import toy_rl
 import weight_names
 from ray_ranks import (Rank, cli, free_port, gloo_interface_env, job_env, leave_ray, raise_node_failure, ray_get_all,
                        send_all, start_node_servers, start_trainers, stop_node_servers, wait_until_ready)
+from vllm_compat import TrainerSource, untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -98,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompts = args.prompts or DEFAULT_PROMPTS
     if problem := checks.flag_problem(args):
         p.error(problem)
+    if warning := untested_vllm_warning():
+        print(warning, flush=True)
     return args
 
 
@@ -193,7 +196,7 @@ class FSDPTrainer(Rank):
         self.client.raise_failure()
 
 
-class BF16Source:
+class BF16Source(TrainerSource):
     """What vLLM's own loader receives: every tensor as `save_pretrained`
     would write it (weight_names.CheckpointForm: each family's checkpoint
     names, persistent buffers such as a router's correction bias included),
@@ -202,12 +205,12 @@ class BF16Source:
 
     def __init__(self, module: torch.nn.Module, exclude=()) -> None:
         self._form = weight_names.CheckpointForm(module, torch.bfloat16, exclude)
-        self._metadata = [ParamMeta(name, dtype, shape) for name, shape, dtype in self._form.metadata]
+        self._metas = [ParamMeta(name, dtype, shape) for name, shape, dtype in self._form.metadata]
 
-    def metadata(self) -> list[ParamMeta]:
-        return self._metadata
+    def param_metas(self) -> list[ParamMeta]:
+        return self._metas
 
-    def __iter__(self):
+    def tensors(self):
         yield from self._form
 
 
@@ -228,10 +231,10 @@ class LocalExpertSource(BF16Source):
         self._params = dict(module.named_parameters())
         self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
                               for name, sent in self._blocks.items()}  # fmt: skip
-        self._metadata += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
+        self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
 
-    def __iter__(self):
-        yield from super().__iter__()
+    def tensors(self):
+        yield from super().tensors()
         for name, sent in self._blocks.items():
             param = self._params[name]
             yield sent, (param.to_local() if hasattr(param, "to_local") else param).to(torch.bfloat16)
@@ -316,6 +319,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip
             placements = ray_get_all([t.placement.remote() for t in trainers])
             checks.show_layout(placements, args.num_nodes)
+            if problem := checks.placement_problem(placements):
+                raise SystemExit(f"error: {problem}")
             filling = build_models(trainers, args, model_path)
             # The servers' workers import the direct loader (direct_load.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
@@ -389,7 +394,7 @@ def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> No
 
 
 def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.RoundRecord:
-    """generate -> sleep -> (train) -> wake weights -> send -> wake KV -> gate."""
+    """generate -> sleep -> (train) -> wake weights -> send -> wake KV -> exact check and gate."""
     sock, trainers, timer = job.server.socket_path, job.trainers, checks.PhaseTimer()
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
@@ -411,11 +416,16 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
         send_per_rank, retried = send_all(trainers, sock, job.send_retries)
     with timer.phase("wake_kv"):
         helpers.wake_to_serve(sock)
-    # 7. The gate: vLLM now scores the same tokens as the trainer.
+    # 7. The proof: every engine holds, bit for bit, what the trainer rank on
+    # its GPU sent; and vLLM now scores the same tokens as the trainer.
+    exact = checks.exact_check(job)
     after = checks.job_logprob_gap(job, sequences)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
+    # Unless this is the first sync, vLLM held the trainer's weights (the
+    # previous sync) when `before` was measured: that gap is the noise.
     return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
-                               weights_updated=first_sync or bool(samples), training=training)  # fmt: skip
+                               weights_updated=first_sync or bool(samples), exact=exact,
+                               noise=None if first_sync else before, training=training)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     with colocated_job(args) as job:
         sock = job.server.socket_path
         setup_weight_transfer(job, args, args.weight_loader)
+        checks.prepare_exact_check(job)
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)

@@ -10,6 +10,7 @@ import torch
 
 import direct_load
 import helpers
+import vllm_compat
 
 
 def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
@@ -75,16 +76,33 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
             helpers.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
 
 
-def _experts(held: range, shape):
+def _experts(dp_rank: int, dp_size: int, num_experts: int, shape):
+    """A stand-in for one engine's fused-MoE layer, holding vLLM's own
+    ExpertMapManager as an engine of `dp_size` with expert parallelism builds
+    it (the CPU server has one engine, so no expert map to test against)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+
+    parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=dp_size, ep_size=dp_size, tp_rank=0, pcp_rank=0,
+                                      dp_rank=dp_rank, ep_rank=dp_rank, sp_size=1, use_ep=dp_size > 1,
+                                      all2all_backend="naive", enable_eplb=False)  # fmt: skip
+    manager = ExpertMapManager(max_num_batched_tokens=8, top_k=2, global_num_experts=num_experts,
+                               num_redundant_experts=0, num_expert_group=None, moe_parallel_config=parallel,
+                               placement_strategy="linear", enable_eplb=False)  # fmt: skip
     return SimpleNamespace(
-        expert_map_manager=SimpleNamespace(get_local_expert_ids=lambda: list(held)),
+        expert_map_manager=manager,
         w13_weight=torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False),
     )
 
 
+def test_the_experts_an_engine_holds_come_from_vllms_expert_map():
+    assert vllm_compat.local_expert_ids(_experts(1, 2, 8, (4, 6, 5))) == [4, 5, 6, 7]
+    assert vllm_compat.local_expert_ids(_experts(0, 1, 8, (8, 6, 5))) == list(range(8))  # no EP: no map
+
+
 def test_only_the_engines_own_block_of_experts_is_accepted():
     block = torch.randn(4, 6, 5).to(torch.bfloat16)
-    experts = _experts(range(4, 8), (4, 6, 5))  # this engine holds experts 4..7
+    experts = _experts(1, 2, 8, (4, 6, 5))  # this engine holds experts 4..7
     with pytest.raises(
         ValueError, match=r"holds experts 4\.\.7 .* sends experts 0\.\.3.*--weight-loader vllm"
     ):
@@ -92,7 +110,7 @@ def test_only_the_engines_own_block_of_experts_is_accepted():
     assert not experts.w13_weight.any()
     direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=1)
     assert torch.equal(experts.w13_weight, block)
-    sharded = _experts(range(0, 4), (4, 3, 5))  # tensor parallel halves each expert
+    sharded = _experts(0, 2, 8, (4, 3, 5))  # tensor parallel halves each expert
     with pytest.raises(ValueError, match="tensor parallel size 1"):
         direct_load._copy_local_experts(sharded, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
 

@@ -91,6 +91,7 @@ def vllm_models(tmp_path_factory):
                 initialize_model_parallel(1, 1)
             with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
                 models[family] = initialize_model(vllm_config=config)
+            models[family].test_vllm_config = config  # what the server's worker passes the direct loader
         return models[family]
 
     return get
@@ -373,3 +374,107 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
         assert {t.dtype for t in got.values()} == {torch.float32}
         wrong = [n for n, t in reference.items() if not torch.equal(got[n].to(t.dtype), t)]
         assert not wrong, (rank, wrong)
+
+
+# The exact check (direct_load.exact_targets / exact_problems), on each
+# family's real vLLM model: a true sync through either loader's route passes;
+# each kind of wrong sync is named.
+
+
+def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
+    """What one trainer rank sends to the only engine (all experts local)."""
+    if loader == "vllm":
+        return list(weight_names.CheckpointForm(hf, torch.bfloat16))
+    blocks = weight_names.expert_block_names(hf)
+    params = dict(hf.named_parameters())
+    experts = [(sent, params[name].detach().to(torch.bfloat16)) for name, sent in blocks.items()]
+    return list(weight_names.CheckpointForm(hf, torch.bfloat16, exclude=blocks)) + experts
+
+
+@torch.no_grad()
+def _sync(vllm_model, sent, loader: str) -> None:
+    """Zero every vLLM parameter, then write `sent` through the loader's
+    route: vLLM's `load_weights`, or the direct loader's own code."""
+    import direct_load
+
+    for p in vllm_model.parameters():
+        p.zero_()
+    if loader == "vllm":
+        vllm_model.load_weights(iter(sent))
+        return
+    # Not direct_load._finish: vLLM's CPU MoE kernels re-lay out the fused
+    # experts after loading (the GPU's Triton kernels keep them as loaded;
+    # the GPU runs check the whole route).
+    direct_load._load(direct_load._session(vllm_model, importer=None), sent, 0, vllm_model.test_vllm_config)
+
+
+@pytest.mark.parametrize("loader", ["vllm", "direct"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loader, vllm_models):
+    import direct_load
+    import models
+
+    hf = build_model(family, device="cpu")
+    if loader == "direct" and models.direct_loader_problem(hf, world_size=1):
+        return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
+    for module in hf.modules():  # what transformers keeps in fp32, in fp32 (as models.meta_model builds it)
+        for key, buf in module._buffers.items():
+            if key == "e_score_correction_bias":
+                module._buffers[key] = buf.float()
+    with torch.no_grad():
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if t.is_floating_point() and "inv_freq" not in name:
+                t.normal_(mean=3.0)  # fp32 tensors get values bf16 cannot hold
+    vllm_model = vllm_models(family)
+    sent = _sent(hf, loader)
+    blocks = set(weight_names.expert_block_names(hf).values()) if loader == "direct" else set()
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+    targets, casts, values_only = direct_load.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
+    assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
+    prints = direct_load.exact_fingerprints(direct_load.as_held(sent, casts))
+
+    def problems():
+        return direct_load.exact_problems(vllm_model, targets, prints, values_only)[1]
+
+    _sync(vllm_model, sent, loader)
+    checked, found = direct_load.exact_problems(vllm_model, targets, prints, values_only)
+    assert found == [] and checked == len(dict(vllm_model.named_parameters()))
+
+    params = dict(vllm_model.named_parameters())
+    with torch.no_grad():
+        # A stale value: one element of one parameter.
+        name = sorted(params)[len(params) // 2]
+        kept = params[name].clone()
+        params[name].view(-1)[0] += 1
+        assert [p.split(":")[0] for p in problems()] == [name]
+        params[name].copy_(kept)
+        assert problems() == []
+        # A transposed tensor: the same values, another layout.
+        name, matrix = next((n, p) for n, p in params.items() if p.dim() == 2 and min(p.shape) > 1 and n not in values_only)
+        kept = matrix.clone()
+        matrix.copy_(kept.t().reshape(kept.shape))
+        assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
+        matrix.copy_(kept)
+        # An fp32 tensor truncated to bf16 on the way.
+        truncated = 0
+        for name, p in params.items():
+            if p.dtype == torch.float32 and not torch.equal(p, p.to(torch.bfloat16).float()):
+                truncated += 1
+                kept = p.clone()
+                p.copy_(p.to(torch.bfloat16).float())
+                assert [x.split(":")[0] for x in problems()] == [name]
+                p.copy_(kept)
+        assert truncated >= sum(n.endswith("e_score_correction_bias") for n in params)  # DeepSeek-V3, GLM-4.5
+        # The expert block of the other half of the experts (another engine's) in the second half.
+        for name, w13 in [(n, p) for n, p in params.items() if n.endswith(".w13_weight")][:1]:
+            kept, half = w13.clone(), w13.shape[0] // 2
+            w13[half:] = kept[:half]
+            assert [x.split(":")[0] for x in problems()] == [name]
+            w13.copy_(kept)
+    # A sync that left one tensor out: what it writes stays zero.
+    left_out = len(sent) // 3
+    _sync(vllm_model, sent[:left_out] + sent[left_out + 1 :], loader)
+    assert len(problems()) == len(targets[left_out]) >= 1
+    # Nothing synced at all: every parameter is named.
+    _sync(vllm_model, [], loader)
+    assert len(problems()) == checked

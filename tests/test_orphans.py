@@ -107,22 +107,36 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
 
 STUBBORN_SERVER = """
 import signal, subprocess, sys, time
-# a child that ignores SIGTERM, like a wedged engine core
-subprocess.Popen([sys.executable, "-c",
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+# a child that ignores SIGTERM, like a wedged engine core (saying so in the log), and
+# says "ready" once its handler is in place: a SIGTERM before that would end it
+subprocess.Popen([sys.executable, "-c", "import signal, time; "
+    "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored', flush=True)); "
+    "print('ready', flush=True); time.sleep(120)"])
 time.sleep(120)
 """
 
 
+def _wait_for_line(path: Path, line: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in (path.read_text().splitlines() if path.exists() else []):
+        assert time.monotonic() < deadline, f"no line {line!r} in {path}"
+        time.sleep(0.05)
+
+
 def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
+    """The driver is SIGKILLed: its server's watchdog SIGTERMs the group
+    (which ends the leader), and SIGKILLs what ignored it once the grace is
+    over, not before. Told by the log and the group's end, not by looking at
+    the group within the grace, which a busy machine can make the test miss."""
     sock = str(private_socket_path())
+    log = tmp_path / "log"
     grace_s = 2.0
     driver = _driver(f"""
         import sys, time
         import helpers
         helpers._WATCHDOG_GRACE_S = {grace_s}
         server = helpers.start_server(
-            [], socket_path={sock!r}, log_path={str(tmp_path / "log")!r},
+            [], socket_path={sock!r}, log_path={str(log)!r},
             launcher=(sys.executable, "-c", {STUBBORN_SERVER!r}),
         )
         print("pgid", server.pgid, flush=True)
@@ -131,22 +145,19 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     pgid = None
     try:
         pgid = int(_read_until(driver, "pgid"))
-        deadline = time.monotonic() + 20
-        while len(helpers.group_members(pgid)) < 2:  # the stubborn child is up
-            assert time.monotonic() < deadline, helpers.group_members(pgid)
-            time.sleep(0.1)
-        (leader, stubborn) = sorted(helpers.group_members(pgid), key=lambda pid: pid != pgid)
-        assert leader == pgid
+        _wait_for_line(log, "ready")  # the stubborn child is up, its handler in place
+        members = helpers.group_members(pgid)
+        assert len(members) == 2 and pgid in members, members  # the leader and the stubborn child
         driver.kill()
         driver.wait()
         killed_at = time.monotonic()
-        time.sleep(grace_s / 2)
-        assert helpers.group_members(pgid) == [stubborn]  # SIGTERM ended the leader, not the child
         took = _gone_within(pgid, grace_s + 10)
         assert took is not None, "SIGKILL did not follow"
         assert time.monotonic() - killed_at >= grace_s - 0.5  # it waited out the grace first
+        text = log.read_text()
+        assert "stopping its process group" in text
+        assert "SIGTERM ignored" in text.splitlines()  # SIGTERM came first, and the child outlived it
         assert _gone_within_watchdog(sock)
-        assert "stopping its process group" in (tmp_path / "log").read_text()
     finally:
         _cleanup(driver, pgid)
 
@@ -201,11 +212,25 @@ def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
     assert (tmp_path / "log").read_text().startswith("$ " + sys.executable + " -c ")
 
 
+def _ignored_signals(pid: int) -> set[int]:
+    """The signals process `pid` ignores now (SigIgn in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
 def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path):
     """As the script does it (helpers.hangups_unwind around helpers.serving):
     SIGTERM exits with 143 through the finally blocks, which stop the
-    server's whole group; a second SIGTERM during that shutdown is ignored."""
+    server's whole group; a second SIGTERM during that shutdown is ignored.
+
+    The driver's stop_server waits for the test's word before it starts: the
+    second SIGTERM then surely comes during the shutdown, while the driver
+    must ignore it. (Sent unchecked, a SIGTERM that cut the shutdown short
+    showed only if the server outlived the driver, which exits with 143
+    either way: a race between the two shutdowns.)"""
     sock = str(private_socket_path())
+    go_on = tmp_path / "go-on"
     driver = _driver(f"""
         import time
         import helpers, models
@@ -213,6 +238,15 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
         model = models.build_preset("tiny", tmp / "tiny")
+        stop_server = helpers.stop_server
+
+        def stop_when_told(server, **kwargs):
+            print("stop_server called", flush=True)
+            while not Path({str(go_on)!r}).exists():
+                time.sleep(0.05)
+            stop_server(server, **kwargs)
+
+        helpers.stop_server = stop_when_told
         with helpers.hangups_unwind(), helpers.serving(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
@@ -227,7 +261,11 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         pgid = int(_read_until(driver, "pgid"))  # printed once healthy
         driver.send_signal(signal.SIGTERM)
         _read_until(driver, "[shutdown] stopping the vLLM server")
+        _read_until(driver, "stop_server called")  # and waiting for go_on: the shutdown is under way
+        assert {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} <= _ignored_signals(driver.pid)
         driver.send_signal(signal.SIGTERM)  # while it stops the server
+        assert helpers.health(sock)  # not stopped yet
+        go_on.touch()
         assert driver.wait(timeout=60) == 128 + signal.SIGTERM
         assert helpers.group_members(pgid) == []  # gone before the driver exited
         assert not helpers.health(sock) and _watchdogs_of(sock) == []

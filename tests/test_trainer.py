@@ -21,7 +21,7 @@ def _gather_source(trainer, ckpt, random_init, out_dir, loader):
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=random_init, seed=3)
     source = ModuleSource(trainer.model) if loader == "module" else trainer.weight_source(loader)
-    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
+    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata]
     tensors = {name: t.detach().clone() for name, t in source}
     sync_bytes = trainer.sync_bytes() if loader != "module" else None
     torch.save({"meta": meta, "tensors": tensors, "sync_bytes": sync_bytes}, out_dir / f"rank{trainer.rank}.pt")
@@ -288,7 +288,7 @@ def _train_once(trainer, ckpt, out_dir, forward_first):
     loss = trainer.train_step(SAMPLES)
     after = _full_bf16(trainer)
     source = trainer.weight_source("vllm")  # what vLLM's loader receives: bf16 of the fp32 masters
-    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
+    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata]
     sent = {name: t.clone() for name, t in source}
     masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
     torch.save(
@@ -337,3 +337,95 @@ def _step_without_gradients(trainer, ckpt, out_dir):
 def test_a_parameter_the_step_did_not_move_is_named(tiny_checkpoint, tmp_path):
     run_ranks(_step_without_gradients, 2, tiny_checkpoint, tmp_path)
     assert torch.load(tmp_path / "unchanged0.pt") == ["lm_head.weight"]
+
+
+# Placement groups left behind. Asked of Ray itself after each failure, and not
+# through fresh_cpu_trainers, which removes whatever group a test left.
+
+
+def _groups_not_removed() -> dict[str, dict]:
+    from ray.util.placement_group import placement_group_table
+
+    return {group_id: g for group_id, g in placement_group_table().items() if g["state"] != "REMOVED"}
+
+
+def _groups_left_since(before: set[str], timeout_s: float = 10) -> list[dict]:
+    """The groups created since `before` and not removed; waits up to
+    `timeout_s` for a removal Ray has not finished."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [g for group_id, g in _groups_not_removed().items() if group_id not in before]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _remove_groups_left_since(before: set[str]) -> None:
+    """So that a leak fails its own test only, not the next ones for want of CPUs."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for group_id in set(_groups_not_removed()) - before:
+        remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+
+
+# Ranks without the trainer (whose workers would import vLLM, for ~10 s on 2 cores):
+# these tests need no model.
+class RankThatFailsOncePlaced(ray_ranks.Rank):
+    def placement(self) -> dict:
+        raise RuntimeError("simulated failure once the trainers are placed")
+
+
+class RankThatCannotStart(ray_ranks.Rank):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+
+def test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group(ray_cluster, monkeypatch):
+    """In a Ray the job did not start (leave_ray then removes its group, and
+    with it the trainers, rather than shutting Ray down): the job fails on
+    its first call to the placed trainers, after start_trainers returned."""
+    start_trainers, placed = script.start_trainers, []
+
+    def on_cpu(*args, **kwargs):
+        trainers, group = start_trainers(*args, **{**kwargs, "gpus_per_trainer": 0, "device_type": "cpu"})
+        placed.append(group.id.hex())
+        return trainers, group
+
+    monkeypatch.setattr(script, "start_trainers", on_cpu)
+    monkeypatch.setattr(script, "MeasuredTrainer", RankThatFailsOncePlaced)
+    before = set(_groups_not_removed())
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="simulated failure once the trainers are placed"):
+            with script.colocated_job(script.parse_args(["--model", "tiny", "--num-gpus", "2"])):
+                pass
+        assert ray.is_initialized()
+        assert len(placed) == 1  # the group existed before the failure
+        assert _groups_left_since(before) == []
+    finally:
+        _remove_groups_left_since(before)
+
+
+def test_trainers_that_cannot_be_placed_leave_no_placement_group(ray_cluster):
+    """start_trainers gives up waiting for a group Ray cannot place: the
+    group, still pending, is removed (Ray would place it later otherwise,
+    taking the GPUs of whatever runs next)."""
+    before = set(_groups_not_removed())
+    try:
+        with pytest.raises(ray_ranks.PlacementError, match="could not place 16 trainers"):
+            script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=1)
+        assert _groups_left_since(before) == []
+    finally:
+        _remove_groups_left_since(before)
+
+
+def test_a_trainer_that_fails_to_start_leaves_no_placement_group(ray_cluster):
+    """A rank that dies in its constructor (CUDA out of memory): start_trainers
+    raises before it returns the group, so no caller can remove it."""
+    before = set(_groups_not_removed())
+    try:
+        with pytest.raises(ray_ranks.TrainerDied, match="CUDA out of memory"):
+            script.start_trainers(RankThatCannotStart, 1, gpus_per_trainer=0, device_type="cpu")
+        assert _groups_left_since(before, timeout_s=2) == []
+    finally:
+        _remove_groups_left_since(before)

