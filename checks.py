@@ -204,7 +204,7 @@ def add_arguments(parser) -> None:
     add = parser.add_argument
     add("--logprob-mean-tolerance", type=float, default=0.1, help="largest accepted mean |trainer - vLLM| "
         "log-probability (nats) after a sync, on the worst DP engine; once a round has measured the noise "
-        "(its 'before', on identical weights), --noise-multiple times that, if lower")
+        "(its 'before', on identical weights), --noise-multiple times that, if higher")
     add("--logprob-quantile-tolerance", type=float, default=1.0, help=f"the same for the {QUANTILE:.0%} "
         "quantile of |trainer - vLLM| over the tokens")
     add("--logprob-max-tolerance", type=float, help="also gate the single worst token (off by default: "
@@ -217,10 +217,6 @@ def add_arguments(parser) -> None:
         "and fail unless every parameter on every DP rank was written (slow)")
     add("--json", metavar="PATH", help="also write the results as JSON here")
     # fmt: on
-
-
-# Below these, noise-relative tolerances would hold the gate to kernels' luck.
-MEAN_FLOOR, QUANTILE_FLOOR = 0.01, 0.1
 
 
 @dataclass
@@ -236,12 +232,15 @@ class Tolerances:
                    args.noise_multiple)  # fmt: skip
 
     def given(self, noise: LogprobGap | None) -> tuple[float, float]:
-        """(mean, quantile) tolerances, tightened to `noise_multiple` times
-        the noise measured on identical weights, where it was."""
+        """(mean, quantile) tolerances: the absolute ones, widened to
+        `noise_multiple` times the noise measured on identical weights where
+        that is larger (a model whose kernels differ more, e.g. MLA, or many
+        sampled tokens). Never tightened: after a step, MoE routing near ties
+        moves |trainer - vLLM| by several times the noise with bit-identical
+        weights, and the exact check already proves the bytes."""
         if noise is None or math.isnan(noise.mean) or math.isnan(noise.quantile):
             return self.mean, self.quantile
-        return (min(self.mean, max(self.noise_multiple * noise.mean, MEAN_FLOOR)),
-                min(self.quantile, max(self.noise_multiple * noise.quantile, QUANTILE_FLOOR)))  # fmt: skip
+        return max(self.mean, self.noise_multiple * noise.mean), max(self.quantile, self.noise_multiple * noise.quantile)
 
 
 @dataclass
@@ -252,7 +251,7 @@ class ChangeTest:
     trainer_change_rms: float
     noise_rms: float  # |trainer - vLLM| with identical weights
     residual_rms: float  # vLLM's change minus the trainer's
-    verdict: str  # "followed", "did not follow", or "too small to see" (below the noise: the exact check decides)
+    verdict: str  # "followed", "did not follow", or "too small to see" (below the noise); reported, not gated
 
 
 def change_test(before: LogprobGap, after: LogprobGap) -> ChangeTest | None:
@@ -297,8 +296,9 @@ def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_
     changed (a sync that silently did nothing on one engine leaves its
     numbers exactly as they were: vLLM's outputs repeat bit for bit on the
     same weights, while the trainer's HF MoE forward need not); and, after a
-    training step (`stepped`), vLLM's change follows the trainer's where the
-    step moved them beyond the noise. `<=` is False for NaN."""
+    training step (`stepped`), the change test is reported (not gated: MoE
+    routing near ties makes it too noisy to fail a round on; the exact check
+    proves the bytes). `<=` is False for NaN."""
     changed = [b != a for b, a in zip(before.server, after.server, strict=True)]
     mean_tol, quantile_tol = tolerances.given(noise)
     change = change_test(before, after) if stepped and noise is not None else None
@@ -307,7 +307,6 @@ def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_
         and after.quantile <= quantile_tol
         and (tolerances.max is None or after.max <= tolerances.max)
         and (all(changed) or not weights_updated)
-        and (change is None or change.verdict != "did not follow")
     )
     return Gate(passed, changed, mean_tol, quantile_tol, change)
 
