@@ -87,7 +87,8 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
               f"buffer, round {i}/{args.rounds} ===", flush=True)  # fmt: skip
-        rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None))
+        proven = bool(rounds) and rounds[-1].exact_check["passed"]
+        rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
         print_send_breakdown(rounds[-1].send_breakdown_s)
         if i == 1 and started_at is not None:
             time_to_first_sync_s = time.monotonic() - started_at

@@ -381,10 +381,11 @@ def exact_check(job) -> ExactCheck:
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
         answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
-    except helpers.ServerError as e:
+    except helpers.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
         text = str(e)
-        problem = text[text.find("exact check:"):] if "exact check:" in text else text
-        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, problem[:2000])
+        if (at := text.find("exact check: ")) >= 0:
+            text = text[at + len("exact check: "):].split('"', 1)[0]
+        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000])
     return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size)
 
 

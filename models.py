@@ -171,6 +171,12 @@ def architecture(model_path: str | os.PathLike) -> str:
     return AutoConfig.from_pretrained(model_path).architectures[0]
 
 
+def has_experts(model_path: str | os.PathLike) -> bool:
+    """Whether the model has fused expert tensors (a MoE): vLLM refuses
+    --enable-expert-parallel for a model without experts."""
+    return bool(weight_names.fused_expert_tensors(meta_model(model_path)))
+
+
 def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
     """(name, bytes in bf16) of the model's largest parameter (a meta_model will do)."""
     name, param = max(model.named_parameters(), key=lambda kv: kv[1].numel())

@@ -248,19 +248,21 @@ class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
 # --- The server and the job -----------------------------------------------------------------------
 
 
-def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None) -> list[str]:
+def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
+               experts: bool = True) -> list[str]:  # fmt: skip
     """`vllm serve` flags after the model's path, for the engines on one
-    node's GPUs: one DP engine per TP group, experts split over every GPU of
-    every node, memory it can release while the trainer works. On more nodes,
-    node 0 runs the API server and its engines, every other node its engines
-    alone (--headless), which reach node 0's at `head` (address, port)."""
+    node's GPUs: one DP engine per TP group, experts (if the model has them)
+    split over every GPU of every node, memory it can release while the
+    trainer works. On more nodes, node 0 runs the API server and its engines,
+    every other node its engines alone (--headless), which reach node 0's at
+    `head` (address, port)."""
     dp_size = args.num_gpus // args.tensor_parallel_size
     # fmt: off
     flags = [
         "--served-model-name", args.model,
         "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--data-parallel-size", str(dp_size),
-        "--enable-expert-parallel",
+        *(["--enable-expert-parallel"] if experts else []),
         "--device-ids", ",".join(gpu_ids),
         "--enable-sleep-mode",
         "--load-format", "dummy",  # the trainer sends the real weights
@@ -325,7 +327,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             # The servers' workers import the direct loader (direct_load.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
             network = gloo_interface_env(placements[0]["node_ip"]) if args.num_nodes > 1 else {}
-            flags = serve_plan(args, placements)
+            flags = serve_plan(args, placements, experts=models.has_experts(model_path))
             node_servers = start_node_servers(pg, args.model, args.server_log, env, flags[1:])
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
@@ -359,13 +361,13 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
-def serve_plan(args: argparse.Namespace, placements: list[dict]) -> list[list[str]]:
+def serve_plan(args: argparse.Namespace, placements: list[dict], experts: bool = True) -> list[list[str]]:
     """serve_args() for each node, pinned to the GPUs of its trainer ranks
     (Ray placed them in node order); node 0's API and DP handshake on its address."""
     per_node = args.num_gpus // args.num_nodes
     gpus = [[p["gpu_ids"][0] for p in placements[k : k + per_node]] for k in range(0, args.num_gpus, per_node)]
     head = (placements[0]["node_ip"], free_port(placements[0]["node_ip"])) if args.num_nodes > 1 else None
-    return [serve_args(args, node_gpus, k, head) for k, node_gpus in enumerate(gpus)]
+    return [serve_args(args, node_gpus, k, head, experts) for k, node_gpus in enumerate(gpus)]
 
 
 def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:
@@ -393,8 +395,9 @@ def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> No
     job.send_retries = args.send_retries if loader == "direct" else 0
 
 
-def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.RoundRecord:
-    """generate -> sleep -> (train) -> wake weights -> send -> wake KV -> exact check and gate."""
+def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool = False) -> checks.RoundRecord:
+    """generate -> sleep -> (train) -> wake weights -> send -> wake KV -> exact
+    check and gate. `proven`: the previous sync passed the exact check."""
     sock, trainers, timer = job.server.socket_path, job.trainers, checks.PhaseTimer()
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
@@ -421,11 +424,11 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool) -> checks.Ro
     exact = checks.exact_check(job)
     after = checks.job_logprob_gap(job, sequences)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
-    # Unless this is the first sync, vLLM held the trainer's weights (the
-    # previous sync) when `before` was measured: that gap is the noise.
+    # If the previous sync was proven exact, vLLM held the trainer's weights
+    # bit for bit when `before` was measured: that gap is the kernels' noise.
     return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
                                weights_updated=first_sync or bool(samples), exact=exact,
-                               noise=None if first_sync else before, training=training)  # fmt: skip
+                               noise=before if proven else None, training=training)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
             # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
-            rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None))
+            proven = bool(rounds) and rounds[-1].exact_check["passed"]
+            rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("after the last sync", args.prompts, greedy)

@@ -17,7 +17,7 @@ for variant in "$@"; do
   ( timeout -s INT -k 30 "$secs" python3 $cmd $json_flag "$out/json/$name.json" \
       --server-log "$out/logs/$name.server.log" > "$out/logs/$name.out" 2>&1; echo "rc=$?" >> "$out/logs/$name.out" ) &
   pids+=($!)
-  sleep 8
+  sleep "${STAGGER_S:-15}"
 done
 wait "${pids[@]}"
 for variant in "$@"; do

@@ -189,6 +189,15 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     assert "--enable-expert-parallel" in flags and "--enable-sleep-mode" in flags
     assert value("--worker-extension-cls") == "direct_load.DirectLoadWorker"
     assert "--enforce-eager" not in flags and "--host" not in flags and "--port" not in flags
+    # A dense model: vLLM refuses expert parallelism without experts.
+    assert "--enable-expert-parallel" not in script.serve_args(args, ["3", "1", "0", "2"], experts=False)
+
+
+def test_only_a_model_with_experts_is_served_with_expert_parallelism(tmp_path):
+    import models
+
+    assert models.has_experts(models.build_preset("tiny", tmp_path / "moe"))
+    assert not models.has_experts(models.build_preset("tiny-qwen3", tmp_path / "dense"))
 
 
 def test_dlogp_stats():
@@ -485,3 +494,64 @@ def test_timed_client_adds_the_servers_share_and_the_engines_own_split():
     assert seconds["engine_load_weights"] == 0.5 and seconds["engine_sync"] == 1.0
     assert set(seconds) == {"server_start_weight_update", "server_start_weight_update_calls", "server_update_weights",
                             "server_update_weights_calls", "engine_load_weights", "engine_sync"}  # fmt: skip
+
+
+def _lp_gap(trainer, server_per_engine):
+    """A LogprobGap as logprob_gap builds it, from per-token logprobs."""
+    stats = [checks.dlogp_stats(trainer, s) for s in server_per_engine]
+    quantiles = [checks.dlogp_quantile(trainer, s) for s in server_per_engine]
+    return checks.LogprobGap([m for _, m in stats], [x for x, _ in stats], server_per_engine, trainer, quantiles)
+
+
+def test_the_gate_reads_a_quantile_not_the_single_worst_token():
+    trainer = [[-1.0] * 100]
+    one_token_off = [[-1.0] * 99 + [-3.0]]  # 2 nats on 1 token of 100: the max, not the 95% quantile
+    after = _lp_gap(trainer, [one_token_off])
+    assert after.max == 2.0 and after.quantile == 0.0 and after.mean == 0.02
+    assert checks.gate(after, after, TOLERANCES, weights_updated=False).passed
+    assert not checks.gate(after, after, checks.Tolerances(0.1, 1.0, max=1.0), weights_updated=False).passed
+    assert checks.dlogp_quantile([[0.0] * 20], [[0.0] * 18 + [1.0, 2.0]]) == 1.0  # nearest rank: the 19th of 20
+
+
+def test_the_tolerances_widen_with_the_noise_measured_on_identical_weights_never_tighten():
+    trainer = [[-1.0] * 40]
+    noisy = _lp_gap(trainer, [[[-1.0 - 0.15 * (i % 2) for i in range(40)]]])  # mean 0.075, p95 0.15
+    after = _lp_gap(trainer, [[[-1.0 - 0.28 * (i % 2) for i in range(40)]]])  # mean 0.14
+    assert not checks.gate(noisy, after, TOLERANCES, weights_updated=False).passed  # 0.14 > 0.1
+    passed = checks.gate(noisy, after, TOLERANCES, weights_updated=False, noise=noisy)
+    assert passed.passed and passed.mean_tolerance == pytest.approx(0.15)  # 2 x the noise
+    quiet = _lp_gap(trainer, [[[-1.0] * 40]])
+    assert TOLERANCES.given(quiet) == (0.1, 1.0)  # no noise: the absolute tolerances, not tighter
+
+
+def test_the_change_test_tells_a_stale_engine_from_one_that_followed_the_step():
+    before_t = [[-1.0, -2.0, -3.0, -1.5] * 10]
+    after_t = [[v - 0.5 * ((i % 3) - 1) for i, v in enumerate(before_t[0])]]  # the step moved the trainer
+    noise = [[v + 0.001 for v in before_t[0]]]
+    before = _lp_gap(before_t, [noise])
+    followed = checks.change_test(before, _lp_gap(after_t, [[[v + 0.001 for v in after_t[0]]]]))
+    stale = checks.change_test(before, _lp_gap(after_t, [noise]))  # vLLM's numbers did not move
+    assert followed.verdict == "followed" and stale.verdict == "did not follow"
+    assert stale.residual_rms == pytest.approx(stale.trainer_change_rms)
+    tiny_step = checks.change_test(before, _lp_gap([[v + 1e-4 for v in before_t[0]]], [noise]))
+    assert tiny_step.verdict == "too small to see"
+
+
+def test_a_failed_exact_check_fails_the_run_naming_the_parameter():
+    r = _record().to_json()
+    r["exact_check"] = {"passed": False, "seconds": 0.1, "parameters_per_engine": None, "dp_engines": 2,
+                        "problem": "DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent"}
+    result = {"rounds": [r], "coverage": None, "memory_growth_gib": 0.0}
+    assert checks.failed_checks(result, 0.5) == [
+        "round 1: exact check: DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent"
+    ]
+    r["exact_check"]["passed"] = True
+    assert checks.failed_checks(result, 0.5) == []
+
+
+def test_two_ranks_on_one_gpu_are_refused():
+    assert checks.placement_problem([{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}]) is None
+    assert "trainer ranks [0, 2] share GPU GPU-a" in checks.placement_problem(
+        [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}])
+    with pytest.raises(ValueError, match="two trainer ranks on one GPU"):
+        helpers.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})

@@ -21,7 +21,8 @@ def _gather_source(trainer, ckpt, random_init, out_dir, loader):
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=random_init, seed=3)
     source = ModuleSource(trainer.model) if loader == "module" else trainer.weight_source(loader)
-    meta = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata]
+    metadata = source.metadata() if callable(source.metadata) else source.metadata  # vLLM's own: 0.32 a method
+    meta = [(m.name, m.dtype, tuple(m.shape)) for m in metadata]
     tensors = {name: t.detach().clone() for name, t in source}
     sync_bytes = trainer.sync_bytes() if loader != "module" else None
     torch.save({"meta": meta, "tensors": tensors, "sync_bytes": sync_bytes}, out_dir / f"rank{trainer.rank}.pt")
@@ -258,14 +259,20 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
 
     tolerances = checks.Tolerances.from_args(script.parse_args([]))
     same = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
-    assert same.mean <= tolerances.mean and same.max <= tolerances.max, same
+    assert same.mean <= tolerances.mean and same.quantile <= tolerances.quantile, same
+    # The noise, measured on these identical weights, widens nothing here.
+    assert tolerances.given(same) == (tolerances.mean, tolerances.quantile)
 
-    # The trainer now holds other weights: the server is "stale" and the gate must say so.
-    script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
-    script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
-    stale = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
-    assert stale.mean > 3 * tolerances.mean and stale.max > tolerances.max, stale
-    assert checks.gate(same, stale, tolerances, weights_updated=True).passed is False
+    try:
+        # The trainer now holds other weights: the server is "stale" and the gate must say so.
+        script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
+        script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
+        stale = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+        assert stale.mean > 3 * tolerances.mean and stale.quantile > tolerances.quantile, stale
+        assert checks.gate(same, stale, tolerances, weights_updated=True, noise=same).passed is False
+    finally:  # the shared trainers hold the checkpoint again, as the other tests expect
+        script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
+        script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
 
 
 SAMPLES = [
