@@ -417,15 +417,17 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
 
 def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[str]:
     """The fused-expert parameters vLLM's own loader fills from a FUSED
-    checkpoint tensor (not one expert's): it may lay those out its own way
-    (GPT-OSS: [E, H, 2I] transposed, gate and up de-interleaved), so only
-    their values can be compared. The direct loader's blocks it copies as
-    they are, and per-expert tensors it stacks: those are compared whole."""
+    checkpoint tensor, or from GPT-OSS's per-expert tensors: it lays those
+    out its own way (GPT-OSS: [E, H, 2I] transposed), so only their values
+    can be compared. The direct loader's blocks it copies as they are, and
+    other families' per-expert tensors it stacks: those are compared whole."""
     import re
 
     out = set()
     for (name, _, _, block), names in zip(sent, targets, strict=True):
-        if block or re.search(r"\.experts\.\d+\.", name):
+        one_expert = re.search(r"\.experts\.\d+\.", name)
+        gpt_oss_expert = re.search(r"\.experts\.\d+\.w(13|2)_(weight|bias)$", name)  # vLLM transposes those
+        if block or (one_expert and not gpt_oss_expert):
             continue
         out |= {t for t in names if t.rpartition(".")[0] in by_prefix}
     return sorted(out)

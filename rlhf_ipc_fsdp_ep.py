@@ -41,7 +41,7 @@ import toy_rl
 import weight_names
 from ray_ranks import (Rank, cli, free_port, gloo_interface_env, job_env, leave_ray, raise_node_failure, ray_get_all,
                        send_all, start_node_servers, start_trainers, stop_node_servers, wait_until_ready)
-from vllm_compat import TrainerSource, untested_vllm_warning
+from vllm_compat import TrainerSource, untested_vllm_warning, vllm_load_form
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -205,13 +205,19 @@ class BF16Source(TrainerSource):
 
     def __init__(self, module: torch.nn.Module, exclude=()) -> None:
         self._form = weight_names.CheckpointForm(module, torch.bfloat16, exclude)
-        self._metas = [ParamMeta(name, dtype, shape) for name, shape, dtype in self._form.metadata]
+        split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
+        self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
+        self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
 
     def param_metas(self) -> list[ParamMeta]:
         return self._metas
 
     def tensors(self):
-        yield from self._form
+        for name, tensor in self._form:
+            if name in self._split:  # one expert at a time
+                yield from zip(self._split[name], tensor.unbind(0), strict=True)
+            else:
+                yield name, tensor
 
 
 class LocalExpertSource(BF16Source):

@@ -14,6 +14,12 @@ its tags, `--uds`, the DP and headless flags.
   (`tensors`).
 * The experts an engine holds. 0.32's `ExpertMapManager.get_local_expert_ids()`
   is gone in 0.33; the expert map itself is in both (`local_expert_ids`).
+* GPT-OSS's experts through vLLM's own loader. 0.33 loads a reload (what
+  /update_weights runs) layer by layer, through each parameter's weight
+  loader, and its GPT-OSS model copies the checkpoint's fused expert tensors
+  past those loaders: they would stay unwritten. 0.33 also takes each expert
+  alone (`...mlp.experts.<e>.w13_weight`, through the loader), which 0.32 does
+  not know. `vllm_load_form` renames them so on 0.33 only.
 """
 
 from __future__ import annotations
@@ -71,3 +77,29 @@ def untested_vllm_warning() -> str | None:
         return None
     return (f"warning: vLLM {vllm.__version__} is installed; this example is tested on "
             f"{' and '.join(TESTED_VLLM_VERSIONS)} (requirements.txt pins the GPU version)")  # fmt: skip
+
+
+# GPT-OSS's fused expert tensors (transformers' names) -> vLLM 0.33's per-expert names.
+_GPT_OSS_PER_EXPERT = {"gate_up_proj": "w13_weight", "gate_up_proj_bias": "w13_bias",
+                       "down_proj": "w2_weight", "down_proj_bias": "w2_bias"}  # fmt: skip
+
+
+def _takes_gpt_oss_experts_one_by_one() -> bool:
+    from vllm.model_executor.models import gpt_oss
+
+    return hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert")
+
+
+def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, list[tuple]]:
+    """For each (name, shape, dtype) of a model's checkpoint form, what to
+    send vLLM's loader instead, where this vLLM needs it: {name: [(new name,
+    shape, dtype), ...]} (GPT-OSS on 0.33: each expert of a fused expert
+    tensor alone). Empty where nothing changes."""
+    if type(model).__name__ != "GptOssForCausalLM" or not _takes_gpt_oss_experts_one_by_one():
+        return {}
+    out = {}
+    for name, shape, dtype in metadata:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and leaf in _GPT_OSS_PER_EXPERT:
+            out[name] = [(f"{prefix}.{e}.{_GPT_OSS_PER_EXPERT[leaf]}", tuple(shape[1:]), dtype) for e in range(shape[0])]
+    return out

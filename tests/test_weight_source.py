@@ -45,3 +45,32 @@ def test_the_weight_sources_are_vllm_weight_sources(tiny_checkpoint, tmp_path):
     run_ranks(_consume_as_vllm_does, 2, tiny_checkpoint, tmp_path)
     reports = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert reports[0] == reports[1] and reports[0]["vllm"] > reports[0]["direct"] > 0
+
+
+def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
+    """vLLM 0.33 loads GPT-OSS's fused experts past its reload's weight loaders
+    (they would stay unwritten) and takes each expert alone instead; 0.32 only
+    the fused tensors. The vLLM loader's source sends what the installed one
+    takes, and either way the same values."""
+    from test_families import build_model
+
+    import rlhf_ipc_fsdp_ep as script
+    import vllm_compat
+    import weight_names
+
+    hf = build_model("gpt_oss", device="cpu")
+    fused = dict(weight_names.CheckpointForm(hf, torch.bfloat16))
+    as_installed = dict(iter(script.BF16Source(hf)))
+    if not vllm_compat._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
+        assert list(as_installed) == list(fused)
+    monkeypatch.setattr(vllm_compat, "_takes_gpt_oss_experts_one_by_one", lambda: True)
+    source = script.BF16Source(hf)
+    split = dict(iter(source))
+    assert [m.name for m in source.metadata] == list(split)
+    prefix = "model.layers.0.mlp.experts"
+    for leaf, per_expert in [("gate_up_proj", "w13_weight"), ("gate_up_proj_bias", "w13_bias"),
+                             ("down_proj", "w2_weight"), ("down_proj_bias", "w2_bias")]:  # fmt: skip
+        whole = fused[f"{prefix}.{leaf}"]
+        assert f"{prefix}.{leaf}" not in split
+        assert torch.equal(torch.stack([split[f"{prefix}.{e}.{per_expert}"] for e in range(whole.shape[0])]), whole)
+    assert sum(t.numel() for t in split.values()) == sum(t.numel() for t in fused.values())
