@@ -79,7 +79,8 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer(job, args, loader)
-    checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
+    if args.tensor_parallel_size == 1:  # (TP shards each parameter: not checked)
+        checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
         helpers.weight_checker(job.server.socket_path, "reset")
@@ -87,7 +88,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
               f"buffer, round {i}/{args.rounds} ===", flush=True)  # fmt: skip
-        proven = bool(rounds) and rounds[-1].exact_check["passed"]
+        proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
         rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
         print_send_breakdown(rounds[-1].send_breakdown_s)
         if i == 1 and started_at is not None:

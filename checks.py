@@ -238,9 +238,15 @@ class Tolerances:
         sampled tokens). Never tightened: after a step, MoE routing near ties
         moves |trainer - vLLM| by several times the noise with bit-identical
         weights, and the exact check already proves the bytes."""
-        if noise is None or math.isnan(noise.mean) or math.isnan(noise.quantile):
+        if noise is None or not (math.isfinite(noise.mean) and math.isfinite(noise.quantile)):
             return self.mean, self.quantile
-        return max(self.mean, self.noise_multiple * noise.mean), max(self.quantile, self.noise_multiple * noise.quantile)
+        # Widened at most to NOISE_CAP times the absolute ones: a model whose
+        # trainer and vLLM disagree by more is not one to call synced.
+        return (min(NOISE_CAP * self.mean, max(self.mean, self.noise_multiple * noise.mean)),
+                min(NOISE_CAP * self.quantile, max(self.quantile, self.noise_multiple * noise.quantile)))  # fmt: skip
+
+
+NOISE_CAP = 2.0
 
 
 @dataclass
@@ -498,8 +504,9 @@ def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: 
     sync_bytes = ray.get(trainers[0].sync_bytes.remote())
     record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers), weights_updated)
     record.send_retries = send_retries
+    widened = (verdict.mean_tolerance, verdict.quantile_tolerance) != (tolerances.mean, tolerances.quantile)
     record.gate_tolerances = {"mean": verdict.mean_tolerance, "quantile": verdict.quantile_tolerance,
-                              "max": tolerances.max, "from_noise": noise is not None}  # fmt: skip
+                              "max": tolerances.max, "from_noise": widened}  # fmt: skip
     if exact is not None:
         record.exact_check = asdict(exact)
     if training is not None:
@@ -872,6 +879,8 @@ class TimedSource(TrainerSource):
         return self._source.metadata
 
     def __getattr__(self, name: str):  # anything else the source offers (e.g. expert_blocks)
+        if name.startswith("_"):  # not yet set (a copy being built): not the source's either
+            raise AttributeError(name)
         return getattr(self._source, name)
 
     def tensors(self):

@@ -201,7 +201,7 @@ class DirectLoadWorker:
         sync: it leaves zeros where it probes, until the sync overwrites them."""
         import json
 
-        self._exact_targets, casts, self._exact_values_only = exact_targets(
+        self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
             self.model_runner.get_model(), json.loads(sent), self.vllm_config)
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
                 "parameters": len({t for ts in self._exact_targets for t in ts})}  # fmt: skip
@@ -221,7 +221,7 @@ class DirectLoadWorker:
         per_rank = json.loads(expected)
         sent = per_rank[uuid] if uuid in per_rank else _no_trainer_rank(uuid, list(per_rank))
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
-        checked, problems = exact_problems(model, targets, sent, self._exact_values_only)
+        checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole)
         if problems:
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip
@@ -389,7 +389,9 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     expert block, its layer's fused parameter. One expert's tensor of an expert another
     engine holds is written nowhere here. Also {index: dtype} of the tensors
     vLLM holds in another dtype than they are sent in (e.g. a router kept in
-    fp32): the trainer fingerprints those cast, as vLLM's loader casts them."""
+    fp32): the trainer fingerprints those cast, as vLLM's loader casts them;
+    the parameters to compare by value alone (_relaid_out); and those written
+    whole from one tensor of their shape, compared element by element."""
     from vllm.config import set_current_vllm_config
 
     device = next(model.parameters()).device
@@ -412,7 +414,13 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
         held = {str(params[n].dtype).removeprefix("torch.") for n in names if n in params}
         if held and held != {dtype}:
             casts[index] = held.pop()
-    return targets, casts, _relaid_out(sent, targets, by_prefix)
+    pieces: dict[str, list[int]] = {}
+    for index, names in enumerate(targets):
+        for n in names:
+            pieces.setdefault(n, []).append(index)
+    whole = sorted(n for n, idx in pieces.items() if len(idx) == 1 and n in params
+                   and tuple(sent[idx[0]][2]) == tuple(params[n].shape))  # fmt: skip
+    return targets, casts, _relaid_out(sent, targets, by_prefix), whole
 
 
 def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[str]:
@@ -441,21 +449,22 @@ def as_held(tensors, casts: dict):
 
 
 def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
-                   values_only: list[str] = ()) -> tuple[int, list[str]]:  # fmt: skip
+                   values_only=(), whole=()) -> tuple[int, list[str]]:  # fmt: skip
     """(parameters checked, what is wrong with them): each parameter's
     fingerprint against the sum of those of the tensors written into it
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
-    for those in `values_only` (exact_targets), their values alone."""
+    for those in `values_only` (exact_targets), their values alone; for
+    those in `whole`, every element in its place."""
     if len(sent) != len(targets):
         raise ValueError(f"{len(sent)} fingerprints for the {len(targets)} tensors exact_check_prepare was given")
     want: dict[str, list[int]] = {}
     for sums, names in zip(sent, targets, strict=True):
         for name in names:  # a stacked parameter's fingerprint is the sum of its pieces'
-            total = want.setdefault(name, [0, 0])
+            total = want.setdefault(name, [0, 0, 0])
             want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, sums, strict=True)]
     params = dict(model.named_parameters())
     held = dict(zip(params, exact_fingerprints(params.values()), strict=True))
-    derived = set(derived_parameters(model))
+    derived, values_only, whole = set(derived_parameters(model)), set(values_only), set(whole)
     problems = []
     for name in params:
         if name not in want and name not in derived:
@@ -464,7 +473,7 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
             continue
         elif name in values_only and held[name][0] == want[name][0]:
             continue
-        elif held[name] != want[name]:
+        elif held[name][:2] != want[name][:2] or (name in whole and held[name][2] != want[name][2]):
             problems.append(f"{name}: " + ("the values sent, in another layout (transposed or permuted)"
                                            if held[name][0] == want[name][0] else "not what the trainer sent"))  # fmt: skip
     return len(params), problems
@@ -494,12 +503,14 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
 
 
 # The exact check's fingerprint: every element's bits through a fixed 32-bit
-# mix (lowbias32), summed. Two sums: `plain` mixes the bits alone, so it does
+# mix (lowbias32), summed. Three sums: `plain` mixes the bits alone, so it does
 # not depend on where an element sits and survives what vLLM's loader does to
 # the trainer's tensors: stacking (q/k/v into qkv_proj, gate/up, experts into
 # one fused tensor), splitting by expert, concatenating biases; `by_column`
 # mixes the bits with the element's column (its index along the last dim,
-# which stacking on dim 0 keeps), so a transposed tensor differs too. Integer
+# which stacking on dim 0 keeps), so a transposed tensor differs too;
+# `by_position` mixes in the row as well, for a parameter written whole from
+# one tensor of its shape (rows swapped or reversed differ). Integer
 # arithmetic: the trainer's GPU, an engine's GPU and a CPU give the same sums.
 FINGERPRINT_MODULUS = 1 << 62
 _MASK32 = 0xFFFFFFFF
@@ -521,15 +532,15 @@ def exact_fingerprints(tensors) -> list[list[int]]:
 
 
 def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
-    """[plain, by_column] of a tensor's elements (see above), each modulo
-    FINGERPRINT_MODULUS, so the fingerprint of a stack of tensors is the sum
-    of theirs."""
+    """[plain, by_column, by_position] of a tensor's elements (see above),
+    each modulo FINGERPRINT_MODULUS, so the first two of a stack of tensors
+    are the sums of theirs."""
     return _fingerprint_sums(tensor).tolist()
 
 
 @torch.no_grad()
 def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """exact_fingerprint as an int64 tensor of 2 on the tensor's device,
+    """exact_fingerprint as an int64 tensor of 3 on the tensor's device,
     computed in pieces of bounded size."""
     flat = tensor.detach()
     columns = flat.shape[-1] if flat.dim() >= 2 and flat.shape[-1] > 0 else 1
@@ -537,14 +548,16 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
     bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
     unsigned = (1 << (8 * rows.element_size())) - 1 if rows.element_size() < 8 else -1
     salt = _mix32(torch.arange(columns, device=rows.device, dtype=torch.int64) + 0x9E3779B9) if columns > 1 else 0
-    sums = torch.zeros(2, dtype=torch.int64, device=rows.device)
+    sums = torch.zeros(3, dtype=torch.int64, device=rows.device)
     step = max(1, _FINGERPRINT_CHUNK // columns)
     for start in range(0, rows.shape[0], step):
         bits = rows[start : start + step].view(bits_dtype).to(torch.int64) & unsigned
         if rows.element_size() == 8:  # fold 64-bit patterns into 32
             bits = (bits ^ (bits >> 32)) & _MASK32
         bits = bits ^ 0x5BD1E995  # so that zeros count too
+        row_salt = _mix32(torch.arange(start, start + bits.shape[0], device=rows.device, dtype=torch.int64) + 0x27D4EB2F)
         sums[0] += _mix32(bits).sum() % FINGERPRINT_MODULUS
         sums[1] += _mix32(bits ^ salt).sum() % FINGERPRINT_MODULUS
+        sums[2] += _mix32(_mix32(bits ^ salt) ^ row_salt[:, None]).sum() % FINGERPRINT_MODULUS
         sums %= FINGERPRINT_MODULUS
     return sums

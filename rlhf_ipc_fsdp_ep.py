@@ -427,7 +427,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
         helpers.wake_to_serve(sock)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on
     # its GPU sent; and vLLM now scores the same tokens as the trainer.
-    exact = checks.exact_check(job)
+    exact = checks.exact_check(job) if args.tensor_parallel_size == 1 else None  # TP shards: not checked
     after = checks.job_logprob_gap(job, sequences)
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
     # If the previous sync was proven exact, vLLM held the trainer's weights
@@ -443,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     with colocated_job(args) as job:
         sock = job.server.socket_path
         setup_weight_transfer(job, args, args.weight_loader)
-        checks.prepare_exact_check(job)
+        if args.tensor_parallel_size == 1:
+            checks.prepare_exact_check(job)
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.rounds + 1):
             print(f"=== round {i}/{args.rounds} ===", flush=True)
             # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
-            proven = bool(rounds) and rounds[-1].exact_check["passed"]
+            proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
             rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)

@@ -95,7 +95,8 @@ def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, l
     send vLLM's loader instead, where this vLLM needs it: {name: [(new name,
     shape, dtype), ...]} (GPT-OSS on 0.33: each expert of a fused expert
     tensor alone). Empty where nothing changes."""
-    if type(model).__name__ != "GptOssForCausalLM" or not _takes_gpt_oss_experts_one_by_one():
+    # By the config: FSDP2's fully_shard renames the model's class (FSDPGptOssForCausalLM).
+    if getattr(getattr(model, "config", None), "model_type", None) != "gpt_oss" or not _takes_gpt_oss_experts_one_by_one():
         return {}
     out = {}
     for name, shape, dtype in metadata:

@@ -522,6 +522,10 @@ def test_the_tolerances_widen_with_the_noise_measured_on_identical_weights_never
     assert passed.passed and passed.mean_tolerance == pytest.approx(0.15)  # 2 x the noise
     quiet = _lp_gap(trainer, [[[-1.0] * 40]])
     assert TOLERANCES.given(quiet) == (0.1, 1.0)  # no noise: the absolute tolerances, not tighter
+    loud = _lp_gap(trainer, [[[-1.0 - 5.0 * (i % 2) for i in range(40)]]])  # trainer and vLLM far apart
+    assert TOLERANCES.given(loud) == (0.2, 2.0)  # widened at most twice
+    endless = _lp_gap(trainer, [[[-math.inf] * 40]])
+    assert TOLERANCES.given(endless) == (0.1, 1.0)
 
 
 def test_the_change_test_tells_a_stale_engine_from_one_that_followed_the_step():

@@ -429,15 +429,15 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     sent = _sent(hf, loader)
     blocks = set(weight_names.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
-    targets, casts, values_only = direct_load.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
+    targets, casts, values_only, whole = direct_load.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
     prints = direct_load.exact_fingerprints(direct_load.as_held(sent, casts))
 
     def problems():
-        return direct_load.exact_problems(vllm_model, targets, prints, values_only)[1]
+        return direct_load.exact_problems(vllm_model, targets, prints, values_only, whole)[1]
 
     _sync(vllm_model, sent, loader)
-    checked, found = direct_load.exact_problems(vllm_model, targets, prints, values_only)
+    checked, found = direct_load.exact_problems(vllm_model, targets, prints, values_only, whole)
     assert found == [] and checked == len(dict(vllm_model.named_parameters()))
 
     params = dict(vllm_model.named_parameters())
@@ -455,6 +455,12 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
         matrix.copy_(kept.t().reshape(kept.shape))
         assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
         matrix.copy_(kept)
+        # Rows swapped in a parameter written whole from one tensor (a direct block: experts in the wrong slots).
+        name, p = next((n, p) for n, p in params.items() if n in whole and p.dim() >= 2 and p.shape[0] > 1)
+        kept = p.clone()
+        p.copy_(kept.flip(0))
+        assert [x.split(":")[0] for x in problems()] == [name]
+        p.copy_(kept)
         # An fp32 tensor truncated to bf16 on the way.
         truncated = 0
         for name, p in params.items():
