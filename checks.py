@@ -522,7 +522,8 @@ def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: 
 def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     exact = record.exact_check
     if exact is not None:
-        print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {exact['dp_engines']} DP engines "
+        engines = f"{exact['dp_engines']} DP engine" + ("s" if exact["dp_engines"] != 1 else "")
+        print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
               f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s)" if exact["passed"]
               else f"[exact] FAIL: {exact['problem']}", flush=True)  # fmt: skip
     changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
