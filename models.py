@@ -101,6 +101,13 @@ def resolve_model(model: str, workdir: Path) -> Path:
         raise SystemExit(f"error: could not download {model!r}: {e}") from e
 
 
+# A plain chat format for the presets' tokenizers (they have no chat model's own).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def build_preset(name: str, out_dir: str | os.PathLike) -> Path:
     """Write config.json for PRESETS[name] and a small byte-level BPE
     tokenizer (a few hundred tokens; the config's vocabulary is larger).
@@ -120,9 +127,9 @@ def build_preset(name: str, out_dir: str | os.PathLike) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_TOKENIZER_CORPUS] * 4, trainer=trainer)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(out)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE  # so /v1/chat/completions works on a preset too
+    fast.save_pretrained(out)
     (out / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
     return out
 

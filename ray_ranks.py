@@ -12,12 +12,13 @@ of them at once and must not wait on a rank that is gone:
   NodeServer        an actor that owns the headless `vllm serve` of another node
   wait_until_ready  the trainers' weights filled, every node's server healthy
   job_env           the driver's VLLM_/NCCL_/GLOO_/HF_/TORCH_ settings, for every node
-  leave_ray         Ray left as we found it
+  leave_ray         Ray left as we found it (the trainers' rendezvous directory too)
   cli               a program's failures as one `error:` line, not a traceback
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -55,11 +56,32 @@ class Rank:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Ray made this rank's GPU the only visible one
 
-    def open_rendezvous(self, host: str) -> int:
-        """Rank 0: listen for the other ranks on `host` (loopback on one node),
-        on a port the kernel picks, and return it. (A port picked earlier and
-        closed could be taken meanwhile; and torch's TCPStore alone listens on
-        every interface.)"""
+    def open_rendezvous(self, host: str) -> str | int:
+        """Rank 0: open the store where the ranks meet; returns where the
+        others find it (for join_process_group).
+
+        One node (`host` 127.0.0.1): a torch FileStore, a file in a directory
+        of its own that tempfile.mkdtemp creates with mode 0700, so no other
+        user can read or write it, and nothing listens on a port that any
+        local user could connect to. Returns the file's path. Every rank
+        opens it, so the directory must stay while they run; it goes with
+        them (leave_ray, or remove_rendezvous).
+
+        More nodes (`host` rank 0's address, which the other nodes reach): a
+        TCPStore on a port the kernel picks; returns the port. Torch lets us
+        choose only where it listens, not who connects: it has no
+        authentication or encryption, so anyone who reaches that address can
+        read and write its keys. We bind the socket ourselves, on that one
+        address (torch's TCPStore alone listens on every interface); the job
+        needs a network you trust, as any multi-node torch.distributed job
+        does. (A port picked earlier and closed could be taken meanwhile.)"""
+        if host == "127.0.0.1":
+            self._rendezvous_dir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
+            atexit.register(shutil.rmtree, self._rendezvous_dir, ignore_errors=True)  # if this rank ends normally
+            path = self._rendezvous_dir / "store"
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # ours, before torch opens it
+            self._store = file_store(path, self.world_size)
+            return str(path)
         self._listener = socket.create_server((host, 0))
         port = self._listener.getsockname()[1]
         self._store = dist.TCPStore(host, port, self.world_size, is_master=True,
@@ -67,9 +89,15 @@ class Rank:
                                     timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
         return port
 
-    def join_process_group(self, host: str, port: int) -> None:
-        store = self._store if self.rank == 0 else dist.TCPStore(
-            host, port, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    def join_process_group(self, host: str, where: str | int) -> None:
+        """Join the process group at what rank 0's open_rendezvous returned:
+        the store's file (one node) or its port on `host`."""
+        if self.rank == 0:
+            store = self._store
+        elif isinstance(where, str):
+            store = file_store(where, self.world_size)
+        else:
+            store = dist.TCPStore(host, where, self.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         if host != "127.0.0.1":  # more than one node: gloo on the interface the other nodes reach
             os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
         # CUDA tensors (FSDP2) go over NCCL, the rest over gloo: vLLM's IPC engine syncs every chunk with
@@ -87,6 +115,24 @@ class Rank:
             props = torch.cuda.get_device_properties(self.device)
             info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
         return info
+
+
+def file_store(path: str | os.PathLike, world_size: int) -> dist.FileStore:
+    """Torch's FileStore at `path` for `world_size` ranks, with the collectives' timeout.
+    (It opens the file again for every operation: its directory must outlive the ranks.)"""
+    store = dist.FileStore(str(path), world_size)
+    store.set_timeout(COLLECTIVE_TIMEOUT)
+    return store
+
+
+_rendezvous_dirs: dict[str, Path] = {}  # placement group id -> its trainers' one-node store's directory
+
+
+def remove_rendezvous(pg) -> None:
+    """Remove the directory of the one-node store that `pg`'s trainers met
+    at (call it when they are gone, or going: they open it on every use)."""
+    if (where := _rendezvous_dirs.pop(pg.id.hex(), None)) is not None:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpus_per_trainer: float = 1,
@@ -129,10 +175,13 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
         ]  # fmt: skip
         # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
         host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
-        port = ray_get_all([trainers[0].open_rendezvous.remote(host)])[0]
-        ray_get_all([t.join_process_group.remote(host, port) for t in trainers])
+        where = ray_get_all([trainers[0].open_rendezvous.remote(host)])[0]
+        if isinstance(where, str):  # one node, this one: the store's file, in a directory of its own
+            _rendezvous_dirs[pg.id.hex()] = Path(where).parent
+        ray_get_all([t.join_process_group.remote(host, where) for t in trainers])
     except BaseException:  # a rank that did not start, or Ctrl-C: the caller never gets the group to remove
         ray.util.remove_placement_group(pg)  # and its trainers with it
+        remove_rendezvous(pg)
         raise
     return trainers, pg
 
@@ -167,11 +216,14 @@ def gloo_interface_env(node_ip: str) -> dict[str, str]:
 
 def leave_ray(started_ray: bool, pg) -> None:
     """Leave Ray as we found it: shut down if we started it (again is a no-op),
-    else our placement group removed, and the trainers with it."""
+    else our placement group removed, and the trainers with it; and their
+    one-node rendezvous directory."""
     if started_ray:
         ray.shutdown()
     elif pg is not None:
         ray.util.remove_placement_group(pg)
+    if pg is not None:
+        remove_rendezvous(pg)
 
 
 def ray_get_all(refs: list, who: str = "a trainer rank"):

@@ -198,3 +198,19 @@ def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path, capsys):
     assert len(members) >= 2  # API server + engine core at least
     helpers.stop_server(server)
     assert helpers.group_members(server.pgid) == []
+
+
+def test_the_openai_client_works_as_the_readme_says(cpu_server):
+    """The README's snippet, over the private socket: models, completions and
+    chat (the presets ship a chat template)."""
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url="http://localhost/v1", api_key="-",
+                           http_client=httpx.Client(transport=httpx.HTTPTransport(uds=cpu_server.socket_path)))  # fmt: skip
+    assert [m.id for m in client.models.list()] == [SERVED_NAME]
+    completion = client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=4, temperature=0)
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)  # fmt: skip
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1

@@ -159,12 +159,39 @@ def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
     assert {g["strategy"] for g in groups} == {"STRICT_PACK"}
 
 
-def test_the_trainers_rendezvous_listens_on_loopback_only(cpu_trainers):
-    """Rank 0 binds the rendezvous itself, on 127.0.0.1 and a port the kernel
-    picked (torch's TCPStore alone listens on every interface)."""
-    pid = ray.get(cpu_trainers[0].placement.remote())["pid"]
-    port = ray.get(cpu_trainers[0].__ray_call__.remote(lambda trainer: trainer._store.port))
-    assert [ip for ip, p in listening_tcp([pid]) if p == port] == ["0100007F"]  # 127.0.0.1, nothing else
+def test_the_trainers_rendezvous_on_one_node_is_a_private_file_not_a_port(cpu_trainers):
+    """On one node the ranks meet at a torch FileStore in a directory of its
+    own (mode 0700, this user's), which no other user can enter: no rank
+    listens on a TCP port for it, which any local user could connect to."""
+    import os
+    import stat
+
+    def seen(trainer):
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return {"store": type(_get_default_store().underlying_store).__name__,
+                "dir": str(getattr(trainer, "_rendezvous_dir", "")), "pid": os.getpid()}  # fmt: skip
+
+    ranks = ray.get([t.__ray_call__.remote(seen) for t in cpu_trainers])
+    assert [r["store"] for r in ranks] == ["FileStore", "FileStore"]  # what each rank's process group uses
+    listening = [len(listening_tcp([r["pid"]])) for r in ranks]
+    assert listening[0] == listening[1], listening  # rank 0 listens on nothing more than rank 1 (gloo's, Ray's)
+    folder = os.stat(ranks[0]["dir"])
+    assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
+    assert os.listdir(ranks[0]["dir"]) == ["store"]
+
+
+def test_opening_the_rendezvous_on_one_node_listens_on_no_port():
+    import os
+    import shutil
+
+    before = set(listening_tcp([os.getpid()]))
+    rank = ray_ranks.Rank(0, 2, device_type="cpu")
+    where = rank.open_rendezvous("127.0.0.1")
+    try:
+        assert set(listening_tcp([os.getpid()])) == before
+    finally:
+        shutil.rmtree(os.path.dirname(where))
 
 
 def test_server_calls_give_up_before_the_trainers_collectives_do():
@@ -436,3 +463,50 @@ def test_a_trainer_that_fails_to_start_leaves_no_placement_group(ray_cluster):
         assert _groups_left_since(before, timeout_s=2) == []
     finally:
         _remove_groups_left_since(before)
+
+
+def _open_as_another_user(path, flags, uid=65534):
+    """errno of os.open(path, flags) as user `uid` (0 if it opened)."""
+    import os
+
+    if os.getuid() != 0:
+        pytest.fail("run the tests as root: only root can act as another user to prove the refusal")
+    pid = os.fork()
+    if pid == 0:  # the child: become `nobody`, try, report through the exit code
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            os.close(os.open(path, flags, 0o666))
+            code = 0
+        except OSError as e:
+            code = e.errno
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_another_user_cannot_read_write_or_plant_the_trainers_rendezvous(cpu_trainers):
+    """User `nobody` can neither open the store file the ranks meet at (as
+    torch's FileStore does: read-write, created if missing) nor read it, nor
+    create a file beside it."""
+    import errno
+    import os
+
+    path = ray.get(cpu_trainers[0].__ray_call__.remote(lambda trainer: str(trainer._rendezvous_dir / "store")))
+    assert os.path.exists(path)
+    assert _open_as_another_user(path, os.O_RDWR | os.O_CREAT) == errno.EACCES
+    assert _open_as_another_user(path, os.O_RDONLY) == errno.EACCES
+    assert _open_as_another_user(os.path.join(os.path.dirname(path), "planted"), os.O_RDWR | os.O_CREAT) == errno.EACCES
+    assert _open_as_another_user(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY) == errno.EACCES  # no listing
+
+
+def test_the_one_node_rendezvous_directory_goes_with_the_trainers(ray_cluster):
+    """leave_ray removes it with the placement group (the ranks, killed, cannot)."""
+    import os
+
+    trainers, pg = script.start_trainers(ray_ranks.Rank, 2, gpus_per_trainer=0, device_type="cpu")
+    folder = ray.get(trainers[0].__ray_call__.remote(lambda trainer: str(trainer._rendezvous_dir)))
+    assert os.path.isdir(folder)
+    ray_ranks.leave_ray(False, pg)
+    assert not os.path.exists(folder)
