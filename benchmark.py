@@ -131,12 +131,12 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     script.setup_weight_transfer(job, args, "vllm")
     helpers.sleep_for_sync(sock, args.sleep_level)
     helpers.wake_weights(sock, args.sleep_level)
-    script.send_all(job.trainers, sock)
+    script.send_all(job.trainers, sock, node_servers=job.node_servers)
     helpers.wake_to_serve(sock)
     stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
-    script.send_all(job.trainers, sock)
+    script.send_all(job.trainers, sock, node_servers=job.node_servers)
     helpers.wake_to_serve(sock)
     try:
         compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]

@@ -335,7 +335,7 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
 def check_coverage(job, sleep_level: int) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
-    ray_ranks.send_all(job.trainers, job.server.socket_path, job.send_retries)
+    ray_ranks.send_all(job.trainers, job.server.socket_path, job.send_retries, job.node_servers)
     helpers.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)

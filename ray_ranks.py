@@ -8,7 +8,7 @@ of them at once and must not wait on a rank that is gone:
   ray_get_all       every rank's result, failing at the first error (a dead
                     rank as TrainerDied, naming why; a server error as itself)
   send_all          one weight sync on every rank, sent again when the server
-                    failed it part way (--send-retries)
+                    failed it part way (--send-retries), unless a node's server is gone
   NodeServer        an actor that owns the headless `vllm serve` of another node
   wait_until_ready  the trainers' weights filled, every node's server healthy
   job_env           the driver's VLLM_/NCCL_/GLOO_/HF_/TORCH_ settings, for every node
@@ -135,6 +135,14 @@ def remove_rendezvous(pg) -> None:
         shutil.rmtree(where, ignore_errors=True)
 
 
+@atexit.register
+def _remove_rendezvous_left() -> None:
+    """At this process's exit, what remove_rendezvous was not called for:
+    Ray stops a job's trainers with its driver."""
+    for where in _rendezvous_dirs.values():
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpus_per_trainer: float = 1,
                    device_type: str = "cuda", placement_timeout_s: float = 60) -> tuple[list, object]:  # fmt: skip
     """Reserve one GPU per trainer rank, the same number on each of
@@ -253,12 +261,15 @@ def death_cause(error: Exception) -> str:
     return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
 
 
-def send_all(trainers: list, sock: str, retries: int = 0) -> tuple[list, int]:
+def send_all(trainers: list, sock: str, retries: int = 0, node_servers: list = ()) -> tuple[list, int]:
     """send_weights() on every rank; returns what each rank reports and how
     many times the send was retried. A send the server failed part way (an
     HTTP error, a refused chunk, a timeout) is sent again from the start, up to
     `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
-    rank (TrainerDied) or a dead server is not retried."""
+    rank (TrainerDied) or a dead server is not retried: the first node's
+    server must answer, and every other node's (`node_servers`, from
+    start_node_servers) must still run; one that does not is named at the
+    first failed send, as raise_node_failure names it."""
     first = why = None
     for attempt in range(retries + 1):
         sends = [t.send_weights.remote() for t in trainers]
@@ -266,6 +277,8 @@ def send_all(trainers: list, sock: str, retries: int = 0) -> tuple[list, int]:
             return ray_get_all(sends), attempt
         except helpers.ServerError as e:
             first = first or e
+            raise_node_failure(node_servers, seen_as=helpers.ServerError(
+                f"the send failed part way (not retried); vLLM holds a mix of old and new weights: {e}"))  # fmt: skip
             if attempt == retries:
                 why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
                 break
@@ -296,7 +309,9 @@ class NodeServer:
     def start(self, model: str, serve_flags: list[str], log_path: str, env: dict,
               launcher=helpers.DEFAULT_LAUNCHER) -> str:  # fmt: skip
         """Start `vllm serve <model's local path> <serve_flags>`; returns where
-        this node is, for messages. A preset model is built on this node."""
+        this node is, for messages. `model`: the directory the driver
+        resolved (it must be at that path on this node too), or a preset's
+        name, built on this node."""
         import models
 
         try:
@@ -335,7 +350,13 @@ def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node:
     """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
     node's bundle starts `vllm serve <model> <flags>` there, its log at
     `log_path` made absolute, with `.node<k>` before the suffix (on that
-    node's disk). Returns the actors, each already starting its server."""
+    node's disk). `model`: the model's directory as the driver resolved it
+    (models.resolve_model), absolute, at the same path on every node; or a
+    preset's name (its directory on the driver's node is private, so each
+    node builds its own). Not `--model` as given: a relative path would
+    resolve against each actor's working directory, and a Hugging Face id
+    would be downloaded again on every node. Returns the actors, each
+    already starting its server."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
@@ -351,10 +372,17 @@ def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node:
     return servers
 
 
+class NodeServerFailed(helpers.ServerError):
+    """The vLLM server of a node other than the first exited, or its NodeServer actor is lost."""
+
+
 def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> None:
     """Raise a ServerError naming every node whose server has exited (or
     whose NodeServer actor is lost or does not answer), and how; `seen_as`:
-    the error that made us look. Else return."""
+    the error that made us look (raised as it is if it names them already,
+    from an earlier look). Else return."""
+    if isinstance(seen_as, NodeServerFailed):
+        raise seen_as
     asked = [server.failure.remote() for server in node_servers]
     answered = set(ray.wait(asked, num_returns=len(asked), timeout=60)[0])  # 60 s for all of them together
     failures = []
@@ -365,7 +393,7 @@ def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> 
         except ray.exceptions.RayActorError as e:
             failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
     if failures := [f for f in failures if f]:
-        raise helpers.ServerError("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
+        raise NodeServerFailed("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
 
 
 def wait_until_ready(server: helpers.Server, filling: list, timeout_s: float, node_servers: list = ()) -> float:

@@ -305,6 +305,7 @@ class Job:
     rank_nodes: list[str] = field(default_factory=list)  # each rank's Ray node id
     weights_in_after_s: float | None = None  # the trainers' weights filled, seconds into the server's start
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
+    node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
 
 
 @contextmanager
@@ -334,7 +335,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
             network = gloo_interface_env(placements[0]["node_ip"]) if args.num_nodes > 1 else {}
             flags = serve_plan(args, placements, experts=models.has_experts(model_path))
-            node_servers = start_node_servers(pg, args.model, args.server_log, env, flags[1:])
+            node_model = args.model if args.model in models.PRESETS else str(model_path)  # the path resolved here
+            node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:])
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
                 [str(model_path), *flags[0]],
@@ -352,7 +354,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                               architecture=models.architecture(model_path), gpu_name=placements[0]["gpu_name"],
                               gpu_uuids=[p["gpu_uuid"] for p in placements], rank_nodes=[p["node"] for p in placements],
                               weights_in_after_s=weights_in_after_s,
-                              checkpoint_bytes_read_per_rank=ray_get_all(filling))  # fmt: skip
+                              checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers)  # fmt: skip
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
@@ -422,7 +424,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     with timer.phase("wake_weights"):
         helpers.wake_weights(sock, args.sleep_level)
     with timer.phase("send"):
-        send_per_rank, retried = send_all(trainers, sock, job.send_retries)
+        send_per_rank, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
     with timer.phase("wake_kv"):
         helpers.wake_to_serve(sock)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on

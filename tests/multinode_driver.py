@@ -1,7 +1,9 @@
 """A driver on a two-node Ray cluster (ray.cluster_utils.Cluster, both nodes
 on this machine, one fake GPU each): it places the trainers, plans each node's
-`vllm serve`, and starts and loses the second node's server through its
-NodeServer actor, writing what it saw to the JSON file named by argv[1] for
+`vllm serve`, starts and loses the second node's server through its
+NodeServer actor, sends weights that fail while that server is dead, and
+runs the script's colocated_job with a relative --model until the second
+node's server starts, writing what it saw to the JSON file named by argv[1] for
 test_multinode.py. A fake launcher stands in for `vllm serve`: vLLM on CPU
 has no data-parallel MoE. Run in its own process: pytest's other tests share
 one local Ray, and a process can join only one.
@@ -9,8 +11,10 @@ one local Ray, and a process can join only one.
 
 import json
 import os
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -25,12 +29,69 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 import checks  # noqa: E402
 import helpers  # noqa: E402
+import models  # noqa: E402
 import ray_ranks  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
            "os.environ.get('GLOO_SOCKET_IFNAME'), flush=True); time.sleep(600)")
 FAILS = (sys.executable, "-c", "import sys; print('no GPU on this node'); sys.exit(3)")
+
+
+@ray.remote(num_cpus=0)
+class _SendFailsPartWay:
+    """A trainer rank whose every send the server fails part way."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def send_weights(self) -> None:
+        self.count += 1
+        raise helpers.ServerError("POST /collective_rpc timed out (simulated)")
+
+    def sends(self) -> int:
+        return self.count
+
+
+class _NoModelRank(ray_ranks.Rank):
+    """A trainer rank that builds no model: the job only has to get as far as the servers."""
+
+    def build_model(self, model_path: str, lr: float | None = None) -> None:
+        pass
+
+    def init_weights(self, model_path: str, random_init: bool, seed: int = 0) -> int:
+        return 0
+
+
+class _Stop(Exception):
+    pass
+
+
+@contextmanager
+def _healthy_api():
+    """The first node's API server as far as send_all asks it: GET /health
+    answers 200, on a Unix socket in a private directory."""
+    import http.server
+    import socketserver
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    sock = str(conftest.private_socket_path())
+    with socketserver.UnixStreamServer(sock, Health) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield sock
+        finally:
+            server.shutdown()
+            shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
 
 
 def _all_reduce_rank(trainer) -> float:
@@ -78,6 +139,49 @@ def _error_of(fn) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def _save_tiny_checkpoint(path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    models.build_preset("tiny", path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    models.init_random_weights(model, seed=1)
+    model.save_pretrained(path)
+
+
+def _model_node1_serves(argv: list[str]) -> str:
+    """What `vllm serve` on node 1 is started with in place of the model,
+    when the script (its colocated_job, trainers on CPU) runs with `argv`
+    from the current directory: the job stops once the node's server runs."""
+    _save_tiny_checkpoint(Path("ckpt"))
+    start_trainers, start_node_servers = script.start_trainers, script.start_node_servers
+    originals = {name: getattr(script, name) for name in ("start_trainers", "start_node_servers", "MeasuredTrainer")}
+    served = []
+
+    def on_cpu(*args, **kwargs):
+        return start_trainers(*args, **kwargs, gpus_per_trainer=1, device_type="cpu")
+
+    def and_stop(pg, model, log_path, env, flags_per_node):
+        servers = start_node_servers(pg, model, log_path, env, flags_per_node, launcher=SLEEPS)
+        cmd = ray.get(servers[0].__ray_call__.remote(lambda node: list(node.server.proc.args)))
+        served.append(cmd[cmd.index("serve") + 1])  # the watchdog's argv: `... -- <launcher> serve <model> ...`
+        ray_ranks.stop_node_servers(servers)
+        raise _Stop
+
+    for name, stand_in in zip(originals, (on_cpu, and_stop, _NoModelRank)):
+        setattr(script, name, stand_in)
+    try:
+        with script.colocated_job(script.parse_args(argv)):
+            pass
+    except _Stop:
+        pass
+    except Exception as e:  # node 1's server did not start
+        return f"{type(e).__name__}: {e}"
+    finally:
+        for name, original in originals.items():
+            setattr(script, name, original)
+    return served[0] if served else "not started"
 
 
 def main(out_path: str, log_dir: str) -> None:
@@ -130,6 +234,14 @@ def main(out_path: str, log_dir: str) -> None:
         time.sleep(1)
         seen["died_mid_run"] = _error_of(lambda: ray_ranks.raise_node_failure(
             running, seen_as=helpers.ServerError("POST /sleep failed")))  # fmt: skip
+        # A send the server fails part way while node 1's server is dead (the first node's still
+        # answers): not sent again, and node 1 named at once, as run_round calls send_all.
+        with _healthy_api() as sock:
+            senders = [_SendFailsPartWay.remote() for _ in range(2)]
+            begin = time.monotonic()
+            seen["send_with_a_dead_node"] = _error_of(lambda: ray_ranks.send_all(senders, sock, 2, running))
+            seen["send_with_a_dead_node_s"] = time.monotonic() - begin
+            seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])
         ray_ranks.stop_node_servers(running)
 
         # An actor lost with its server running (the driver gone, say): the watchdog stops it.
@@ -143,6 +255,12 @@ def main(out_path: str, log_dir: str) -> None:
         time.sleep(2)
         seen["left_after_stops"] = _left_of_node_servers()
         seen["log_files"] = sorted(os.listdir(log_dir))
+
+        # The script given a relative path: node 1's server gets the directory the driver resolved.
+        ray.util.remove_placement_group(pg)
+        seen["node1_serves"] = _model_node1_serves(["--model", "ckpt", "--num-gpus", "2", "--num-nodes", "2",
+                                                    "--server-log", "job.log"])  # fmt: skip
+        seen["ckpt"] = str(Path(log_dir, "ckpt").resolve())
     finally:
         with open(out_path, "w") as f:
             json.dump(seen, f, indent=1)

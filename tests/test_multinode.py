@@ -66,7 +66,7 @@ def test_each_node_serves_its_own_gpus_and_the_first_one_runs_the_api(seen):
 
 def test_a_node_server_that_exits_at_start_ends_the_wait_naming_the_node(seen):
     error = seen["failed_start"]
-    assert error.startswith("ServerError: the vLLM server on node 1 (")
+    assert error.startswith("NodeServerFailed: the vLLM server on node 1 (")  # a ServerError
     assert "exited with code 3" in error and "no GPU on this node" in error
     assert seen["failed_start_s"] < 30
 
@@ -93,3 +93,18 @@ def test_one_node_keeps_the_single_node_flags():
     args = script.parse_args(["--num-gpus", "2", "--model", "m"])
     flags = script.serve_args(args, ["0", "1"])
     assert not {"--headless", "--data-parallel-address", "--data-parallel-size-local"} & set(flags)
+
+
+def test_a_send_that_fails_with_a_dead_node_names_it_at_once_and_is_not_sent_again(seen):
+    error = seen["send_with_a_dead_node"]
+    assert error.startswith("NodeServerFailed: the vLLM server on node 1 (") and "exited with code -9" in error
+    assert "seen here as: the send failed part way (not retried)" in error and "(simulated)" in error
+    assert seen["sends_with_a_dead_node"] == [1, 1]  # retries=2, none of them made
+    assert seen["send_with_a_dead_node_s"] < 30
+
+
+def test_the_other_nodes_serve_the_model_directory_the_driver_resolved(seen):
+    """`--model ckpt`, relative to the driver's directory: node 1's server is
+    given the absolute path, not `ckpt` (its actor's directory is another)."""
+    assert seen["node1_serves"] == seen["ckpt"]
+    assert seen["ckpt"].startswith("/")
