@@ -99,7 +99,8 @@ def start_server(
     process group, with its output in `log_path`.
 
     The socket's directory must be private to this user (mode 0700, as
-    tempfile.mkdtemp makes it): other users cannot connect then. `env` is
+    tempfile.mkdtemp makes it): other users cannot connect then. vLLM's
+    internal ZMQ sockets go there too (VLLM_RPC_BASE_PATH). `env` is
     merged over this process's environment and SERVER_ENV. Ray's GPU mask is
     dropped (a caller inside Ray would otherwise hand the server one GPU):
     pass `--device-ids` to choose GPUs instead.
@@ -114,9 +115,17 @@ def start_server(
         raise ServerError(f"the server's socket must be in a directory private to you (0700): {socket_path}")
     if len(socket_path.encode()) > 100:  # the kernel's limit for a socket path is 107 bytes
         raise ServerError(f"socket path too long for a Unix socket ({len(socket_path)} bytes): {socket_path}")
+    if len(os.path.dirname(os.path.abspath(socket_path)).encode()) > 70:  # + vLLM's "/<uuid4>" for its ZMQ sockets
+        raise ServerError(f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
+                          f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory")  # fmt: skip
     log_path = Path(log_path)
     full_env = {**os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("CUDA_VISIBLE_DEVICES", None)
+    # vLLM's own processes talk over ZMQ sockets it creates under this
+    # directory (/tmp by default, with the umask's modes: a user of the same
+    # group could connect, and its decoders unpickle what the dev routes
+    # accept). In the socket's private directory, nobody else can reach them.
+    full_env["VLLM_RPC_BASE_PATH"] = os.path.dirname(os.path.abspath(socket_path))
     cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
     if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
         # What Popen would raise: the watchdog's exec fails only in the child.

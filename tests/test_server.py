@@ -104,6 +104,26 @@ def test_only_this_user_can_reach_the_server(cpu_server):
             except (TimeoutError, ConnectionResetError):
                 pass
     assert _connect_as_another_user(sock) == errno.EACCES
+    # vLLM's own ZMQ sockets between its processes are in the same private directory.
+    bound = _unix_sockets_of(helpers.group_members(cpu_server.pgid))
+    assert bound and all(os.path.dirname(path) == os.path.dirname(sock) for path in bound), bound
+    assert {_connect_as_another_user(path) for path in bound} == {errno.EACCES}
+
+
+def _unix_sockets_of(pids):
+    """Paths of the Unix sockets (not abstract ones) that `pids` have open."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sorted({row[7] for row in rows if len(row) > 7 and row[6] in inodes and row[7].startswith("/")})
 
 
 def _connect_as_another_user(sock, uid=65534):
@@ -214,3 +234,10 @@ def test_the_openai_client_works_as_the_readme_says(cpu_server):
     chat = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0)  # fmt: skip
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+
+
+def test_a_socket_directory_too_long_for_vllms_own_sockets_is_refused(tmp_path):
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir(mode=0o700)
+    with pytest.raises(helpers.ServerError, match="too long for vLLM's own sockets"):
+        helpers.start_server(["m"], socket_path=deep / "s", log_path=tmp_path / "log")
