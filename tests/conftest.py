@@ -113,8 +113,8 @@ def cpu_trainers(ray_cluster):
     return trainers
 
 
-def listening_tcp(pids):
-    """(ip as /proc/net hex, port) of every TCP socket in LISTEN state owned by `pids`."""
+def socket_inodes(pids) -> set[str]:
+    """The inodes of every socket `pids` have open (/proc/PID/fd)."""
     inodes = set()
     for pid in pids:
         try:
@@ -124,6 +124,31 @@ def listening_tcp(pids):
                     inodes.add(target[8:-1])
         except OSError:
             continue
+    return inodes
+
+
+def as_another_user(attempt, uid=65534) -> int:
+    """errno of `attempt()` run as user `uid` (0 if it succeeded), in a forked child."""
+    if os.getuid() != 0:
+        pytest.fail("run the tests as root: only root can act as another user to prove the refusal")
+    pid = os.fork()
+    if pid == 0:  # the child: become `nobody`, try, report through the exit code
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            attempt()
+            code = 0
+        except OSError as e:
+            code = e.errno
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def listening_tcp(pids):
+    """(ip as /proc/net hex, port) of every TCP socket in LISTEN state owned by `pids`."""
+    inodes = socket_inodes(pids)
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import helpers
 import models
-from conftest import SERVED_NAME, listening_tcp, private_socket_path, start_cpu_server
+from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
 
 
 def test_health_and_sleep_state(cpu_server):
@@ -113,15 +113,7 @@ def test_only_this_user_can_reach_the_server(cpu_server):
 
 def _unix_sockets_of(pids):
     """Paths of the Unix sockets (not abstract ones) that `pids` have open."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
+    inodes = socket_inodes(pids)
     with open("/proc/net/unix") as f:
         rows = [line.split() for line in f.readlines()[1:]]
     return sorted({row[7] for row in rows if len(row) > 7 and row[6] in inodes and row[7].startswith("/")})
@@ -129,22 +121,12 @@ def _unix_sockets_of(pids):
 
 def _connect_as_another_user(sock, uid=65534):
     """errno of connecting to `sock` as user `uid` (0 if it connected)."""
-    if os.getuid() != 0:
-        pytest.fail("run the tests as root: only root can act as another user to prove the refusal")
-    pid = os.fork()
-    if pid == 0:  # the child: become `nobody`, try, report through the exit code
-        code = 1
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(sock)
-            code = 0
-        except OSError as e:
-            code = e.errno
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    def connect():
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(sock)
+
+    return as_another_user(connect, uid)
 
 
 def test_a_socket_folder_others_can_enter_is_refused(tmp_path):

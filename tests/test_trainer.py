@@ -466,24 +466,12 @@ def test_a_trainer_that_fails_to_start_leaves_no_placement_group(ray_cluster):
 
 
 def _open_as_another_user(path, flags, uid=65534):
-    """errno of os.open(path, flags) as user `uid` (0 if it opened)."""
+    """errno of opening `path` with `flags` as user `uid` (0 if it opened)."""
     import os
 
-    if os.getuid() != 0:
-        pytest.fail("run the tests as root: only root can act as another user to prove the refusal")
-    pid = os.fork()
-    if pid == 0:  # the child: become `nobody`, try, report through the exit code
-        code = 1
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.close(os.open(path, flags, 0o666))
-            code = 0
-        except OSError as e:
-            code = e.errno
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    from conftest import as_another_user
+
+    return as_another_user(lambda: os.close(os.open(path, flags, 0o666)), uid)
 
 
 def test_another_user_cannot_read_write_or_plant_the_trainers_rendezvous(cpu_trainers):
