@@ -381,13 +381,14 @@ def _fingerprint(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)}:{tensor.dtype}:{plain.item()}:{weighted.item()}"
 
 
-def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list[list[str]], dict[int, str]]:
+def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list[list[str]], dict[int, str],
+                                                                           list[str], list[str]]:  # fmt: skip
     """For each tensor the trainer sends ([name, dtype, shape, is an expert
     block of the direct loader], in send order), the parameters of `model` it
     is written into: found by loading it once, as zeros, through the model's
     own `load_weights` (whatever the family stacks or renames), or, for an
-    expert block, its layer's fused parameter. One expert's tensor of an expert another
-    engine holds is written nowhere here. Also {index: dtype} of the tensors
+    expert block, its layer's fused parameter. One expert's tensor of an
+    expert another engine holds is written nowhere here. Also {index: dtype} of the tensors
     vLLM holds in another dtype than they are sent in (e.g. a router kept in
     fp32): the trainer fingerprints those cast, as vLLM's loader casts them;
     the parameters to compare by value alone (_relaid_out); and those written
