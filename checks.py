@@ -163,11 +163,16 @@ def dlogp_quantile(reference: list[list[float]], other: list[list[float]], q: fl
 
 
 def _abs_diffs(reference: list[list[float]], other: list[list[float]]) -> list[float]:
+    return [abs(d) for d in _diffs(other, reference)]
+
+
+def _diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    """a - b token by token, over every sequence, flattened."""
     diffs: list[float] = []
-    for ref, oth in zip(reference, other, strict=True):
-        if len(ref) != len(oth):
-            raise ValueError(f"sequence lengths differ: {len(ref)} vs {len(oth)}")
-        diffs += [abs(a - b) for a, b in zip(ref, oth, strict=True)]
+    for x, y in zip(a, b, strict=True):
+        if len(x) != len(y):
+            raise ValueError(f"sequence lengths differ: {len(y)} vs {len(x)}")
+        diffs += [u - v for u, v in zip(x, y, strict=True)]
     if not diffs:
         raise ValueError("no tokens to compare")
     return diffs
@@ -266,13 +271,12 @@ def change_test(before: LogprobGap, after: LogprobGap) -> ChangeTest | None:
     trainer's numbers."""
     if before.trainer is None or after.trainer is None:
         return None
-    t_change = [a - b for ta, tb in zip(after.trainer, before.trainer, strict=True) for a, b in zip(ta, tb, strict=True)]
+    t_change = _diffs(after.trainer, before.trainer)
     trainer_rms = _rms(t_change)
-    noise = max(_rms([v - t for vs, ts in zip(engine, before.trainer, strict=True) for v, t in zip(vs, ts, strict=True)])
-                for engine in before.server)  # fmt: skip
+    noise = max(_rms(_diffs(engine, before.trainer)) for engine in before.server)
     residual = 0.0
     for engine_before, engine_after in zip(before.server, after.server, strict=True):
-        v_change = [a - b for va, vb in zip(engine_after, engine_before, strict=True) for a, b in zip(va, vb, strict=True)]
+        v_change = _diffs(engine_after, engine_before)
         residual = max(residual, _rms([v - t for v, t in zip(v_change, t_change, strict=True)]))
     if not trainer_rms > 3 * noise:
         verdict = "too small to see"
@@ -297,8 +301,8 @@ class Gate:
 def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_updated: bool,
          noise: LogprobGap | None = None, stepped: bool = False) -> Gate:  # fmt: skip
     """A round passes when EVERY engine is within the tolerances after the
-    sync (tightened by the noise measured on identical weights, `noise`, if
-    given); if the weights were updated, EVERY engine's log-probabilities
+    sync (widened by the noise measured on identical weights, `noise`, if
+    given: Tolerances.given); if the weights were updated, EVERY engine's log-probabilities
     changed (a sync that silently did nothing on one engine leaves its
     numbers exactly as they were: vLLM's outputs repeat bit for bit on the
     same weights, while the trainer's HF MoE forward need not); and, after a

@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ import torch
 from vllm_compat import local_expert_ids
 
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+_ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor in checkpoint form: its id
 
 
 @dataclass
@@ -197,8 +199,9 @@ class DirectLoadWorker:
     def exact_check_prepare(self, sent: str) -> dict:
         """Learn which of this engine's parameters each tensor the trainer
         sends is written into (`exact_targets`; `sent`: JSON [[name, dtype,
-        shape, is_expert_block], ...], the source's metadata in send order). Before a full
-        sync: it leaves zeros where it probes, until the sync overwrites them."""
+        shape, is_expert_block], ...], the source's metadata in send order).
+        Before a full sync: it leaves zeros where it probes, until the sync
+        overwrites them."""
         import json
 
         self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
@@ -209,7 +212,7 @@ class DirectLoadWorker:
     def exact_check(self, expected: str) -> dict:
         """Prove that this engine holds exactly what the trainer rank on its
         GPU sent (`exact_problems`; `expected`: JSON {gpu_uuid: [[plain,
-        by_column], ...]} in the order exact_check_prepare was given). Raise,
+        by_column, by_position], ...]} in the order exact_check_prepare was given). Raise,
         naming this DP engine and the parameters that differ, if any does."""
         import json
 
@@ -367,18 +370,10 @@ _FINGERPRINT_CHUNK = 1 << 24  # elements per step: bounds the temporary memory
 
 
 def _fingerprint(tensor: torch.Tensor) -> str:
-    """An order-sensitive checksum of a tensor's bytes, computed on its device:
-    the sum of the raw values and their sum weighted by position."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-        chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
-        position = torch.arange(start, start + chunk.numel(), device=flat.device) % 65521 + 1
-        plain += chunk.sum()
-        weighted += (chunk * position).sum()
-    return f"{tuple(tensor.shape)}:{tensor.dtype}:{plain.item()}:{weighted.item()}"
+    """A checksum of a tensor's shape, dtype and every element in its place
+    (exact_fingerprint), computed on its device: for comparing an engine's
+    parameters with themselves (direct_load_fingerprint)."""
+    return f"{tuple(tensor.shape)}:{tensor.dtype}:{':'.join(map(str, exact_fingerprint(tensor)))}"
 
 
 def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list[list[str]], dict[int, str],
@@ -388,8 +383,8 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     is written into: found by loading it once, as zeros, through the model's
     own `load_weights` (whatever the family stacks or renames), or, for an
     expert block, its layer's fused parameter. One expert's tensor of an
-    expert another engine holds is written nowhere here. Also {index: dtype} of the tensors
-    vLLM holds in another dtype than they are sent in (e.g. a router kept in
+    expert another engine holds is written nowhere here. Also {index: dtype}
+    of the tensors vLLM holds in another dtype than they are sent in (e.g. a router kept in
     fp32): the trainer fingerprints those cast, as vLLM's loader casts them;
     the parameters to compare by value alone (_relaid_out); and those written
     whole from one tensor of their shape, compared element by element."""
@@ -430,13 +425,10 @@ def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[s
     out its own way (GPT-OSS: [E, H, 2I] transposed), so only their values
     can be compared. The direct loader's blocks it copies as they are, and
     other families' per-expert tensors it stacks: those are compared whole."""
-    import re
-
     out = set()
     for (name, _, _, block), names in zip(sent, targets, strict=True):
-        one_expert = re.search(r"\.experts\.\d+\.", name)
         gpt_oss_expert = re.search(r"\.experts\.\d+\.w(13|2)_(weight|bias)$", name)  # vLLM transposes those
-        if block or (one_expert and not gpt_oss_expert):
+        if block or (_ONE_EXPERT.search(name) and not gpt_oss_expert):
             continue
         out |= {t for t in names if t.rpartition(".")[0] in by_prefix}
     return sorted(out)
@@ -497,9 +489,7 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
     layer `experts` (None: of no expert layer), is one expert's tensor
     (checkpoint form, `...experts.<id>....`) of an expert another engine
     holds: vLLM's loader skips those, so they add nothing here."""
-    import re
-
-    found = re.search(r"\.experts\.(\d+)\.", sent_name)
+    found = _ONE_EXPERT.search(sent_name)
     return experts is not None and found is not None and int(found.group(1)) not in local_expert_ids(experts)
 
 

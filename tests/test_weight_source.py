@@ -58,13 +58,11 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     import vllm_compat
     import weight_names
 
-    from torch.distributed.fsdp import fully_shard
-
     hf = build_model("gpt_oss", device="cpu")
     fused = dict(weight_names.CheckpointForm(hf, torch.bfloat16))
-    # What the trainer holds: FSDP2 renames the class (FSDPGptOssForCausalLM), which must not matter.
-    type(hf).__name__ = "FSDP" + type(hf).__name__ if not type(hf).__name__.startswith("FSDP") else type(hf).__name__
-    del fully_shard
+    # What the trainer holds: FSDP2's fully_shard gives the model a subclass of its own,
+    # FSDPGptOssForCausalLM, which must not matter. (This one instance only.)
+    hf.__class__ = type(f"FSDP{type(hf).__name__}", (type(hf),), {})
     as_installed = dict(iter(script.BF16Source(hf)))
     if not vllm_compat._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
         assert list(as_installed) == list(fused)
