@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #5's cases that need a GPU: Ctrl-C / SIGTERM in each phase, and the
+# The failure cases that need a GPU: Ctrl-C / SIGTERM in each phase, and the
 # server killed while the job runs. Each case starts the script (tiny model, one
 # GPU), waits for a line of its output that marks the phase, signals it, then
 # records the exit code, how long the exit took, what was left running and the

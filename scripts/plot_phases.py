@@ -7,7 +7,7 @@ what benchmark.py writes (its "variants", each with a "weight_loader" and its
 "rounds"). Each bar is one run and loader; its segments are the sync's phases
 in order: sleep, wake_weights, send, wake_kv. Where a round has rank 0's
 `send_breakdown_s`, send is split into `source` (producing the tensors:
-host time since 2026-11-30's fourth session, before that with the GPU's
+host time in runs from 2026-11-30 on, before that with the GPU's
 gathers and casts), `server` (rank 0 waiting on the server: start, every chunk, finish)
 and `other` (the rest of the send: packing and the trainer ranks'
 handshakes). Every segment is the median over the run's rounds of that

@@ -1,4 +1,4 @@
-"""Write a preset's shape as a real checkpoint on disk (issue #12: measure
+"""Write a preset's shape as a real checkpoint on disk (to measure
 loading the default path's way, a checkpoint, without a download).
 
     python scripts/write_shape_checkpoint.py qwen3-30b-a3b-shape /root/ckpt [--time-full-read]

@@ -1,4 +1,4 @@
-"""Issue #5's failure cases that run without a GPU: the real CPU vLLM server
+"""The failure cases that run without a GPU: the real CPU vLLM server
 refuses or dies in the middle of a send, while the other trainer rank waits
 in a collective (as ranks do between chunks). The driver must hear of it at
 once, say what happened, and leave nothing running."""

@@ -1,4 +1,4 @@
-"""More than one node (issue #10), on a two-node Ray cluster in one process
+"""More than one node, on a two-node Ray cluster in one process
 tree: where the trainer ranks go, what each node's `vllm serve` is told, and
 how a server on another node that fails is reported and cleaned up. The
 driver runs in its own process (multinode_driver.py); these tests read what it saw."""

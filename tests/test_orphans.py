@@ -1,4 +1,4 @@
-"""The server cannot outlive the process that started it (issue #11): a driver
+"""The server cannot outlive the process that started it: a driver
 that is SIGKILLed, with no finally block or atexit run, still leaves nothing
 behind, because server_watchdog.py stops the server's whole group."""
 
