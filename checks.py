@@ -48,8 +48,11 @@ def flag_problem(args) -> str | None:
          f"tensor-parallel groups of {args.tensor_parallel_size}"),
         (not 0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization must be between 0 and 1"),
         (args.packed_buffer_size_bytes < 1, "--packed-buffer-size-bytes must be positive"),
+        (args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1,
+         "--kv-cache-memory-bytes must be positive"),
         (args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1,
          "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
+        (args.soak_seconds < 0, "--soak-seconds must be at least 0"),
         (args.send_retries < 0, "--send-retries must be 0 or more"),
     ]  # fmt: skip
     return next((text for wrong, text in problems if wrong), None) or loader_flag_problem(args, args.weight_loader)

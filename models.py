@@ -3,7 +3,8 @@
 A Hugging Face id or a local directory is loaded as it is. Without a
 checkpoint (no download, no disk), a preset is built locally from a config
 with random weights: "tiny" (Qwen3-30B-A3B's structure at toy size) and
-"qwen3-30b-a3b-shape" (its exact shapes, 61 GB in bf16).
+"qwen3-30b-a3b-shape" (its exact shapes, 61 GB in bf16), "moonlight-16b-a3b-shape"
+(Moonlight-16B-A3B's, 32 GB).
 """
 
 from __future__ import annotations
@@ -65,6 +66,32 @@ PRESETS = {
         "num_experts_per_tok": 8,
         "max_position_embeddings": 40960,
     },
+}
+
+# Moonlight-16B-A3B's published config (moonshotai/Moonlight-16B-A3B: DeepSeek-V3's
+# architecture, MLA without a query LoRA, 64 routed + 2 shared experts, 27 layers),
+# with random weights: a model people train, on one GPU (32 GB in bf16).
+PRESETS["moonlight-16b-a3b-shape"] = {
+    **FAMILIES["deepseek_v3"],
+    "vocab_size": 163840,
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.446,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 8192,
 }
 
 # One small random model per MoE family that transformers 5 and vLLM 0.32 both

@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     add("--send-retries", type=int, default=1, help="direct loader: send again from the start, this many "
         "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")
+    add("--kv-cache-memory-bytes", type=int, help="passed to vllm serve: each GPU's KV cache, instead of what "
+        "--gpu-memory-utilization leaves (a cache sized for the batch is freed and mapped back faster; and vLLM "
+        "skips its memory profiling, so servers on one GPU can start side by side)")
     add("--sleep-level", type=int, choices=(0, 1, 2), default=0, help="what vLLM frees for the trainer: "
         "0: its KV cache only (the fastest; its weights stay on the GPU beside the trainer's and are "
         "overwritten in place); 1: the weights too, copied to CPU; 2: the weights too, discarded (the send "
@@ -81,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     add("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     add("--prompt", action="append", dest="prompts", metavar="TEXT", help=f"repeatable; default {DEFAULT_PROMPTS}")
     add("--rounds", type=int, default=1, help="rounds (one sync each) back to back")
+    add("--soak-seconds", type=float, default=0, help="a soak: after --rounds, more rounds until this many "
+        "seconds have passed since the first began")
     toy_rl.add_arguments(p)  # --train, --lr, --samples-per-prompt, --temperature
     checks.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
     add("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
@@ -287,6 +292,8 @@ def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head
         flags.append("--enforce-eager")
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory_bytes:
+        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     return flags
 
 
@@ -439,6 +446,11 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
                                noise=before if proven else None, training=training)  # fmt: skip
 
 
+def more_rounds(args: argparse.Namespace, done: int, seconds_since_first: float) -> bool:
+    """--rounds rounds, then (a soak) more until --soak-seconds have passed."""
+    return done < args.rounds or seconds_since_first < args.soak_seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     args = parse_args(argv)
@@ -450,9 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
-        rounds, time_to_first_sync_s = [], None
-        for i in range(1, args.rounds + 1):
-            print(f"=== round {i}/{args.rounds} ===", flush=True)
+        rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
+        while more_rounds(args, len(rounds), time.monotonic() - first_round_at):
+            i = len(rounds) + 1
+            soak = f" ({time.monotonic() - first_round_at:.0f} of {args.soak_seconds:.0f} s)" if args.soak_seconds else ""
+            print(f"=== round {i}/{args.rounds}{soak} ===", flush=True)
             # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
             proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
             rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))

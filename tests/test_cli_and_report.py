@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
             "--weight-loader direct needs --tensor-parallel-size 1",
         ),
         (["--weight-loader", "nccl"], "invalid choice"),
+        (["--soak-seconds", "-1"], "--soak-seconds must be at least 0"),
+        (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes must be positive"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -57,6 +59,13 @@ def test_every_flag_is_in_the_readme_and_only_those():
     readme_flags = set(re.findall(r"^\| `(--[a-z0-9-]+)", table, flags=re.M))
     readme_flags |= set(re.findall(r"\| `--[a-z-]+` / `(--[a-z0-9-]+)`", table))
     assert parser_flags == readme_flags
+
+
+def test_a_soak_runs_its_rounds_then_until_its_seconds_have_passed():
+    args = script.parse_args(["--rounds", "2", "--soak-seconds", "60"])
+    assert script.more_rounds(args, 1, 100) and script.more_rounds(args, 5, 59)
+    assert not script.more_rounds(args, 2, 60)
+    assert not script.more_rounds(script.parse_args(["--rounds", "2"]), 2, 0)
 
 
 def test_defaults_match_the_reference_setup():
@@ -191,6 +200,9 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     assert "--enforce-eager" not in flags and "--host" not in flags and "--port" not in flags
     # A dense model: vLLM refuses expert parallelism without experts.
     assert "--enable-expert-parallel" not in script.serve_args(args, ["3", "1", "0", "2"], experts=False)
+    assert "--kv-cache-memory-bytes" not in flags
+    sized = script.serve_args(script.parse_args(["--kv-cache-memory-bytes", "1000000"]), ["0"])
+    assert sized[sized.index("--kv-cache-memory-bytes") + 1] == "1000000"
 
 
 def test_only_a_model_with_experts_is_served_with_expert_parallelism(tmp_path):

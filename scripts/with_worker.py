@@ -1,0 +1,32 @@
+"""Run the script (or benchmark.py) with the server's direct loader replaced by
+another worker extension, for fault runs on a GPU: a class from tests/ that
+derives from direct_load.DirectLoadWorker.
+
+    python scripts/with_worker.py stale_block_worker.StaleBlockWorker --model tiny --num-gpus 1 --train --rounds 2
+    python scripts/with_worker.py fault_worker.FaultWorker --model tiny --num-gpus 1 --rounds 3
+"""
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+
+import rlhf_ipc_fsdp_ep as script  # noqa: E402
+
+WORKER = sys.argv.pop(1)
+_serve_args = script.serve_args
+
+
+def serve_args_with_the_worker(*args, **kwargs):
+    flags = _serve_args(*args, **kwargs)
+    flags[flags.index("direct_load.DirectLoadWorker")] = WORKER
+    return flags
+
+
+script.serve_args = serve_args_with_the_worker
+
+if __name__ == "__main__":
+    script.cli(script.main)
