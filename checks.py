@@ -820,9 +820,10 @@ class Measured:
         # Compare shards with shards: after a forward, FSDP2 may hold the
         # root's own parameters unsharded (other tensors than after the step).
         self.model.reshard()
-        before = self._parameter_checksums()
+        before = parameter_fingerprints(self.model)
         loss = super().train_step(samples)
-        changed = (self._parameter_checksums() != before).to(torch.int32)
+        after = parameter_fingerprints(self.model)
+        changed = torch.tensor([a != b for a, b in zip(after, before, strict=True)], dtype=torch.int32, device=self.device)
         dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # changed on any rank's shard
         names = [name for name, _ in self.model.named_parameters()]
         self.unchanged_by_step = [n for n, c in zip(names, changed.tolist(), strict=True) if not c]
@@ -831,20 +832,19 @@ class Measured:
     def unchanged_by_last_step(self) -> list[str]:
         return self.unchanged_by_step
 
-    @torch.no_grad()
-    def _parameter_checksums(self) -> torch.Tensor:
-        """One integer per parameter: the sum of its local shard's raw bits,
-        so any change to any value shows."""
-        sums = []
-        for _, param in self.model.named_parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            bits = local.detach().reshape(-1).view({2: torch.int16, 4: torch.int32}[local.element_size()])
-            sums.append(bits.sum(dtype=torch.int64))
-        return torch.stack(sums)
-
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
+    """The exact fingerprint of each parameter's local shard (its elements'
+    bits by position), so any change to any element shows. (A plain sum of
+    the bits did not: an AdamW step can move a norm's few elements by amounts
+    that cancel.)"""
+    return direct_load.exact_fingerprints(
+        p.to_local() if hasattr(p, "to_local") else p for _, p in model.named_parameters()
+    )
 
 
 def memory(trainers: list) -> list[GPUMemory]:

@@ -350,13 +350,24 @@ def hangups_unwind():
     """SIGTERM and SIGHUP (a scheduler's stop, a closed terminal) end the
     program the way Ctrl-C does: by an exception that runs every `finally`
     (and so stops the server) on the way out, with exit code 128 + signal."""
-    sigs = (signal.SIGTERM, signal.SIGHUP)
-    previous = [signal.signal(sig, lambda signum, _: sys.exit(128 + signum)) for sig in sigs]
+    previous = unwind_on_hangups()
     try:
         yield
     finally:
-        for sig, handler in zip(sigs, previous, strict=True):
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def unwind_on_hangups() -> dict:
+    """hangups_unwind's handlers, (re)installed; returns the ones they replace.
+    Again after a library that installs its own: ray.init() puts in Ray's
+    SIGTERM handler, which aborts the process a few seconds later, midway
+    through the cleanup."""
+    return {sig: signal.signal(sig, _unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _unwind(signum: int, _frame) -> None:
+    sys.exit(128 + signum)
 
 
 @contextmanager

@@ -11,7 +11,8 @@ of them at once and must not wait on a rank that is gone:
                     failed it part way (--send-retries), unless a node's server is gone
   NodeServer        an actor that owns the headless `vllm serve` of another node
   wait_until_ready  the trainers' weights filled, every node's server healthy
-  job_env           the driver's VLLM_/NCCL_/GLOO_/HF_/TORCH_ settings, for every node
+  init_ray          ray.init() with the driver's settings on every node (job_env),
+                    SIGTERM still unwinding
   leave_ray         Ray left as we found it (the trainers' rendezvous directory too)
   cli               a program's failures as one `error:` line, not a traceback
 """
@@ -194,6 +195,15 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
     return trainers, pg
 
 
+def init_ray() -> None:
+    """ray.init() for the job: a running cluster if there is one (RAY_ADDRESS,
+    `ray start`), else a local Ray; every node's processes get the driver's
+    settings (job_env). Then SIGTERM and SIGHUP unwind again
+    (helpers.unwind_on_hangups): Ray's own handler would abort the cleanup."""
+    ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
+    helpers.unwind_on_hangups()
+
+
 def job_env() -> dict[str, str]:
     """The driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for
     ray.init(runtime_env=...): Ray's workers get the environment of the Ray
@@ -234,14 +244,18 @@ def leave_ray(started_ray: bool, pg) -> None:
         remove_rendezvous(pg)
 
 
-def ray_get_all(refs: list, who: str = "a trainer rank"):
+def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
     """ray.get(refs), but raise as soon as any one fails: the others may be
     blocked in a collective waiting for it. A ServerError (the server
     refused or died) is raised as itself, prefixed by `who` raised it; a dead
-    actor (`who`'s process) as TrainerDied."""
+    actor (`who`'s process) as TrainerDied. `also_check()`, if given, runs
+    every 2 s while they run, and may raise to stop the wait."""
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=None if also_check is None else 2)
+        if not done:
+            also_check()
+            continue
         try:
             ray.get(done[0])
         except ray.exceptions.RayTaskError as e:
@@ -274,7 +288,7 @@ def send_all(trainers: list, sock: str, retries: int = 0, node_servers: list = (
     for attempt in range(retries + 1):
         sends = [t.send_weights.remote() for t in trainers]
         try:
-            return ray_get_all(sends), attempt
+            return ray_get_all(sends, also_check=_answering(sock)), attempt
         except helpers.ServerError as e:
             first = first or e
             raise_node_failure(node_servers, seen_as=helpers.ServerError(
@@ -293,6 +307,21 @@ def send_all(trainers: list, sock: str, retries: int = 0, node_servers: list = (
     detail = why or (f"{attempt + 1} tries" if attempt else "")
     raise helpers.ServerError(f"the send failed part way{f' ({detail})' if detail else ''}; "
                               f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
+
+
+def _answering(sock: str):
+    """A check for ray_get_all that raises once the server has failed GET
+    /health twice in a row. A server whose engine died keeps its API server
+    up while it waits for open requests, such as the chunk in flight, which
+    then never return (until helpers.SERVER_CALL_TIMEOUT_S)."""
+    misses = [0]
+
+    def check() -> None:
+        misses[0] = 0 if helpers.health(sock) else misses[0] + 1
+        if misses[0] >= 2:
+            raise helpers.ServerError("the vLLM server stopped answering GET /health during the send (its engine died?)")
+
+    return check
 
 
 class NodeServer:

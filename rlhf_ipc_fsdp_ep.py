@@ -39,7 +39,7 @@ import helpers
 import models
 import toy_rl
 import weight_names
-from ray_ranks import (Rank, cli, free_port, gloo_interface_env, job_env, leave_ray, raise_node_failure, ray_get_all,
+from ray_ranks import (Rank, cli, free_port, gloo_interface_env, init_ray, leave_ray, raise_node_failure, ray_get_all,
                        send_all, start_node_servers, start_trainers, stop_node_servers, wait_until_ready)
 from vllm_compat import TrainerSource, untested_vllm_warning, vllm_load_form
 
@@ -328,8 +328,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
         try:
             model_path = models.resolve_model(args.model, workdir)
             checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
-            if started_ray:  # a running cluster if there is one (RAY_ADDRESS, `ray start`), else a local Ray
-                ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
+            if started_ray:
+                init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
             trainers, pg = start_trainers(MeasuredTrainer, args.num_gpus, args.num_nodes,
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip

@@ -106,8 +106,10 @@ def start(cmd: str, case: str, log: Path, env: dict) -> subprocess.Popen:
     """The program in a process group of its own, as a terminal's foreground job is."""
     full_env = {**os.environ, **env, "FAULT_CASE": case, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
+        # SIGINT as a terminal leaves it (a shell's background job, as this may be, starts with it ignored).
         return subprocess.Popen(cmd.split(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=full_env, start_new_session=True, cwd=ROOT)  # fmt: skip
+                                env=full_env, start_new_session=True, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
 
 def wait_for(log: Path, marker: str, proc: subprocess.Popen, timeout_s: float = 900) -> bool:
@@ -174,7 +176,10 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
         time.sleep(delay)
         record["gpu_mib_while_running"] = gpu_mib(case_processes(name))
         text = log.read_text(errors="replace")
-        record.update(reached_phase=True, phase_at_fault=last_phase(text), fault_sent_after_s=round(time.monotonic() - t0, 1))
+        after = text[text.index(marker) + len(marker):]
+        record.update(reached_phase=True, phase_at_fault=last_phase(text), fault_sent_after_s=round(time.monotonic() - t0, 1),
+                      # in the phase: it had not said it was over when the fault came
+                      landed_in_phase=not (done.search(after) if isinstance(done, re.Pattern) else done in after))  # fmt: skip
         record["fault"] = fault(proc, name, what)
     else:
         record.update(reached_phase=False, phase_at_fault=last_phase(log.read_text(errors="replace")))
@@ -187,15 +192,7 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
         proc.wait()
     exited = time.monotonic()
     text = log.read_text(errors="replace")
-    after = text[text.index(marker) + len(marker):] if marker in text else ""
-    record.update(
-        exit_code=proc.returncode,
-        exit_after_s=round(exited - fault_at, 2),
-        message=message(text),
-        # The fault hit the phase if the phase never said it was over.
-        landed_in_phase=None if delay is None else bool(record.get("reached_phase")) and not (
-            done.search(after) if isinstance(done, re.Pattern) else done in after),
-    )
+    record.update(exit_code=proc.returncode, exit_after_s=round(exited - fault_at, 2), message=message(text))
     if delay is None:
         record.update(retried="retry 1 of" in text, exact_passed=text.count("[exact] "),
                       gate_passed=len(re.findall(r"^\[gate\] .*: pass$", text, re.M)))  # fmt: skip
@@ -204,9 +201,9 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
         left = case_processes(name)
         record[f"leftover_processes_after_{wait_s}s"] = len(left)
         record[f"gpu_mib_after_{wait_s}s"] = gpu_mib(left)
-        if wait_s == 10:
+        if wait_s == 60:  # what is left for good (at 10 s the watchdog may still be in its 10 s grace)
             record["leftover_processes"] = len(left)
-            record["leftover_commands"] = [Path(f"/proc/{p}/cmdline").read_bytes()[:200].replace(b"\0", b" ").decode(
+        record[f"leftover_commands_after_{wait_s}s"] = [Path(f"/proc/{p}/cmdline").read_bytes()[:200].replace(b"\0", b" ").decode(
                 errors="replace") for p in left if Path(f"/proc/{p}").exists()]  # fmt: skip
     for pid in case_processes(name):  # leave nothing for the next case, whatever this one left
         try:

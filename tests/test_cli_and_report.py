@@ -569,3 +569,16 @@ def test_two_ranks_on_one_gpu_are_refused():
         [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}])
     with pytest.raises(ValueError, match="two trainer ranks on one GPU"):
         helpers.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})
+
+
+def test_the_step_check_sees_a_change_that_keeps_the_sum_of_the_bits():
+    """Two elements swapped (as an AdamW step moving a norm's elements by
+    amounts that cancel can do to a sum): the parameter changed, and its
+    fingerprint says so."""
+    model = torch.nn.Linear(4, 2, bias=False)
+    before = checks.parameter_fingerprints(model)
+    with torch.no_grad():
+        w = model.weight.view(-1)
+        w[0], w[1] = w[1].clone(), w[0].clone()
+    assert checks.parameter_fingerprints(model) != before
+    assert checks.parameter_fingerprints(model) == checks.parameter_fingerprints(model)

@@ -273,6 +273,33 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         _cleanup(driver, pgid)
 
 
+def test_sigterm_still_unwinds_after_ray_starts():
+    """ray.init() installs Ray's own SIGTERM handler, which prints a stack and
+    aborts the process (exit 134) a few seconds into the cleanup; the script
+    starts Ray through ray_ranks.init_ray, after which SIGTERM unwinds with
+    143 and the cleanup runs to its end."""
+    driver = _driver("""
+        import time
+        import ray, helpers, ray_ranks
+        with helpers.hangups_unwind():
+            try:
+                ray_ranks.init_ray()
+                print("ready", flush=True)
+                time.sleep(120)
+            finally:
+                time.sleep(4)  # past the point where Ray's handler aborts
+                ray.shutdown()
+                print("cleanup done", flush=True)
+    """)
+    try:
+        _read_until(driver, "ready")
+        driver.send_signal(signal.SIGTERM)
+        assert _read_until(driver, "cleanup done") == ""
+        assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        driver.kill()
+
+
 def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     """A driver that started its own local Ray (as the script does when none
     is running) and a server under the watchdog, with Ray's processes in
