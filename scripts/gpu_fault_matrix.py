@@ -56,7 +56,7 @@ PHASES = {
 CASES: dict[str, tuple] = {}
 for phase, delay in (("start", 15), ("generation", 0.3), ("sleep", 0), ("send", 0.5)):
     # A larger KV cache makes the sleep (vLLM freeing it) long enough to land in.
-    flags = f"--kv-cache-memory-bytes {12 * GIB}" if phase == "sleep" else ""
+    flags = f"--kv-cache-memory-bytes {4 * GIB}" if phase == "sleep" else ""
     env = {"FAULT_SLOW_CHUNK_S": "3"} if phase == "send" else {}
     for sig in ("SIGINT", "SIGTERM", "SIGKILL"):
         CASES[f"{phase}-{sig.lower()}"] = (phase, sig, delay, f"--rounds 100000 {flags}", env)
