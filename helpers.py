@@ -349,25 +349,42 @@ def serving(serve_args: Sequence[str], **start_kwargs):
 def hangups_unwind():
     """SIGTERM and SIGHUP (a scheduler's stop, a closed terminal) end the
     program the way Ctrl-C does: by an exception that runs every `finally`
-    (and so stops the server) on the way out, with exit code 128 + signal."""
+    (and so stops the server) on the way out; out of this block it becomes
+    SystemExit(128 + signal). The exception is a KeyboardInterrupt (Hangup),
+    because a blocking Ray call (ray.wait, ray.get) gives way to that one
+    alone: it turns any other exception raised in a signal handler into an
+    exit with code 1."""
+    _hangups_received.clear()
     previous = unwind_on_hangups()
     try:
         yield
+    except KeyboardInterrupt:  # (Ray raises its own KeyboardInterrupt in place of ours)
+        if _hangups_received:
+            raise SystemExit(128 + _hangups_received[0]) from None
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+class Hangup(KeyboardInterrupt):
+    """SIGTERM or SIGHUP received inside hangups_unwind."""
+
+
+_hangups_received: list[int] = []
+
+
 def unwind_on_hangups() -> dict:
     """hangups_unwind's handlers, (re)installed; returns the ones they replace.
-    Again after a library that installs its own: ray.init() puts in Ray's
-    SIGTERM handler, which aborts the process a few seconds later, midway
-    through the cleanup."""
+    Again after a library that installs its own: ray.init() puts in Ray's,
+    under which a SIGTERM during a blocking Ray call aborts the process, or
+    ends it with code 1, midway through the cleanup."""
     return {sig: signal.signal(sig, _unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def _unwind(signum: int, _frame) -> None:
-    sys.exit(128 + signum)
+    _hangups_received.append(signum)
+    raise Hangup(f"signal {signum}")
 
 
 @contextmanager

@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import private_socket_path
 
 import helpers
@@ -273,19 +275,28 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         _cleanup(driver, pgid)
 
 
-def test_sigterm_still_unwinds_after_ray_starts():
+@pytest.mark.parametrize("waiting_in", ["sleep", "ray.wait"])
+def test_sigterm_still_unwinds_after_ray_starts(waiting_in):
     """ray.init() installs Ray's own SIGTERM handler, which prints a stack and
     aborts the process (exit 134) a few seconds into the cleanup; the script
     starts Ray through ray_ranks.init_ray, after which SIGTERM unwinds with
-    143 and the cleanup runs to its end."""
-    driver = _driver("""
+    143 and the cleanup runs to its end. Also while the driver waits in Ray
+    (as send_all does during a send): Ray's wait turns any exception from a
+    signal handler but KeyboardInterrupt into an exit with code 1."""
+    driver = _driver(f"""
         import time
         import ray, helpers, ray_ranks
+
+        @ray.remote
+        def slow():
+            time.sleep(120)
+
         with helpers.hangups_unwind():
             try:
                 ray_ranks.init_ray()
+                ref = slow.remote()
                 print("ready", flush=True)
-                time.sleep(120)
+                time.sleep(120) if {waiting_in!r} == "sleep" else ray_ranks.ray_get_all([ref], also_check=lambda: None)
             finally:
                 time.sleep(4)  # past the point where Ray's handler aborts
                 ray.shutdown()
