@@ -413,8 +413,9 @@ class GPUMemory:
 
     trainer_peak_allocated: float  # the trainer's peak since the previous reading (this round)
     trainer_reserved: float
-    server_used: float  # the other processes on the GPU (the vLLM engine), from NVML; NaN if unknown
-    device_used: float  # all processes
+    server_used: float  # the vLLM server's processes on this GPU (NVML; every other process if its group is unknown); NaN if unknown
+    device_used: float  # all processes, this job's and any other's
+    job_used: float = math.nan  # this trainer rank's process and the server's on this GPU (NVML); NaN if unknown
 
 
 @dataclass
@@ -498,18 +499,21 @@ def round_record(
 
 def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: list[dict], before: LogprobGap,
                  after: LogprobGap, send_retries: int, weights_updated: bool, exact: ExactCheck | None = None,
-                 noise: LogprobGap | None = None, training: dict | None = None) -> RoundRecord:  # fmt: skip
+                 noise: LogprobGap | None = None, training: dict | None = None,
+                 server_pgids: list | None = None) -> RoundRecord:  # fmt: skip
     """A round as the JSON records it, with the checks' verdicts (printed):
     `phases` and `send_per_rank` as measured, the logprob gaps before and
     after the sync (`noise`: the gap on identical weights, if this round
     measured it: its `before`), the exact check, and with --train `training`
-    = {"reward_mean", "loss"} (loss None when no step was taken). The round
+    = {"reward_mean", "loss"} (loss None when no step was taken);
+    `server_pgids` as `memory` takes them. The round
     passes only if the gate and the exact check both pass (failed_checks)."""
     tolerances = Tolerances.from_args(args)
     stepped = training is not None and training["loss"] is not None
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
     sync_bytes = ray.get(trainers[0].sync_bytes.remote())
-    record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers), weights_updated)
+    record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers, server_pgids),
+                          weights_updated)  # fmt: skip
     record.send_retries = send_retries
     widened = (verdict.mean_tolerance, verdict.quantile_tolerance) != (tolerances.mean, tolerances.quantile)
     record.gate_tolerances = {"mean": verdict.mean_tolerance, "quantile": verdict.quantile_tolerance,
@@ -562,13 +566,17 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
 
 
 def memory_growth_gib(rounds: list[RoundRecord]) -> float:
-    """Largest growth, on any GPU, of the memory used by all processes after a
-    sync, from round 2 to the last round. Round 1 is left out: it allocates
+    """Largest growth, on any GPU, of the memory this job's processes use
+    after a sync (all processes', where NVML cannot tell), from round 2 to the last round. Round 1 is left out: it allocates
     what every later round reuses (optimizer state, IPC buffer, NCCL buffers)."""
     if len(rounds) < 3:
         return 0.0
     first, last = rounds[1].memory_gib_per_rank, rounds[-1].memory_gib_per_rank
-    return max(b["device_used"] - a["device_used"] for a, b in zip(first, last, strict=True))
+
+    def used(m: dict) -> float:  # this job's processes where NVML tells them apart: other jobs may share the GPU
+        return m["job_used"] if math.isfinite(m.get("job_used", math.nan)) else m["device_used"]
+
+    return max(used(b) - used(a) for a, b in zip(first, last, strict=True))
 
 
 def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
@@ -803,17 +811,19 @@ class Measured:
         model = sum(p.numel() * torch.bfloat16.itemsize for p in self.model.parameters())
         return {"model": model, "per_gpu": self.bytes_per_gpu}
 
-    def memory_gib(self) -> GPUMemory:
-        """This GPU now, and the trainer's peak since the last reading."""
+    def memory_gib(self, server_pgid: int | None = None) -> GPUMemory:
+        """This GPU now, and the trainer's peak since the last reading;
+        `server_pgid`: the process group of the vLLM server on this node."""
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        mine, server = nvml_gpu_memory(str(torch.cuda.get_device_properties(self.device).uuid), server_pgid)
         return GPUMemory(
             trainer_peak_allocated=peak / GiB,
             trainer_reserved=torch.cuda.memory_reserved(self.device) / GiB,
-            server_used=other_processes_gpu_memory(uuid) / GiB,
+            server_used=server / GiB,
             device_used=(total - free) / GiB,
+            job_used=(mine + server) / GiB if server_pgid is not None else math.nan,
         )
 
     def train_step(self, samples: list[dict]) -> float:
@@ -847,13 +857,15 @@ def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
     )
 
 
-def memory(trainers: list) -> list[GPUMemory]:
-    return ray.get([t.memory_gib.remote() for t in trainers])
+def memory(trainers: list, server_pgids: list | None = None) -> list[GPUMemory]:
+    """Each rank's GPU (`server_pgids`: per rank, its node's server's process group)."""
+    return ray.get([t.memory_gib.remote(server_pgids[r] if server_pgids else None) for r, t in enumerate(trainers)])
 
 
-def other_processes_gpu_memory(gpu_uuid: str) -> float:
-    """Bytes of GPU memory that processes other than this one use on the GPU
-    with this UUID (NVML; NaN if NVML cannot tell)."""
+def nvml_gpu_memory(gpu_uuid: str, server_pgid: int | None = None) -> tuple[float, float]:
+    """(bytes this process uses on the GPU with this UUID, bytes the server's
+    processes use there: those of process group `server_pgid`, or every other
+    process if None), from NVML; NaN where NVML cannot tell."""
     try:
         import pynvml
 
@@ -861,14 +873,29 @@ def other_processes_gpu_memory(gpu_uuid: str) -> float:
         try:
             uuid = gpu_uuid if gpu_uuid.startswith("GPU-") else f"GPU-{gpu_uuid}"
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            if os.getpid() not in {p.pid for p in procs}:
-                return math.nan  # NVML sees another PID namespace: it cannot tell us apart
-            return float(sum(p.usedGpuMemory or 0 for p in procs if p.pid != os.getpid()))
+            procs = [(p.pid, p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # no NVML, no permission, a container hiding PIDs
-        return math.nan
+    except Exception:  # no NVML, no permission
+        return math.nan, math.nan
+    return split_gpu_memory(procs, os.getpid(), server_pgid)
+
+
+def split_gpu_memory(procs: list[tuple[int, int]], me: int, server_pgid: int | None, getpgid=os.getpgid):
+    """nvml_gpu_memory's (mine, the server's) from NVML's (pid, bytes) list."""
+    if me not in {pid for pid, _ in procs}:
+        return math.nan, math.nan  # NVML sees another PID namespace: it cannot tell us apart
+
+    def servers(pid: int) -> bool:
+        if server_pgid is None:
+            return True
+        try:
+            return getpgid(pid) == server_pgid
+        except OSError:  # gone, or on another node
+            return False
+
+    mine = float(sum(used for pid, used in procs if pid == me))
+    return mine, float(sum(used for pid, used in procs if pid != me and servers(pid)))
 
 
 class TimedSource(TrainerSource):

@@ -352,6 +352,10 @@ class NodeServer:
                                            log_path=log_path, env=env, launcher=launcher)  # fmt: skip
         return self.where()
 
+    def pgid(self) -> int:
+        """The process group of this node's server (to tell its GPU memory from others')."""
+        return self.server.pgid
+
     def where(self) -> str:
         return f"node {self.node_index} ({ray.util.get_node_ip_address()}, Ray node {ray.get_runtime_context().get_node_id()[:8]})"
 

@@ -313,6 +313,7 @@ class Job:
     weights_in_after_s: float | None = None  # the trainers' weights filled, seconds into the server's start
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
     node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
+    server_pgids: list = field(default_factory=list)  # per rank, the process group of its node's vLLM server
 
 
 @contextmanager
@@ -361,7 +362,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                               architecture=models.architecture(model_path), gpu_name=placements[0]["gpu_name"],
                               gpu_uuids=[p["gpu_uuid"] for p in placements], rank_nodes=[p["node"] for p in placements],
                               weights_in_after_s=weights_in_after_s,
-                              checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers)  # fmt: skip
+                              checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers,
+                              server_pgids=server_pgids_per_rank(server, node_servers, args))  # fmt: skip
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
@@ -374,6 +376,12 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
                 stop_node_servers(node_servers)
                 leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
+
+
+def server_pgids_per_rank(server: helpers.Server, node_servers: list, args: argparse.Namespace) -> list[int]:
+    """For each rank, the process group of the vLLM server on its node (ranks go in node order)."""
+    per_node = [server.pgid, *ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
+    return [per_node[r // (args.num_gpus // args.num_nodes)] for r in range(args.num_gpus)]
 
 
 def serve_plan(args: argparse.Namespace, placements: list[dict], experts: bool = True) -> list[list[str]]:
@@ -443,7 +451,8 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     # bit for bit when `before` was measured: that gap is the kernels' noise.
     return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
                                weights_updated=first_sync or bool(samples), exact=exact,
-                               noise=before if proven else None, training=training)  # fmt: skip
+                               noise=before if proven else None, training=training,
+                               server_pgids=job.server_pgids)  # fmt: skip
 
 
 def more_rounds(args: argparse.Namespace, done: int, seconds_since_first: float) -> bool:

@@ -582,3 +582,24 @@ def test_the_step_check_sees_a_change_that_keeps_the_sum_of_the_bits():
         w[0], w[1] = w[1].clone(), w[0].clone()
     assert checks.parameter_fingerprints(model) != before
     assert checks.parameter_fingerprints(model) == checks.parameter_fingerprints(model)
+
+
+def test_gpu_memory_is_told_apart_by_process_group():
+    """On a GPU that another job shares, the server's memory is that of its
+    own process group, and the memory-growth check reads this job's
+    processes only: another job's memory coming and going is not growth."""
+    procs = [(10, 4 << 30), (20, 30 << 30), (21, 2 << 30), (30, 50 << 30)]  # trainer, server x2, another job
+    groups = {20: 20, 21: 20, 30: 30}
+    mine, server = checks.split_gpu_memory(procs, 10, 20, getpgid=groups.__getitem__)
+    assert (mine, server) == (4 << 30, 32 << 30)
+    assert checks.split_gpu_memory(procs, 10, None)[1] == 82 << 30  # group unknown: every other process
+    assert all(map(math.isnan, checks.split_gpu_memory(procs, 99, 20)))  # NVML in another PID namespace
+
+    def round_with(job_used, device_used):
+        r = _record()
+        r.memory_gib_per_rank = [{"job_used": job_used, "device_used": device_used}]
+        return r
+
+    rounds = [round_with(40.0, 90.0), round_with(40.0, 90.0), round_with(40.1, 140.0)]
+    assert checks.memory_growth_gib(rounds) == pytest.approx(0.1)
+    assert checks.memory_growth_gib([round_with(math.nan, 90.0)] * 2 + [round_with(math.nan, 91.0)]) == 1.0
