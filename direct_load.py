@@ -547,8 +547,9 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
             bits = (bits ^ (bits >> 32)) & _MASK32
         bits = bits ^ 0x5BD1E995  # so that zeros count too
         row_salt = _mix32(torch.arange(start, start + bits.shape[0], device=rows.device, dtype=torch.int64) + 0x27D4EB2F)
+        by_column = _mix32(bits ^ salt)  # (once: the position's mix starts from it)
         sums[0] += _mix32(bits).sum() % FINGERPRINT_MODULUS
-        sums[1] += _mix32(bits ^ salt).sum() % FINGERPRINT_MODULUS
-        sums[2] += _mix32(_mix32(bits ^ salt) ^ row_salt[:, None]).sum() % FINGERPRINT_MODULUS
+        sums[1] += by_column.sum() % FINGERPRINT_MODULUS
+        sums[2] += _mix32(by_column ^ row_salt[:, None]).sum() % FINGERPRINT_MODULUS
         sums %= FINGERPRINT_MODULUS
     return sums
