@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs we report, in one call on the GPU host (see README "GPU runs").
+# The GPU runs we report, several variants in one go on a GPU machine (docs/DEVELOPING.md).
 # usage: bash scripts/gpu_host_runs.sh OUT_DIR VARIANT...
 #   VARIANT is name:seconds:program flags, e.g.
 #     "tiny-n2:240:rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2"

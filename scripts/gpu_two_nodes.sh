@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two nodes on one GPU host: a Ray cluster of two nodes, one GPU
+# Two nodes on one GPU machine: a Ray cluster of two nodes, one GPU
 # each (a head and a worker, each started with one GPU visible), then the runs
 # given, as scripts/gpu_host_runs.sh takes them, against that cluster.
 # usage: bash scripts/gpu_two_nodes.sh OUT_DIR VARIANT...
