@@ -531,8 +531,11 @@ def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
 
 @torch.no_grad()
 def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """exact_fingerprint as an int64 tensor of 3 on the tensor's device,
-    computed in pieces of bounded size."""
+    """exact_fingerprint as an int64 tensor of 3 on the tensor's device: on a
+    GPU, for 2- and 4-byte elements, in one pass of one kernel
+    (_fingerprint_kernel); else with torch, in pieces of bounded size."""
+    if triton is not None and tensor.is_cuda and tensor.element_size() in (2, 4) and tensor.numel():
+        return fingerprint_sums_triton(tensor)
     flat = tensor.detach()
     columns = flat.shape[-1] if flat.dim() >= 2 and flat.shape[-1] > 0 else 1
     rows = flat.contiguous().reshape(-1, columns)
@@ -553,3 +556,61 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
         sums[2] += _mix32(by_column ^ row_salt[:, None]).sum() % FINGERPRINT_MODULUS
         sums %= FINGERPRINT_MODULUS
     return sums
+
+
+def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """_fingerprint_sums in one Triton kernel: each program mixes `block`
+    elements the way the torch code does (the same 32-bit arithmetic) and
+    writes its three partial sums; torch adds them up. Reads the tensor once:
+    on a GPU, the memory's speed. (On CPU only under TRITON_INTERPRET=1, as
+    the tests run it against the torch code.)"""
+    flat = tensor.detach().contiguous().reshape(-1)
+    columns = tensor.shape[-1] if tensor.dim() >= 2 and tensor.shape[-1] > 0 else 1
+    bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+    programs = triton.cdiv(flat.numel(), block)
+    partial = torch.empty(programs, 3, dtype=torch.int64, device=flat.device)
+    _fingerprint_kernel[(programs,)](bits, partial, flat.numel(), columns, ELEMENT_BITS=8 * flat.element_size(),
+                                       SALTED=columns > 1, BLOCK=block)  # fmt: skip
+    return partial.sum(0) % FINGERPRINT_MODULUS  # (int64 sums wrap modulo 2**64, a multiple of the modulus)
+
+
+try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32_triton(x):  # lowbias32 on uint32 (its products wrap, as `& _MASK32` does in _mix32)
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _fingerprint_kernel(bits_ptr, partial_ptr, numel, columns, ELEMENT_BITS: tl.constexpr, SALTED: tl.constexpr,
+                            BLOCK: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < numel
+        raw = tl.load(bits_ptr + offsets, mask=inside, other=0)
+        if ELEMENT_BITS == 16:
+            bits = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            bits = raw.to(tl.uint32, bitcast=True)
+        bits = bits ^ 0x5BD1E995
+        row = (offsets // columns).to(tl.uint32)
+        if SALTED:
+            salt = _mix32_triton((offsets % columns).to(tl.uint32) + 0x9E3779B9)
+        else:
+            salt = tl.zeros([BLOCK], dtype=tl.uint32)
+        plain = _mix32_triton(bits)
+        by_column = _mix32_triton(bits ^ salt)
+        by_position = _mix32_triton(by_column ^ _mix32_triton(row + 0x27D4EB2F))
+        zero = tl.zeros([BLOCK], dtype=tl.int64)
+        tl.store(partial_ptr + pid * 3 + 0, tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=0))
+        tl.store(partial_ptr + pid * 3 + 1, tl.sum(tl.where(inside, by_column.to(tl.int64), zero), axis=0))
+        tl.store(partial_ptr + pid * 3 + 2, tl.sum(tl.where(inside, by_position.to(tl.int64), zero), axis=0))

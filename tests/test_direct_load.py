@@ -3,6 +3,7 @@ the layout it relies on, its error messages, and its placement check.
 (Moving bytes through it needs CUDA IPC: that part is proved on the GPU host,
 where it reproduces vLLM's own loader bit for bit; see docs/BENCHMARKS.md.)"""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -127,3 +128,33 @@ def test_fingerprints_see_a_single_changed_value():
     if not torch.equal(swapped, t):
         assert direct_load._fingerprint(swapped) != same  # order matters, not only the sum
     assert direct_load._fingerprint(t.float()) != same  # dtype is part of it
+
+
+def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
+    """On a GPU the exact check fingerprints 2- and 4-byte tensors with one
+    Triton kernel; here it runs in Triton's interpreter on CPU, against the
+    torch code: the same three sums for every shape that matters (rows and
+    columns, one column, 1-D, non-contiguous, a last partial block)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys, torch
+import direct_load as d
+torch.manual_seed(0)
+cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16),
+         torch.randn(5, 7, 64), torch.randn(64, 1, dtype=torch.float16),
+         torch.randn(300, 3, dtype=torch.bfloat16).t(), torch.zeros(4096 + 5, 2, dtype=torch.bfloat16),
+         torch.randint(-2**31, 2**31 - 1, (17, 33), dtype=torch.int32)]
+for t in cases:
+    assert d._fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
+swapped = cases[0].clone().view(-1)
+swapped[0], swapped[1] = cases[0].view(-1)[1], cases[0].view(-1)[0]
+assert d.fingerprint_sums_triton(swapped.view(37, 129), block=256)[2] != d.fingerprint_sums_triton(cases[0], block=256)[2]
+print("same sums")
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0 and "same sums" in out.stdout, out.stderr[-3000:]
