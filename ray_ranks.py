@@ -175,7 +175,8 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
             f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, the first "
             f"one this node) within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
-    actor = ray.remote(trainer_cls)
+    # A class, or one that is a Ray actor already (@ray.remote): either way a Rank's methods.
+    actor = trainer_cls if isinstance(trainer_cls, ray.actor.ActorClass) else ray.remote(trainer_cls)
     try:
         trainers = [
             actor.options(num_cpus=1, num_gpus=gpus_per_trainer, scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -317,8 +317,9 @@ class Job:
 
 
 @contextmanager
-def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
-    """Reserve the GPUs, start a trainer rank on each with the model sharded
+def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, trainer_cls: type | None = None):
+    """Reserve the GPUs, start a trainer rank on each (`trainer_cls`, a Rank
+    subclass or such a Ray actor; the script's MeasuredTrainer by default) with the model sharded
     over them, start `vllm serve` on the same GPUs (on more nodes: through a
     NodeServer actor on each other node). On the way out (error, Ctrl-C,
     SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
@@ -332,7 +333,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None):
             if started_ray:
                 init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
-            trainers, pg = start_trainers(MeasuredTrainer, args.num_gpus, args.num_nodes,
+            trainers, pg = start_trainers(trainer_cls or MeasuredTrainer, args.num_gpus, args.num_nodes,
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip
             placements = ray_get_all([t.placement.remote() for t in trainers])
             checks.show_layout(placements, args.num_nodes)

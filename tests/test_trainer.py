@@ -498,3 +498,12 @@ def test_the_one_node_rendezvous_directory_goes_with_the_trainers(ray_cluster):
     assert os.path.isdir(folder)
     ray_ranks.leave_ray(False, pg)
     assert not os.path.exists(folder)
+
+
+def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainers):
+    """start_trainers takes a Rank subclass, or one a user made a Ray actor
+    already (`@ray.remote class Trainer(Rank)`, as in vLLM's example), whose
+    ranks then join one process group the same way."""
+    trainers = fresh_cpu_trainers(trainer_cls=ray.remote(script.FSDPTrainer))
+    placements = script.ray_get_all([t.placement.remote() for t in trainers])
+    assert [p["rank"] for p in placements] == [0, 1]
