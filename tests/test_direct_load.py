@@ -140,7 +140,8 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     from pathlib import Path
 
     code = """
-import sys, torch
+import sys, types, torch
+sys.modules["vllm_compat"] = types.SimpleNamespace(local_expert_ids=None)  # (not used here; spares importing vLLM)
 import direct_load as d
 torch.manual_seed(0)
 cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16),

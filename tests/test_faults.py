@@ -78,7 +78,7 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, tm
             fresh_cpu_trainers, server.socket_path, "killed", during=kill_the_engine_core, retries=1
         )
     finally:
-        helpers.stop_server(server)
+        helpers.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
     assert seconds < 60  # never the 300 s call timeout, nor the 10-minute collective timeout
     assert message.startswith("the send failed part way (not retried: the server does not answer)")
     assert helpers.group_members(server.pgid) == [] and not helpers.health(server.socket_path)

@@ -10,8 +10,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import private_socket_path
 
 import helpers
@@ -275,15 +273,14 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         _cleanup(driver, pgid)
 
 
-@pytest.mark.parametrize("waiting_in", ["sleep", "ray.wait"])
-def test_sigterm_still_unwinds_after_ray_starts(waiting_in):
+def test_sigterm_still_unwinds_after_ray_starts():
     """ray.init() installs Ray's own SIGTERM handler, which prints a stack and
     aborts the process (exit 134) a few seconds into the cleanup; the script
     starts Ray through ray_ranks.init_ray, after which SIGTERM unwinds with
-    143 and the cleanup runs to its end. Also while the driver waits in Ray
-    (as send_all does during a send): Ray's wait turns any exception from a
-    signal handler but KeyboardInterrupt into an exit with code 1."""
-    driver = _driver(f"""
+    143 and the cleanup runs to its end. The signal comes while the driver
+    waits in Ray (as send_all does during a send), whose wait turns any
+    exception from a signal handler but KeyboardInterrupt into exit code 1."""
+    driver = _driver("""
         import time
         import ray, helpers, ray_ranks
 
@@ -296,7 +293,7 @@ def test_sigterm_still_unwinds_after_ray_starts(waiting_in):
                 ray_ranks.init_ray()
                 ref = slow.remote()
                 print("ready", flush=True)
-                time.sleep(120) if {waiting_in!r} == "sleep" else ray_ranks.ray_get_all([ref], also_check=lambda: None)
+                ray_ranks.ray_get_all([ref], also_check=lambda: None)
             finally:
                 time.sleep(4)  # past the point where Ray's handler aborts
                 ray.shutdown()
