@@ -48,6 +48,12 @@ import torch
 
 from vllm_compat import local_expert_ids
 
+try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 _ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor in checkpoint form: its id
 
@@ -537,7 +543,7 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
     if triton is not None and tensor.is_cuda and tensor.element_size() in (2, 4) and tensor.numel():
         return fingerprint_sums_triton(tensor)
     flat = tensor.detach()
-    columns = flat.shape[-1] if flat.dim() >= 2 and flat.shape[-1] > 0 else 1
+    columns = _columns(flat)
     rows = flat.contiguous().reshape(-1, columns)
     bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
     unsigned = (1 << (8 * rows.element_size())) - 1 if rows.element_size() < 8 else -1
@@ -558,6 +564,11 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
     return sums
 
 
+def _columns(tensor: torch.Tensor) -> int:
+    """The fingerprint's columns: the last dim's size (1 for a 1-D or empty-last-dim tensor)."""
+    return tensor.shape[-1] if tensor.dim() >= 2 and tensor.shape[-1] > 0 else 1
+
+
 def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """_fingerprint_sums in one Triton kernel: each program mixes `block`
     elements the way the torch code does (the same 32-bit arithmetic) and
@@ -565,7 +576,7 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 4096) -> torch.Te
     on a GPU, the memory's speed. (On CPU only under TRITON_INTERPRET=1, as
     the tests run it against the torch code.)"""
     flat = tensor.detach().contiguous().reshape(-1)
-    columns = tensor.shape[-1] if tensor.dim() >= 2 and tensor.shape[-1] > 0 else 1
+    columns = _columns(tensor)
     bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
     programs = triton.cdiv(flat.numel(), block)
     partial = torch.empty(programs, 3, dtype=torch.int64, device=flat.device)
@@ -574,13 +585,7 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 4096) -> torch.Te
     return partial.sum(0) % FINGERPRINT_MODULUS  # (int64 sums wrap modulo 2**64, a multiple of the modulus)
 
 
-try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
+if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
 
     @triton.jit
     def _mix32_triton(x):  # lowbias32 on uint32 (its products wrap, as `& _MASK32` does in _mix32)
