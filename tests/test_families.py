@@ -455,6 +455,13 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
         matrix.copy_(kept.t().reshape(kept.shape))
         assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
         matrix.copy_(kept)
+        # The same in a parameter stacked from several tensors (q/k/v, gate/up): only by column.
+        name, matrix = next((n, p) for n, p in params.items()
+                            if p.dim() == 2 and min(p.shape) > 1 and n not in values_only and n not in whole)  # fmt: skip
+        kept = matrix.clone()
+        matrix.copy_(kept.t().reshape(kept.shape))
+        assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
+        matrix.copy_(kept)
         # Rows swapped in a parameter written whole from one tensor (a direct block: experts in the wrong slots).
         name, p = next((n, p) for n, p in params.items() if n in whole and p.dim() >= 2 and p.shape[0] > 1)
         kept = p.clone()
