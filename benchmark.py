@@ -27,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import checks
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     bench, args = parse_args(argv)
     with script.colocated_job(args, loaders=bench.loaders) as job:
         result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
+        greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
+        job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy])
+        result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -200,6 +200,21 @@ def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[fl
     return ray_ranks.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
+def kernel_noise(trainers: list, sequences: list[list[int]]) -> KernelNoise | None:
+    """KernelNoise on `sequences` (one extra forward, through the other
+    attention implementation), printed; None where the model has only one."""
+    reference = trainer_logprobs(trainers, sequences)
+    other = ray_ranks.ray_get_all([t.other_attention_logprobs.remote(sequences) for t in trainers])[0]
+    if other is None:
+        print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
+        return None
+    attention, lps = other
+    noise = KernelNoise(dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps), attention)
+    print(f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
+          f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}", flush=True)  # fmt: skip
+    return noise
+
+
 def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
     """logprob_gap between a colocated job's trainers and every one of its DP engines."""
     return logprob_gap(job.server.socket_path, job.served_name, trainer_logprobs(job.trainers, sequences), sequences,
@@ -228,30 +243,49 @@ def add_arguments(parser) -> None:
 
 
 @dataclass
+class KernelNoise:
+    """How far two correct bf16 forwards of the trainer's own model drift
+    apart: |dlogp| between its attention through SDPA and through the eager
+    code, same weights, same tokens. Small on a shallow model; on a deep one
+    with random weights (the Moonlight shape) as large as the gap between the
+    trainer and vLLM, which then says nothing against the sync."""
+
+    mean: float
+    quantile: float  # the QUANTILE of |dlogp|
+    attention: str  # which two implementations, e.g. "sdpa vs eager"
+
+
+@dataclass
 class Tolerances:
     mean: float  # the gate: wrong weights move every token
     quantile: float = 1.0  # the QUANTILE of |dlogp|: a guard against a few tokens grossly off
     max: float | None = None  # the single worst token, if asked for
     noise_multiple: float = 2.0
+    kernel_noise: KernelNoise | None = None  # measured once, before the first sync
 
     @classmethod
-    def from_args(cls, args) -> Tolerances:
+    def from_args(cls, args, kernel_noise: KernelNoise | None = None) -> Tolerances:
         return cls(args.logprob_mean_tolerance, args.logprob_quantile_tolerance, args.logprob_max_tolerance,
-                   args.noise_multiple)  # fmt: skip
+                   args.noise_multiple, kernel_noise)  # fmt: skip
 
     def given(self, noise: LogprobGap | None) -> tuple[float, float]:
-        """(mean, quantile) tolerances: the absolute ones, widened to
-        `noise_multiple` times the noise measured on identical weights where
-        that is larger (a model whose kernels differ more, e.g. MLA, or many
-        sampled tokens). Never tightened: after a step, MoE routing near ties
-        moves |trainer - vLLM| by several times the noise with bit-identical
-        weights, and the exact check already proves the bytes."""
+        """(mean, quantile) tolerances: the absolute ones, or `noise_multiple`
+        times the trainer's own kernel noise where that is larger; then
+        widened to `noise_multiple` times the noise measured on identical
+        weights (a model whose kernels differ more, e.g. MLA, or many sampled
+        tokens), at most to NOISE_CAP times the absolute ones or the kernel
+        noise's bound: a model whose trainer and vLLM disagree by more than
+        that is not one to call synced. Never tightened: after a step, MoE
+        routing near ties moves |trainer - vLLM| by several times the noise
+        with bit-identical weights, and the exact check already proves the bytes."""
+        k = self.kernel_noise
+        floor_mean = max(self.mean, self.noise_multiple * k.mean) if k else self.mean
+        floor_quantile = max(self.quantile, self.noise_multiple * k.quantile) if k else self.quantile
         if noise is None or not (math.isfinite(noise.mean) and math.isfinite(noise.quantile)):
-            return self.mean, self.quantile
-        # Widened at most to NOISE_CAP times the absolute ones: a model whose
-        # trainer and vLLM disagree by more is not one to call synced.
-        return (min(NOISE_CAP * self.mean, max(self.mean, self.noise_multiple * noise.mean)),
-                min(NOISE_CAP * self.quantile, max(self.quantile, self.noise_multiple * noise.quantile)))  # fmt: skip
+            return floor_mean, floor_quantile
+        return (min(max(NOISE_CAP * self.mean, floor_mean), max(floor_mean, self.noise_multiple * noise.mean)),
+                min(max(NOISE_CAP * self.quantile, floor_quantile),
+                    max(floor_quantile, self.noise_multiple * noise.quantile)))  # fmt: skip
 
 
 NOISE_CAP = 2.0
@@ -500,15 +534,16 @@ def round_record(
 def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: list[dict], before: LogprobGap,
                  after: LogprobGap, send_retries: int, weights_updated: bool, exact: ExactCheck | None = None,
                  noise: LogprobGap | None = None, training: dict | None = None,
-                 server_pgids: list | None = None) -> RoundRecord:  # fmt: skip
+                 server_pgids: list | None = None, kernel_noise: KernelNoise | None = None) -> RoundRecord:  # fmt: skip
     """A round as the JSON records it, with the checks' verdicts (printed):
     `phases` and `send_per_rank` as measured, the logprob gaps before and
     after the sync (`noise`: the gap on identical weights, if this round
     measured it: its `before`), the exact check, and with --train `training`
     = {"reward_mean", "loss"} (loss None when no step was taken);
-    `server_pgids` as `memory` takes them. The round
+    `server_pgids` as `memory` takes them; `kernel_noise` as measured before
+    the first sync. The round
     passes only if the gate and the exact check both pass (failed_checks)."""
-    tolerances = Tolerances.from_args(args)
+    tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
     sync_bytes = ray.get(trainers[0].sync_bytes.remote())
@@ -554,7 +589,7 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     if record.unchanged_by_step:
         extra += f", {len(record.unchanged_by_step)} parameters unchanged by the step"
     tol = record.gate_tolerances or {"mean": tolerances.mean, "quantile": tolerances.quantile, "from_noise": False}
-    basis = " from this round's noise" if tol["from_noise"] else ""
+    basis = " from the measured noise" if tol["from_noise"] else ""
     print(
         f"[gate] |dlogp| mean {record.mean_abs_dlogp_before:.4f} before -> "
         f"{record.mean_abs_dlogp_after:.4f} after, worst engine (tolerance {tol['mean']:.4g}{basis}), "
@@ -604,6 +639,7 @@ def run_result(args, job, rounds: list[RoundRecord], coverage: dict | None, time
     return {
         **run_facts(args, job),
         "train": args.train,
+        "kernel_noise": asdict(job.kernel_noise) if job.kernel_noise else None,
         "time_to_first_sync_s": time_to_first_sync_s,
         "coverage": coverage,
         "rounds": [r.to_json() for r in rounds],
@@ -647,6 +683,7 @@ def run_facts(args, job) -> dict:
         "packed": args.packed,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "sleep_level": args.sleep_level,
+        "free_kv_cache": args.free_kv_cache,  # as given: None is "with --train"
         "server_start_s": job.server.healthy_after_s,
         "weights_in_after_s": job.weights_in_after_s,  # seconds into the server's start (they overlap)
         "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
@@ -772,6 +809,21 @@ class Measured:
         self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata)
         self.sent_source, self.exact_casts = source, {}  # for the exact check: what this rank sends
         return TimedSource(source, self.send_seconds)
+
+    def other_attention_logprobs(self, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:
+        """token_logprobs through the other attention implementation (eager
+        for SDPA or flash, SDPA for eager): a second correct bf16 forward of
+        the same weights, for KernelNoise. None if the model refuses it."""
+        current = self.model.config._attn_implementation
+        other = "sdpa" if current == "eager" else "eager"
+        try:
+            self.model.set_attn_implementation(other)
+        except (ValueError, ImportError):
+            return None
+        try:
+            return f"{current} vs {other}", self.token_logprobs(sequences)
+        finally:
+            self.model.set_attn_implementation(current)
 
     def sent_metadata(self) -> list[list]:
         """[name, dtype, shape, is an expert block] of every tensor this rank

@@ -446,13 +446,25 @@ def release_kv_cache(sock: str) -> dict:
     return _request(sock, "POST", "/release_kv_cache_memory")
 
 
-def sleep_for_sync(sock: str, level: int) -> None:
-    """Stop serving and free GPU memory for the trainer until the sync: at
-    level 0 the KV cache (the weights stay mapped, and the send overwrites
-    them in place), at levels 1 and 2 the weights too."""
+def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
+    """Stop serving until the sync. At level 0 the weights stay mapped (the
+    send overwrites them in place) and, with `free_kv_cache`, the KV cache's
+    memory goes to the trainer (for a training step); without, only the
+    prefix cache is reset, since the old weights computed its entries: a
+    pause that costs the same whatever the cache's size. Levels 1 and 2 free
+    the KV cache and the weights. Returns whether the KV cache is freed (what
+    wake_to_serve must map back)."""
     sleep(sock, level)
-    if level == 0:
+    if level == 0 and free_kv_cache:
         release_kv_cache(sock)
+    elif level == 0:
+        reset_prefix_cache(sock)
+    return level > 0 or free_kv_cache
+
+
+def reset_prefix_cache(sock: str) -> None:
+    """POST /reset_prefix_cache: forget the cached prompts' KV entries."""
+    _request(sock, "POST", "/reset_prefix_cache")
 
 
 def wake_weights(sock: str, level: int) -> None:
@@ -468,10 +480,11 @@ def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
     return _request(sock, "POST", "/wake_up", params=params)
 
 
-def wake_to_serve(sock: str) -> None:
-    """POST /wake_up?tags=kv_cache&tags=scheduling: the KV cache back, the
-    scheduler running; raise unless the server is then fully awake."""
-    state = wake_up(sock, ["kv_cache", "scheduling"])
+def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
+    """POST /wake_up?tags=kv_cache&tags=scheduling: the KV cache back (unless
+    the sleep kept it), the scheduler running; raise unless the server is then
+    fully awake."""
+    state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
     if state["status"] != "awake":
         raise ServerError(f"server still asleep after the last wake_up: {state}")
 

@@ -6,8 +6,9 @@ reachable only by this user (a Unix socket in a private directory). One round,
 as run_round() does it:
 
   1. generate                               vLLM samples; trainer and vLLM score the tokens
-  2. /sleep?level=0                         vLLM pauses, and frees its KV cache; its weights
-     + /release_kv_cache_memory             stay (--sleep-level 1 or 2 frees them too)
+  2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for
+     + /release_kv_cache_memory             the step (else it resets its prefix cache); its
+                                            weights stay (--sleep-level 1 or 2 frees them too)
   3. train (--train)                        one policy-gradient step on the freed memory
   4. (/wake_up?tags=weights)                levels 1 and 2 only: vLLM maps its weights back
   5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads its
@@ -81,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
         "0: its KV cache only (the fastest; its weights stay on the GPU beside the trainer's and are "
         "overwritten in place); 1: the weights too, copied to CPU; 2: the weights too, discarded (the send "
         "rewrites every one)")
+    add("--free-kv-cache", action=argparse.BooleanOptionalAction, help="at --sleep-level 0, give the KV "
+        "cache's memory to the trainer during the sync (default: with --train only; releasing and mapping "
+        "back a large cache costs more than the send on small models)")
     add("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     add("--prompt", action="append", dest="prompts", metavar="TEXT", help=f"repeatable; default {DEFAULT_PROMPTS}")
     add("--rounds", type=int, default=1, help="rounds (one sync each) back to back")
@@ -314,6 +318,7 @@ class Job:
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
     node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
     server_pgids: list = field(default_factory=list)  # per rank, the process group of its node's vLLM server
+    kernel_noise: checks.KernelNoise | None = None  # the gate's basis, measured before the first sync
 
 
 @contextmanager
@@ -432,7 +437,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
     with timer.phase("sleep"):
-        helpers.sleep_for_sync(sock, args.sleep_level)
+        kv_cache_freed = helpers.sleep_for_sync(sock, args.sleep_level, frees_kv_cache(args))
     loss = None
     if samples:
         with timer.phase("train"):
@@ -442,7 +447,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     with timer.phase("send"):
         send_per_rank, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
     with timer.phase("wake_kv"):
-        helpers.wake_to_serve(sock)
+        helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on
     # its GPU sent; and vLLM now scores the same tokens as the trainer.
     exact = checks.exact_check(job) if args.tensor_parallel_size == 1 else None  # TP shards: not checked
@@ -453,7 +458,13 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
                                weights_updated=first_sync or bool(samples), exact=exact,
                                noise=before if proven else None, training=training,
-                               server_pgids=job.server_pgids)  # fmt: skip
+                               server_pgids=job.server_pgids, kernel_noise=job.kernel_noise)  # fmt: skip
+
+
+def frees_kv_cache(args: argparse.Namespace) -> bool:
+    """At sleep level 0, does the sync hand the KV cache's memory to the
+    trainer? Only the training step needs the room (--free-kv-cache says)."""
+    return args.train if args.free_kv_cache is None else args.free_kv_cache
 
 
 def more_rounds(args: argparse.Namespace, done: int, seconds_since_first: float) -> bool:
@@ -472,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
+        job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy])
         rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
         while more_rounds(args, len(rounds), time.monotonic() - first_round_at):
             i = len(rounds) + 1

@@ -104,11 +104,11 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def cpu_trainers(ray_cluster):
-    """Two FSDP2 trainer ranks on CPU (gloo), started by the script's own code."""
+    """Two FSDP2 trainer ranks on CPU (gloo), as the script starts them (its MeasuredTrainer)."""
     import rlhf_ipc_fsdp_ep as script
 
     trainers, _ = script.start_trainers(
-        script.FSDPTrainer, 2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60
+        script.MeasuredTrainer, 2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60
     )
     return trainers
 

@@ -88,6 +88,33 @@ def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server
     assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
+def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts(cpu_server):
+    """Without a training step to make room for, a sync only pauses vLLM
+    (no KV cache freed and mapped back, whatever its size) and resets its
+    prefix cache: the old weights computed those entries, so the same prompt
+    after the sync must not be served from them."""
+    sock = cpu_server.socket_path
+    prompt = ["Reinforcement learning moves weights into a server after every step. " * 12]
+    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    hits = prefix_cache_hits(sock)
+    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    assert prefix_cache_hits(sock) > hits  # the prompt's blocks were cached: the check below can fail
+    assert helpers.sleep_for_sync(sock, 0, free_kv_cache=False) is False  # nothing for wake_to_serve to map back
+    helpers.wake_weights(sock, 0)
+    helpers.wake_to_serve(sock, kv_cache=False)
+    assert not helpers.is_sleeping(sock)
+    hits = prefix_cache_hits(sock)
+    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    assert prefix_cache_hits(sock) == hits
+
+
+def prefix_cache_hits(sock) -> float:
+    """vLLM's prefix-cache hit counter (tokens), from GET /metrics."""
+    with helpers._client(sock, 10) as client:
+        text = client.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+
 def test_only_this_user_can_reach_the_server(cpu_server):
     """The dev routes and pickled IPC handles run code in the server: it must
     not listen on any TCP port, and its socket must refuse other users."""
