@@ -79,7 +79,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     end of this variant's first gated sync."""
     args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
-    script.setup_weight_transfer(job, args, loader)
+    script.setup_weight_transfer_on_every_rank(job, args, loader)
     if args.tensor_parallel_size == 1:  # (TP shards each parameter: not checked)
         checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
@@ -129,13 +129,13 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     parameter must be back bit for bit (the call fails, naming them, if not)."""
     sock = job.server.socket_path
     print("=== do the loaders agree? ===", flush=True)
-    script.setup_weight_transfer(job, args, "vllm")
+    script.setup_weight_transfer_on_every_rank(job, args, "vllm")
     helpers.sleep_for_sync(sock, args.sleep_level)
     helpers.wake_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, node_servers=job.node_servers)
     helpers.wake_to_serve(sock)
     stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
-    script.setup_weight_transfer(job, args, "direct")
+    script.setup_weight_transfer_on_every_rank(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, node_servers=job.node_servers)
     helpers.wake_to_serve(sock)

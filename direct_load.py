@@ -570,18 +570,23 @@ def _columns(tensor: torch.Tensor) -> int:
 
 
 def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """_fingerprint_sums in one Triton kernel: each program mixes `block`
-    elements the way the torch code does (the same 32-bit arithmetic) and
-    writes its three partial sums; torch adds them up. Reads the tensor once:
-    on a GPU, the memory's speed. (On CPU only under TRITON_INTERPRET=1, as
-    the tests run it against the torch code.)"""
+    """_fingerprint_sums in one Triton kernel: each program mixes a tile of
+    `block` elements (rows by columns of the tensor seen as [rows, columns];
+    `block` a power of 2) the way the torch code does, with the same 32-bit
+    arithmetic, and writes its three partial sums; torch adds them up. Reads
+    the tensor once: on a GPU, the memory's speed. A 2-D grid gives each
+    element its row and column without a division. (On CPU only under
+    TRITON_INTERPRET=1, as the tests run it against the torch code.)"""
     flat = tensor.detach().contiguous().reshape(-1)
     columns = _columns(tensor)
+    rows = flat.numel() // columns
     bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
-    programs = triton.cdiv(flat.numel(), block)
-    partial = torch.empty(programs, 3, dtype=torch.int64, device=flat.device)
-    _fingerprint_kernel[(programs,)](bits, partial, flat.numel(), columns, ELEMENT_BITS=8 * flat.element_size(),
-                                       SALTED=columns > 1, BLOCK=block)  # fmt: skip
+    block_c = min(triton.next_power_of_2(columns), block)
+    block_r = block // block_c
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))
+    partial = torch.empty(grid[0] * grid[1], 3, dtype=torch.int64, device=flat.device)
+    _fingerprint_kernel[grid](bits, partial, rows, columns, ELEMENT_BITS=8 * flat.element_size(),
+                              SALTED=columns > 1, BLOCK_R=block_r, BLOCK_C=block_c)  # fmt: skip
     return partial.sum(0) % FINGERPRINT_MODULUS  # (int64 sums wrap modulo 2**64, a multiple of the modulus)
 
 
@@ -596,26 +601,26 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
         return x ^ (x >> 16)
 
     @triton.jit
-    def _fingerprint_kernel(bits_ptr, partial_ptr, numel, columns, ELEMENT_BITS: tl.constexpr, SALTED: tl.constexpr,
-                            BLOCK: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
-        offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < numel
-        raw = tl.load(bits_ptr + offsets, mask=inside, other=0)
+    def _fingerprint_kernel(bits_ptr, partial_ptr, rows, columns, ELEMENT_BITS: tl.constexpr, SALTED: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+        column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+        inside = (row < rows) & (column < columns)
+        raw = tl.load(bits_ptr + row * columns + column, mask=inside, other=0)
         if ELEMENT_BITS == 16:
             bits = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
         else:
             bits = raw.to(tl.uint32, bitcast=True)
         bits = bits ^ 0x5BD1E995
-        row = (offsets // columns).to(tl.uint32)
         if SALTED:
-            salt = _mix32_triton((offsets % columns).to(tl.uint32) + 0x9E3779B9)
+            salt = _mix32_triton(column.to(tl.uint32) + 0x9E3779B9)
         else:
-            salt = tl.zeros([BLOCK], dtype=tl.uint32)
+            salt = tl.zeros([1, BLOCK_C], dtype=tl.uint32)
         plain = _mix32_triton(bits)
         by_column = _mix32_triton(bits ^ salt)
-        by_position = _mix32_triton(by_column ^ _mix32_triton(row + 0x27D4EB2F))
-        zero = tl.zeros([BLOCK], dtype=tl.int64)
-        tl.store(partial_ptr + pid * 3 + 0, tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=0))
-        tl.store(partial_ptr + pid * 3 + 1, tl.sum(tl.where(inside, by_column.to(tl.int64), zero), axis=0))
-        tl.store(partial_ptr + pid * 3 + 2, tl.sum(tl.where(inside, by_position.to(tl.int64), zero), axis=0))
+        by_position = _mix32_triton(by_column ^ _mix32_triton(row.to(tl.uint32) + 0x27D4EB2F))
+        zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
+        at = partial_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 3
+        tl.store(at + 0, tl.sum(tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=1), axis=0))
+        tl.store(at + 1, tl.sum(tl.sum(tl.where(inside, by_column.to(tl.int64), zero), axis=1), axis=0))
+        tl.store(at + 2, tl.sum(tl.sum(tl.where(inside, by_position.to(tl.int64), zero), axis=1), axis=0))

@@ -413,7 +413,7 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
 # --- The RL round ---------------------------------------------------------------------------------
 
 
-def setup_weight_transfer(job: Job, args: argparse.Namespace, loader: str) -> None:
+def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, loader: str) -> None:
     """Every trainer rank builds vLLM's IPC trainer engine for `loader`."""
     sock = job.server.socket_path
     ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with colocated_job(args) as job:
         sock = job.server.socket_path
-        setup_weight_transfer(job, args, args.weight_loader)
+        setup_weight_transfer_on_every_rank(job, args, args.weight_loader)
         if args.tensor_parallel_size == 1:
             checks.prepare_exact_check(job)
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None

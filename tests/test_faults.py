@@ -152,9 +152,9 @@ def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     args = script.parse_args(["--send-retries", "2"])
     job = script.Job(trainers=[], server=helpers.Server(proc=None, socket_path="", log_path=None), served_name="",
                      dp_size=1, architecture="", gpu_name="", gpu_uuids=[])  # fmt: skip
-    script.setup_weight_transfer(job, args, "direct")
+    script.setup_weight_transfer_on_every_rank(job, args, "direct")
     assert job.send_retries == 2
-    script.setup_weight_transfer(job, args, "vllm")  # vLLM's own route cannot take a second send after a failed chunk
+    script.setup_weight_transfer_on_every_rank(job, args, "vllm")  # vLLM's own route cannot take a second send after a failed chunk
     assert job.send_retries == 0
 
 
