@@ -54,6 +54,8 @@ def flag_problem(args) -> str | None:
          "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
         (args.soak_seconds < 0, "--soak-seconds must be at least 0"),
         (args.send_retries < 0, "--send-retries must be 0 or more"),
+        (args.free_kv_cache is False and args.sleep_level > 0,
+         f"--no-free-kv-cache needs --sleep-level 0 (level {args.sleep_level} frees the KV cache with the weights)"),
     ]  # fmt: skip
     return next((text for wrong, text in problems if wrong), None) or loader_flag_problem(args, args.weight_loader)
 

@@ -450,8 +450,9 @@ def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
     """Stop serving until the sync. At level 0 the weights stay mapped (the
     send overwrites them in place) and, with `free_kv_cache`, the KV cache's
     memory goes to the trainer (for a training step); without, only the
-    prefix cache is reset, since the old weights computed its entries: a
-    pause that costs the same whatever the cache's size. Levels 1 and 2 free
+    prefix cache is reset, since the old weights computed its entries:
+    nothing to unmap now and map back later (vLLM's reset still visits
+    every block of the cache). Levels 1 and 2 free
     the KV cache and the weights. Returns whether the KV cache is freed (what
     wake_to_serve must map back)."""
     sleep(sock, level)

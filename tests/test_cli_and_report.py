@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--weight-loader", "nccl"], "invalid choice"),
         (["--soak-seconds", "-1"], "--soak-seconds must be at least 0"),
         (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes must be positive"),
+        (["--no-free-kv-cache", "--sleep-level", "2"], "--no-free-kv-cache needs --sleep-level 0"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):

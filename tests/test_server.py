@@ -5,6 +5,7 @@ import os
 import socket
 import stat
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from pathlib import Path
@@ -122,20 +123,27 @@ def test_only_this_user_can_reach_the_server(cpu_server):
     folder = os.stat(os.path.dirname(sock))
     assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
     assert stat.S_ISSOCK(os.stat(sock).st_mode)
-    http_ports = {port for _, port in listening_tcp(helpers.group_members(cpu_server.pgid))}
-    for port in http_ports:  # the engines' own sockets (gloo, ZMQ) may listen on loopback: none speaks HTTP
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
-            conn.settimeout(2)
-            conn.sendall(b"GET /health HTTP/1.0\r\n\r\n")
-            try:
-                assert not conn.recv(64).startswith(b"HTTP/"), f"port {port} answers HTTP"
-            except (TimeoutError, ConnectionResetError):
-                pass
+    ports = {port for _, port in listening_tcp(helpers.group_members(cpu_server.pgid))}
+    # The engines' own sockets (gloo, ZMQ) may listen on loopback: none may speak HTTP. (All asked at
+    # once: each that does not answer costs its whole timeout.)
+    with ThreadPoolExecutor(max(1, len(ports))) as pool:
+        answers = dict(zip(ports, pool.map(_answers_http, ports)))
+    assert not any(answers.values()), answers
     assert _connect_as_another_user(sock) == errno.EACCES
     # vLLM's own ZMQ sockets between its processes are in the same private directory.
     bound = _unix_sockets_of(helpers.group_members(cpu_server.pgid))
     assert bound and all(os.path.dirname(path) == os.path.dirname(sock) for path in bound), bound
     assert {_connect_as_another_user(path) for path in bound} == {errno.EACCES}
+
+
+def _answers_http(port) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+        conn.settimeout(2)
+        conn.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        try:
+            return conn.recv(64).startswith(b"HTTP/")
+        except (TimeoutError, ConnectionResetError):
+            return False
 
 
 def _unix_sockets_of(pids):
