@@ -420,6 +420,8 @@ class ExactCheck:
     parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
     dp_engines: int
     problem: str | None = None  # the first engine's words: which parameters differ
+    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints of what they sent
+    engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
 
 
 def exact_check(job) -> ExactCheck:
@@ -427,6 +429,7 @@ def exact_check(job) -> ExactCheck:
     that with what it holds, per parameter, on its GPU."""
     start = time.perf_counter()
     sums = ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers])
+    trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
         answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
@@ -434,8 +437,9 @@ def exact_check(job) -> ExactCheck:
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: "):].split('"', 1)[0]
-        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000])
-    return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size)
+        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds)
+    return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size, None, trainer_seconds,
+                      answer.get("seconds"))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -571,8 +575,10 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     exact = record.exact_check
     if exact is not None:
         engines = f"{exact['dp_engines']} DP engine" + ("s" if exact["dp_engines"] != 1 else "")
+        split = (f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
+                 if exact.get("engine_seconds") is not None else "")  # fmt: skip
         print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
-              f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s)" if exact["passed"]
+              f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s{split})" if exact["passed"]
               else f"[exact] FAIL: {exact['problem']}", flush=True)  # fmt: skip
     changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
     changed += f"{len(record.logprobs_changed_per_dp_rank)} DP engines"

@@ -221,7 +221,9 @@ class DirectLoadWorker:
         by_column, by_position], ...]} in the order exact_check_prepare was given). Raise,
         naming this DP engine and the parameters that differ, if any does."""
         import json
+        import time
 
+        start = time.perf_counter()
         targets = getattr(self, "_exact_targets", None)
         if targets is None:
             raise RuntimeError("exact_check_prepare was not called")
@@ -234,7 +236,7 @@ class DirectLoadWorker:
         if problems:
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip
-        return {"dp_rank": dp_rank, "parameters": checked}
+        return {"dp_rank": dp_rank, "parameters": checked, "seconds": time.perf_counter() - start}
 
     def _direct_session_or_raise(self) -> _Session:
         session = getattr(self, "_direct_session", None)

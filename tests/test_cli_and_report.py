@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -576,6 +577,14 @@ def test_a_failed_exact_check_fails_the_run_naming_the_parameter():
     ]
     r["exact_check"]["passed"] = True
     assert checks.failed_checks(result, 0.5) == []
+
+
+def test_the_exact_checks_line_says_where_its_time_went(capsys):
+    record = _record()
+    record.exact_check = asdict(checks.ExactCheck(True, 0.32, 404, 1, None, trainer_seconds=0.12, engine_seconds=0.19))
+    checks.print_round(record, TOLERANCES)
+    assert "404 vLLM parameters on each of 1 DP engine hold what the trainer sent, bit for bit " \
+           "(0.32 s: trainers 0.12 s, engine 0 0.19 s)" in capsys.readouterr().out
 
 
 def test_two_ranks_on_one_gpu_are_refused():
