@@ -416,11 +416,11 @@ class ExactCheck:
     sent (direct_load.exact_check), per vLLM parameter."""
 
     passed: bool
-    seconds: float  # the trainers' second pass and every engine's fingerprints
+    seconds: float  # reading back the trainers' fingerprints (taken in the send), every engine's and comparing
     parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
     dp_engines: int
     problem: str | None = None  # the first engine's words: which parameters differ
-    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints of what they sent
+    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints, read back
     engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
 
 
@@ -815,8 +815,9 @@ class Measured:
     def weight_source(self, loader: str):
         source = super().weight_source(loader)
         self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata)
-        self.sent_source, self.exact_casts = source, {}  # for the exact check: what this rank sends
-        return TimedSource(source, self.send_seconds)
+        self.sent_source = source  # for the exact check: what this rank sends
+        self.fingerprinted = FingerprintedSource(TimedSource(source, self.send_seconds))
+        return self.fingerprinted
 
     def other_attention_logprobs(self, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:
         """token_logprobs through the other attention implementation (eager
@@ -841,15 +842,14 @@ class Measured:
                 for m in self.sent_source.metadata]  # fmt: skip
 
     def sent_fingerprints(self) -> list[list[int]]:
-        """direct_load.exact_fingerprint of every tensor this rank sends, in
-        send order: a second pass over the same source (the same gathers and
-        casts, so the same bytes), after the send, so the proof adds nothing
-        to the sync itself. Every rank must call it (FSDP gathers)."""
-        return direct_load.exact_fingerprints(direct_load.as_held(self.sent_source.tensors(), self.exact_casts))
+        """direct_load.exact_fingerprint of every tensor this rank sent in
+        its last send, in send order: taken on the GPU as the send went
+        (FingerprintedSource), read back now with one wait for the device."""
+        return self.fingerprinted.fingerprints()
 
     def set_exact_casts(self, casts: dict[int, str]) -> None:
         """Which sent tensors vLLM holds in another dtype (exact_check_prepare)."""
-        self.exact_casts = casts
+        self.fingerprinted.casts = casts
 
     def weight_sync_client(self, *args, **kwargs):
         return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
@@ -958,7 +958,50 @@ def split_gpu_memory(procs: list[tuple[int, int]], me: int, server_pgid: int | N
     return mine, float(sum(used for pid, used in procs if pid != me and servers(pid)))
 
 
-class TimedSource(TrainerSource):
+class SourceWrapper(TrainerSource):
+    """A weight source around another: the same tensors and metadata, and
+    anything else the source offers (e.g. expert_blocks)."""
+
+    def __init__(self, source: TrainerSource) -> None:
+        self._source = source
+
+    def param_metas(self):
+        return self._source.metadata
+
+    def tensors(self):
+        return self._source.tensors()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not yet set (a copy being built): not the source's either
+            raise AttributeError(name)
+        return getattr(self._source, name)
+
+
+class FingerprintedSource(SourceWrapper):
+    """A weight source that fingerprints each tensor as the send takes it
+    (direct_load's fingerprint, on the tensor's device, cast first to the
+    dtype vLLM holds it in where `casts` says so): the exact check's half on
+    the trainer, with no second pass over the model. The kernels queue
+    before the send's own copy of the tensor; `fingerprints()` waits for
+    them once."""
+
+    def __init__(self, source: TrainerSource) -> None:
+        super().__init__(source)
+        self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
+        self._sums: list[torch.Tensor] = []
+
+    def tensors(self):
+        self._sums = []  # a send that starts again (a retry) starts the fingerprints again
+        for index, (name, tensor) in enumerate(self._source.tensors()):
+            self._sums += direct_load.exact_fingerprint_sums([direct_load.held_as(tensor, self.casts.get(index))])
+            yield name, tensor
+
+    def fingerprints(self) -> list[list[int]]:
+        """[plain, by_column, by_position] of each tensor the last send took."""
+        return torch.stack(self._sums).cpu().tolist() if self._sums else []
+
+
+class TimedSource(SourceWrapper):
     """A weight source that adds the seconds spent producing its tensors to
     seconds["source"]: host time (FSDP's gathers and the casts are launched
     here; the GPU runs them while the next ones are launched). Waiting for the
@@ -967,16 +1010,8 @@ class TimedSource(TrainerSource):
     it measures. The send's total is timed with the device synchronised."""
 
     def __init__(self, source: TrainerSource, seconds: dict[str, float]) -> None:
-        self._source = source
+        super().__init__(source)
         self._seconds = seconds
-
-    def param_metas(self):
-        return self._source.metadata
-
-    def __getattr__(self, name: str):  # anything else the source offers (e.g. expert_blocks)
-        if name.startswith("_"):  # not yet set (a copy being built): not the source's either
-            raise AttributeError(name)
-        return getattr(self._source, name)
 
     def tensors(self):
         items = self._source.tensors()

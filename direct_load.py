@@ -446,7 +446,12 @@ def as_held(tensors, casts: dict):
     """The tensors the trainer sends, each cast to the dtype vLLM holds it in
     where that differs (`casts`, from exact_targets): what to fingerprint."""
     for index, (_, tensor) in enumerate(tensors):
-        yield tensor.to(getattr(torch, casts[index])) if index in casts else tensor
+        yield held_as(tensor, casts.get(index))
+
+
+def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """`tensor` in the dtype vLLM holds it in (`dtype`, a torch dtype's name; None: its own)."""
+    return tensor.to(getattr(torch, dtype)) if dtype else tensor
 
 
 def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
@@ -526,8 +531,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def exact_fingerprints(tensors) -> list[list[int]]:
     """exact_fingerprint of each tensor, waiting for the device once."""
-    sums = [_fingerprint_sums(t) for t in tensors]
+    sums = exact_fingerprint_sums(tensors)
     return torch.stack(sums).cpu().tolist() if sums else []
+
+
+def exact_fingerprint_sums(tensors) -> list[torch.Tensor]:
+    """exact_fingerprint of each tensor as an int64 tensor of 3 on its device, not waited for."""
+    return [_fingerprint_sums(t) for t in tensors]
 
 
 def exact_fingerprint(tensor: torch.Tensor) -> list[int]:

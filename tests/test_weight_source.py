@@ -14,14 +14,15 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
     from vllm.distributed.weight_transfer.base import WeightSource
 
     import checks
+    import direct_load
 
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=False)
     report = {}
     for loader in ("vllm", "direct"):
-        source = trainer.weight_source(loader)  # MeasuredTrainer's: the timed wrapper around the source
-        assert isinstance(source, checks.TimedSource)
-        for s in (source, source._source):
+        source = trainer.weight_source(loader)  # MeasuredTrainer's: fingerprinted, timed, then the source
+        assert isinstance(source, checks.FingerprintedSource) and isinstance(source._source, checks.TimedSource)
+        for s in (source, source._source, source._source._source):
             assert isinstance(s, WeightSource) and not inspect.isabstract(type(s)), type(s)
         names = [m.name for m in source.metadata]
         assert source.metadata is source.metadata  # computed once: engines read it repeatedly
@@ -37,6 +38,13 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         first, *others = passes.values()
         for other in others:
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, other, strict=True))
+        # The exact check's half on the trainer: the fingerprints the last pass took as it went,
+        # each tensor's (in the dtype vLLM holds it in, where that differs).
+        trainer.set_exact_casts({0: "float32"})
+        sent = [(n, t.detach().clone()) for n, t in iter(source)]
+        held = [t.float() if i == 0 else t for i, (_, t) in enumerate(sent)]
+        assert trainer.sent_fingerprints() == [direct_load.exact_fingerprint(t) for t in held]
+        assert trainer.sent_fingerprints() != [direct_load.exact_fingerprint(t) for _, t in sent]  # the cast counts
         report[loader] = len(names)
     torch.save(report, out_dir / f"rank{trainer.rank}.pt")
 
