@@ -79,9 +79,9 @@ def parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization leaves (a cache sized for the batch is freed and mapped back faster; and vLLM "
         "skips its memory profiling, so servers on one GPU can start side by side)")
     add("--sleep-level", type=int, choices=(0, 1, 2), default=0, help="what vLLM frees for the trainer: "
-        "0: its KV cache only (the fastest; its weights stay on the GPU beside the trainer's and are "
-        "overwritten in place); 1: the weights too, copied to CPU; 2: the weights too, discarded (the send "
-        "rewrites every one)")
+        "0: its KV cache at most (--free-kv-cache; the fastest: its weights stay on the GPU beside the "
+        "trainer's and are overwritten in place); 1: the KV cache and the weights, copied to CPU; 2: the KV "
+        "cache and the weights, discarded (the send rewrites every one)")
     add("--free-kv-cache", action=argparse.BooleanOptionalAction, help="at --sleep-level 0, give the KV "
         "cache's memory to the trainer during the sync (default: with --train only; releasing and mapping "
         "back a large cache costs more than the send on small models)")
