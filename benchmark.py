@@ -10,7 +10,9 @@ It starts the trainers and the server once, then for each loader in --loaders
      (with --check-coverage: zeroes them, syncs, and lists those left zero);
   2. runs --rounds syncs (default 3), each checked by the script's logprob gate,
      recording the seconds of every phase, where the send's time went on each
-     trainer rank, and the memory of the trainer and the server on every GPU.
+     trainer rank, the memory of the trainer and the server on every GPU, and
+     the round against its floor: the bytes each GPU receives, copied once at
+     the rate this job's GPUs copy at (measured once, at the start).
 With both loaders it then proves them equivalent: after a sync through vLLM's
 loader it fingerprints every vLLM parameter on every DP engine, zeroes them
 all, syncs through the direct loader, and requires every parameter to be back
@@ -72,11 +74,13 @@ def _variant(text: str) -> tuple[str, int, int | None]:
 
 
 def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_level: int,
-                buffer_bytes: int | None = None, started_at: float | None = None) -> dict:  # fmt: skip
+                buffer_bytes: int | None = None, started_at: float | None = None,
+                device_copy_gb_per_s: float | None = None) -> dict:  # fmt: skip
     """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
     of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
     `started_at` (the benchmark's start), also the seconds from then to the
-    end of this variant's first gated sync."""
+    end of this variant's first gated sync; with `device_copy_gb_per_s`, each
+    round against its copy floor (checks.copy_floor)."""
     args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer_on_every_rank(job, args, loader)
@@ -92,6 +96,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
         rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
         print_send_breakdown(rounds[-1].send_breakdown_s)
+        print_floor(with_floor(rounds[-1].to_json(), device_copy_gb_per_s))
         if i == 1 and started_at is not None:
             time_to_first_sync_s = time.monotonic() - started_at
     return {
@@ -99,13 +104,25 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         "sleep_level": sleep_level,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "coverage": coverage,
-        "rounds": [r.to_json() for r in rounds],
+        "rounds": [with_floor(r.to_json(), device_copy_gb_per_s) for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": checks.memory_growth_gib(rounds),
         **({"time_to_first_sync_s": time_to_first_sync_s} if started_at is not None else {}),
     }
+
+
+def with_floor(round_json: dict, device_copy_gb_per_s: float | None) -> dict:
+    """A round's JSON, with its copy floor if the device's rate is known."""
+    return {**round_json, **checks.copy_floor(round_json, device_copy_gb_per_s)} if device_copy_gb_per_s else round_json
+
+
+def print_floor(round_json: dict) -> None:
+    if "copy_floor_s" in round_json:
+        print(f"[floor] {round_json['bytes_per_gpu'] / 1e9:.2f} GB per GPU, copied once: "
+              f"{round_json['copy_floor_s'] * 1e3:.1f} ms; the cycle took {round_json['floor_ratio']:.1f} times that",
+              flush=True)  # fmt: skip
 
 
 def print_send_breakdown(send_per_rank: list[dict]) -> None:
@@ -161,11 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy])
         result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
+        # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).
+        result["device_copy_gb_per_s"] = script.ray_get_all([t.device_copy_gb_per_s.remote() for t in job.trainers])
+        print(f"[floor] device copy rate per GPU: {', '.join(f'{r:.0f}' for r in result['device_copy_gb_per_s'])} GB/s",
+              flush=True)  # fmt: skip
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)
         for loader, level, buffer_bytes in bench.variants:
-            variant = run_variant(job, args, loader, level, buffer_bytes, None if result["variants"] else start)
+            variant = run_variant(job, args, loader, level, buffer_bytes, None if result["variants"] else start,
+                                  min(result["device_copy_gb_per_s"]))  # fmt: skip
             result["variants"].append(variant)
             # Like the script's, but after zeroing vLLM's weights (and the coverage check, if asked).
             result.setdefault("time_to_first_sync_s", variant.get("time_to_first_sync_s"))

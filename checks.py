@@ -902,9 +902,31 @@ class Measured:
     def unchanged_by_last_step(self) -> list[str]:
         return self.unchanged_by_step
 
+    def device_copy_gb_per_s(self, size_bytes: int = 512 * 1024**2, repeats: int = 10) -> float:
+        """This rank's device's copy rate: GB of one buffer copied into
+        another per second (each byte read once and written once), the rate a
+        sync that writes each weight once cannot beat (copy_floor)."""
+        source = torch.empty(size_bytes, dtype=torch.uint8, device=self.device)
+        target = torch.empty_like(source)
+        target.copy_(source)  # (the first copy pays for the kernel's start)
+        self._synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            target.copy_(source)
+        self._synchronize()
+        return repeats * size_bytes / (time.perf_counter() - start) / 1e9
+
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def copy_floor(round_json: dict, device_copy_gb_per_s: float) -> dict:
+    """The round's floor: the bytes each GPU receives, copied once at the
+    device's measured rate (copy_floor_s), and how many times that the cycle
+    took (floor_ratio)."""
+    floor = round_json["bytes_per_gpu"] / (device_copy_gb_per_s * 1e9)
+    return {"copy_floor_s": floor, "floor_ratio": round_json["cycle_s"] / floor if floor else math.nan}
 
 
 def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:

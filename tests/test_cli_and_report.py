@@ -420,6 +420,19 @@ def test_a_job_that_cannot_place_its_trainers_leaves_a_ray_it_did_not_start_runn
     assert ray.is_initialized()
 
 
+def test_each_round_is_put_against_its_copy_floor(capsys):
+    """31.4 GB per GPU at 2150 GB/s copied once: 14.6 ms; a 0.17 s cycle is 11.6 times that."""
+    import benchmark
+
+    round_json = {"bytes_per_gpu": 31.4e9, "cycle_s": 0.17}
+    floored = benchmark.with_floor(round_json, 2150.0)
+    assert floored["copy_floor_s"] == pytest.approx(0.0146, abs=1e-4)
+    assert floored["floor_ratio"] == pytest.approx(11.64, abs=0.01)
+    assert benchmark.with_floor(round_json, None) == round_json  # the rate unknown: no floor, no made-up number
+    benchmark.print_floor(floored)
+    assert "31.40 GB per GPU, copied once: 14.6 ms; the cycle took 11.6 times that" in capsys.readouterr().out
+
+
 def test_benchmark_flags_and_where_its_json_goes():
     import benchmark
 

@@ -275,6 +275,12 @@ def _call_on_a_killed_actor(ray_cluster, actor, timeout_s=30):
             return ref
 
 
+def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
+    """The benchmark's floor: every rank copies a buffer on its own device and reports GB/s."""
+    rates = script.ray_get_all([t.device_copy_gb_per_s.remote(8 * 1024**2, 3) for t in cpu_trainers])
+    assert len(rates) == 2 and all(0.05 < r < 10_000 for r in rates), rates
+
+
 def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     cpu_server, cpu_trainers, tiny_checkpoint
 ):
