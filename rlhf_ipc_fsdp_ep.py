@@ -13,7 +13,8 @@ as run_round() does it:
   4. (/wake_up?tags=weights)                levels 1 and 2 only: vLLM maps its weights back
   5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads its
                                             own GPU's buffer (direct loader: its own experts)
-  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again
+  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again (once the trainers have emptied
+                                            PyTorch's cache, if its KV cache was freed)
   7. gate                                   vLLM's logprobs on every DP engine = the trainer's
 
     python rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2      # no download
@@ -203,6 +204,14 @@ class FSDPTrainer(Rank):
         is raised once every rank is through the send, so it can be retried."""
         self.engine.send_weights()
         self.client.raise_failure()
+
+    def return_borrowed_memory(self) -> None:
+        """Give the GPU memory this rank's allocator keeps cached (the step's
+        activations and gradients, the send's gathered modules) back to the
+        device: vLLM maps its KV cache back next, and cannot take memory that
+        PyTorch holds, even unused."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class BF16Source(TrainerSource):
@@ -447,6 +456,8 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     with timer.phase("send"):
         send_per_rank, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
     with timer.phase("wake_kv"):
+        if kv_cache_freed:
+            ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
         helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on
     # its GPU sent; and vLLM now scores the same tokens as the trainer.
