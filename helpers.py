@@ -485,9 +485,22 @@ def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
     """POST /wake_up?tags=kv_cache&tags=scheduling: the KV cache back (unless
     the sleep kept it), the scheduler running; raise unless the server is then
     fully awake."""
-    state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
+    try:
+        state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
+    except ServerError as e:
+        raise ServerError(wake_failure(str(e), kv_cache)) from e
     if state["status"] != "awake":
         raise ServerError(f"server still asleep after the last wake_up: {state}")
+
+
+def wake_failure(error: str, kv_cache: bool) -> str:
+    """What a failed wake_up means, in front of the server's own words: out
+    of memory while mapping a freed KV cache back is memory taken meanwhile."""
+    if kv_cache and "out of memory" in error.lower():
+        return ("vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by "
+                "another process on the GPU, or kept by the trainer); keep the KV cache through the sync, or "
+                f"make it smaller: {error}")
+    return error
 
 
 def is_sleeping(sock: str) -> bool:

@@ -109,6 +109,18 @@ def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts
     assert prefix_cache_hits(sock) == hits
 
 
+def test_a_kv_cache_that_cannot_be_mapped_back_is_explained():
+    """The error vLLM 0.33 gave on one H200 when the memory of the KV cache it
+    had freed was taken meanwhile (a soak's round 83, other servers starting)."""
+    seen = ('POST /wake_up -> HTTP 500: {"error":{"message":"Call to wake_up method failed: CUDA Error: out of '
+            'memory at <path>:163","type":"InternalServerError","param":null,"code":500}}')
+    assert helpers.wake_failure(seen, kv_cache=True) == (
+        "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another process "
+        "on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it smaller: " + seen)
+    assert helpers.wake_failure(seen, kv_cache=False) == seen  # the cache was kept: not that
+    assert helpers.wake_failure("POST /wake_up -> HTTP 500: something else", kv_cache=True).endswith("something else")
+
+
 def prefix_cache_hits(sock) -> float:
     """vLLM's prefix-cache hit counter (tokens), from GET /metrics."""
     with helpers._client(sock, 10) as client:
