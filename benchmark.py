@@ -26,6 +26,7 @@ flag is the script's (see `python rlhf_ipc_fsdp_ep.py --help`).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -80,7 +81,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
     `started_at` (the benchmark's start), also the seconds from then to the
     end of this variant's first gated sync; with `device_copy_gb_per_s`, each
-    round against its copy floor (checks.copy_floor)."""
+    round against its copy floor (with_floor)."""
     args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer_on_every_rank(job, args, loader)
@@ -114,8 +115,13 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
 
 
 def with_floor(round_json: dict, device_copy_gb_per_s: float | None) -> dict:
-    """A round's JSON, with its copy floor if the device's rate is known."""
-    return {**round_json, **checks.copy_floor(round_json, device_copy_gb_per_s)} if device_copy_gb_per_s else round_json
+    """A round's JSON, with its floor if the device's copy rate is known: the
+    bytes each GPU receives, copied once at that rate (copy_floor_s), and how
+    many times that the cycle took (floor_ratio)."""
+    if not device_copy_gb_per_s:
+        return round_json
+    floor = round_json["bytes_per_gpu"] / (device_copy_gb_per_s * 1e9)
+    return {**round_json, "copy_floor_s": floor, "floor_ratio": round_json["cycle_s"] / floor if floor else math.nan}
 
 
 def print_floor(round_json: dict) -> None:

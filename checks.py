@@ -281,13 +281,18 @@ class Tolerances:
         routing near ties moves |trainer - vLLM| by several times the noise
         with bit-identical weights, and the exact check already proves the bytes."""
         k = self.kernel_noise
-        floor_mean = max(self.mean, self.noise_multiple * k.mean) if k else self.mean
-        floor_quantile = max(self.quantile, self.noise_multiple * k.quantile) if k else self.quantile
-        if noise is None or not (math.isfinite(noise.mean) and math.isfinite(noise.quantile)):
-            return floor_mean, floor_quantile
-        return (min(max(NOISE_CAP * self.mean, floor_mean), max(floor_mean, self.noise_multiple * noise.mean)),
-                min(max(NOISE_CAP * self.quantile, floor_quantile),
-                    max(floor_quantile, self.noise_multiple * noise.quantile)))  # fmt: skip
+        if noise is not None and not (math.isfinite(noise.mean) and math.isfinite(noise.quantile)):
+            noise = None
+        return (self._widened(self.mean, k and k.mean, noise and noise.mean),
+                self._widened(self.quantile, k and k.quantile, noise and noise.quantile))
+
+    def _widened(self, absolute: float, kernel: float | None, noise: float | None) -> float:
+        """One of given()'s tolerances, from its absolute value, the kernel
+        noise and the noise on identical weights (None: not measured)."""
+        floor = absolute if kernel is None else max(absolute, self.noise_multiple * kernel)
+        if noise is None:
+            return floor
+        return min(max(NOISE_CAP * absolute, floor), max(floor, self.noise_multiple * noise))
 
 
 NOISE_CAP = 2.0
@@ -905,7 +910,7 @@ class Measured:
     def device_copy_gb_per_s(self, size_bytes: int = 512 * 1024**2, repeats: int = 10) -> float:
         """This rank's device's copy rate: GB of one buffer copied into
         another per second (each byte read once and written once), the rate a
-        sync that writes each weight once cannot beat (copy_floor)."""
+        sync that writes each weight once cannot beat (benchmark.with_floor)."""
         source = torch.empty(size_bytes, dtype=torch.uint8, device=self.device)
         target = torch.empty_like(source)
         target.copy_(source)  # (the first copy pays for the kernel's start)
@@ -921,14 +926,6 @@ class Measured:
             torch.cuda.synchronize(self.device)
 
 
-def copy_floor(round_json: dict, device_copy_gb_per_s: float) -> dict:
-    """The round's floor: the bytes each GPU receives, copied once at the
-    device's measured rate (copy_floor_s), and how many times that the cycle
-    took (floor_ratio)."""
-    floor = round_json["bytes_per_gpu"] / (device_copy_gb_per_s * 1e9)
-    return {"copy_floor_s": floor, "floor_ratio": round_json["cycle_s"] / floor if floor else math.nan}
-
-
 def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
     """The exact fingerprint of each parameter's local shard (its elements'
     bits by position), so any change to any element shows. (A plain sum of
@@ -937,6 +934,13 @@ def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
     return direct_load.exact_fingerprints(
         p.to_local() if hasattr(p, "to_local") else p for _, p in model.named_parameters()
     )
+
+
+def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
+    """For each rank, the process group of the vLLM server on its node (ranks
+    go in node order), as `memory` takes them."""
+    per_node = [server.pgid, *ray_ranks.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
+    return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 
 def memory(trainers: list, server_pgids: list | None = None) -> list[GPUMemory]:

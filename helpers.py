@@ -456,10 +456,11 @@ def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
     the KV cache and the weights. Returns whether the KV cache is freed (what
     wake_to_serve must map back)."""
     sleep(sock, level)
-    if level == 0 and free_kv_cache:
-        release_kv_cache(sock)
-    elif level == 0:
-        reset_prefix_cache(sock)
+    if level == 0:
+        if free_kv_cache:
+            release_kv_cache(sock)
+        else:
+            reset_prefix_cache(sock)
     return level > 0 or free_kv_cache
 
 

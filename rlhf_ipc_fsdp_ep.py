@@ -378,7 +378,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                               gpu_uuids=[p["gpu_uuid"] for p in placements], rank_nodes=[p["node"] for p in placements],
                               weights_in_after_s=weights_in_after_s,
                               checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers,
-                              server_pgids=server_pgids_per_rank(server, node_servers, args))  # fmt: skip
+                              server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus,
+                                                                         args.num_nodes))  # fmt: skip
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
@@ -391,12 +392,6 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 stop_node_servers(node_servers)
                 leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
-
-
-def server_pgids_per_rank(server: helpers.Server, node_servers: list, args: argparse.Namespace) -> list[int]:
-    """For each rank, the process group of the vLLM server on its node (ranks go in node order)."""
-    per_node = [server.pgid, *ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
-    return [per_node[r // (args.num_gpus // args.num_nodes)] for r in range(args.num_gpus)]
 
 
 def serve_plan(args: argparse.Namespace, placements: list[dict], experts: bool = True) -> list[list[str]]:
