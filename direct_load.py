@@ -507,15 +507,18 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
 
 
 # The exact check's fingerprint: every element's bits through a fixed 32-bit
-# mix (lowbias32), summed. Three sums: `plain` mixes the bits alone, so it does
-# not depend on where an element sits and survives what vLLM's loader does to
-# the trainer's tensors: stacking (q/k/v into qkv_proj, gate/up, experts into
-# one fused tensor), splitting by expert, concatenating biases; `by_column`
-# mixes the bits with the element's column (its index along the last dim,
-# which stacking on dim 0 keeps), so a transposed tensor differs too;
-# `by_position` mixes in the row as well, for a parameter written whole from
-# one tensor of its shape (rows swapped or reversed differ). Integer
-# arithmetic: the trainer's GPU, an engine's GPU and a CPU give the same sums.
+# mix (lowbias32), summed. Three sums: `plain` sums the mixed bits alone, so it
+# does not depend on where an element sits and survives what vLLM's loader
+# does to the trainer's tensors: stacking (q/k/v into qkv_proj, gate/up,
+# experts into one fused tensor), splitting by expert, concatenating biases;
+# `by_column` weighs each mixed element by an odd number drawn from its column
+# (its index along the last dim, which stacking on dim 0 keeps), so a
+# transposed tensor differs too; `by_position` weighs it by one drawn from its
+# row as well, for a parameter written whole from one tensor of its shape (rows
+# swapped or reversed differ). One mix per element (the weights are one
+# multiplication each): the GPU kernel runs at about half the memory's speed.
+# Integer arithmetic: the trainer's GPU, an engine's GPU and a CPU give the
+# same sums.
 FINGERPRINT_MODULUS = 1 << 62
 _MASK32 = 0xFFFFFFFF
 
@@ -559,21 +562,26 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
     rows = flat.contiguous().reshape(-1, columns)
     bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
     unsigned = (1 << (8 * rows.element_size())) - 1 if rows.element_size() < 8 else -1
-    salt = _mix32(torch.arange(columns, device=rows.device, dtype=torch.int64) + 0x9E3779B9) if columns > 1 else 0
+    column_weight = _weights(torch.arange(columns, device=rows.device), 0x9E3779B9) if columns > 1 else 1
     sums = torch.zeros(3, dtype=torch.int64, device=rows.device)
     step = max(1, _FINGERPRINT_CHUNK // columns)
     for start in range(0, rows.shape[0], step):
         bits = rows[start : start + step].view(bits_dtype).to(torch.int64) & unsigned
         if rows.element_size() == 8:  # fold 64-bit patterns into 32
             bits = (bits ^ (bits >> 32)) & _MASK32
-        bits = bits ^ 0x5BD1E995  # so that zeros count too
-        row_salt = _mix32(torch.arange(start, start + bits.shape[0], device=rows.device, dtype=torch.int64) + 0x27D4EB2F)
-        by_column = _mix32(bits ^ salt)  # (once: the position's mix starts from it)
-        sums[0] += _mix32(bits).sum() % FINGERPRINT_MODULUS
+        plain = _mix32(bits ^ 0x5BD1E995)  # (the constant: so that zeros count too)
+        by_column = (plain * column_weight) & _MASK32
+        row_weight = _weights(torch.arange(start, start + bits.shape[0], device=rows.device), 0x27D4EB2F)
+        sums[0] += plain.sum() % FINGERPRINT_MODULUS
         sums[1] += by_column.sum() % FINGERPRINT_MODULUS
-        sums[2] += _mix32(by_column ^ row_salt[:, None]).sum() % FINGERPRINT_MODULUS
+        sums[2] += ((by_column * row_weight[:, None]) & _MASK32).sum() % FINGERPRINT_MODULUS
         sums %= FINGERPRINT_MODULUS
     return sums
+
+
+def _weights(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """The odd 32-bit weight of each column (or row) `index` (int64 on the device)."""
+    return _mix32((index.to(torch.int64) + seed) & _MASK32) | 1
 
 
 def _columns(tensor: torch.Tensor) -> int:
@@ -581,13 +589,13 @@ def _columns(tensor: torch.Tensor) -> int:
     return tensor.shape[-1] if tensor.dim() >= 2 and tensor.shape[-1] > 0 else 1
 
 
-def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 4096) -> torch.Tensor:
+def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192) -> torch.Tensor:
     """_fingerprint_sums in one Triton kernel: each program mixes a tile of
     `block` elements (rows by columns of the tensor seen as [rows, columns];
     `block` a power of 2) the way the torch code does, with the same 32-bit
     arithmetic, and writes its three partial sums; torch adds them up. Reads
-    the tensor once: on a GPU, the memory's speed. A 2-D grid gives each
-    element its row and column without a division. (On CPU only under
+    the tensor once. A 2-D grid gives each element its row and column
+    without a division. (On CPU only under
     TRITON_INTERPRET=1, as the tests run it against the torch code.)"""
     flat = tensor.detach().contiguous().reshape(-1)
     columns = _columns(tensor)
@@ -623,14 +631,13 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
             bits = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
         else:
             bits = raw.to(tl.uint32, bitcast=True)
-        bits = bits ^ 0x5BD1E995
+        plain = _mix32_triton(bits ^ 0x5BD1E995)
         if SALTED:
-            salt = _mix32_triton(column.to(tl.uint32) + 0x9E3779B9)
+            column_weight = _mix32_triton(column.to(tl.uint32) + 0x9E3779B9) | 1
         else:
-            salt = tl.zeros([1, BLOCK_C], dtype=tl.uint32)
-        plain = _mix32_triton(bits)
-        by_column = _mix32_triton(bits ^ salt)
-        by_position = _mix32_triton(by_column ^ _mix32_triton(row.to(tl.uint32) + 0x27D4EB2F))
+            column_weight = tl.full([1, BLOCK_C], 1, dtype=tl.uint32)
+        by_column = plain * column_weight
+        by_position = by_column * (_mix32_triton(row.to(tl.uint32) + 0x27D4EB2F) | 1)
         zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
         at = partial_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 3
         tl.store(at + 0, tl.sum(tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=1), axis=0))
