@@ -853,8 +853,15 @@ class Measured:
         return self.fingerprinted.fingerprints()
 
     def set_exact_casts(self, casts: dict[int, str]) -> None:
-        """Which sent tensors vLLM holds in another dtype (exact_check_prepare)."""
+        """Which sent tensors vLLM holds in another dtype (exact_check_prepare).
+        Also fingerprints a few rows of each dtype and width it will send, so
+        that Triton compiles its kernels now rather than in the first sync
+        (seconds)."""
         self.fingerprinted.casts = casts
+        kinds = {(casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
+                 for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())}  # fmt: skip
+        direct_load.exact_fingerprints(torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device)
+                                       for dtype, width in kinds)  # fmt: skip
 
     def weight_sync_client(self, *args, **kwargs):
         return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
@@ -1007,23 +1014,34 @@ class FingerprintedSource(SourceWrapper):
     """A weight source that fingerprints each tensor as the send takes it
     (direct_load's fingerprint, on the tensor's device, cast first to the
     dtype vLLM holds it in where `casts` says so): the exact check's half on
-    the trainer, with no second pass over the model. The kernels queue
-    before the send's own copy of the tensor; `fingerprints()` waits for
-    them once."""
+    the trainer, with no second pass over the model. On a GPU the kernels
+    run on a stream of their own, beside the send's copies rather than
+    before them; `fingerprints()` waits for them once."""
 
     def __init__(self, source: TrainerSource) -> None:
         super().__init__(source)
         self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
         self._sums: list[torch.Tensor] = []
+        self._stream = None
 
     def tensors(self):
         self._sums = []  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
-            self._sums += direct_load.exact_fingerprint_sums([direct_load.held_as(tensor, self.casts.get(index))])
+            held = direct_load.held_as(tensor, self.casts.get(index))
+            if held.is_cuda:
+                self._stream = self._stream or torch.cuda.Stream(held.device)
+                self._stream.wait_stream(torch.cuda.current_stream(held.device))  # the tensor is made
+                with torch.cuda.stream(self._stream):
+                    self._sums += direct_load.exact_fingerprint_sums([held])
+                held.record_stream(self._stream)  # its memory not reused before the kernel has read it
+            else:
+                self._sums += direct_load.exact_fingerprint_sums([held])
             yield name, tensor
 
     def fingerprints(self) -> list[list[int]]:
         """[plain, by_column, by_position] of each tensor the last send took."""
+        if self._stream is not None:
+            self._stream.synchronize()
         return torch.stack(self._sums).cpu().tolist() if self._sums else []
 
 

@@ -210,8 +210,11 @@ class DirectLoadWorker:
         overwrites them."""
         import json
 
+        model = self.model_runner.get_model()
         self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
-            self.model_runner.get_model(), json.loads(sent), self.vllm_config)
+            model, json.loads(sent), self.vllm_config)
+        self._held_fingerprints = HeldFingerprints()
+        exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
                 "parameters": len({t for ts in self._exact_targets for t in ts})}  # fmt: skip
 
@@ -232,7 +235,8 @@ class DirectLoadWorker:
         per_rank = json.loads(expected)
         sent = per_rank[uuid] if uuid in per_rank else _no_trainer_rank(uuid, list(per_rank))
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
-        checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole)
+        checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole,
+                                           self._held_fingerprints)  # fmt: skip
         if problems:
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip
@@ -455,12 +459,13 @@ def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
 
 
 def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
-                   values_only=(), whole=()) -> tuple[int, list[str]]:  # fmt: skip
+                   values_only=(), whole=(), fingerprints=None) -> tuple[int, list[str]]:  # fmt: skip
     """(parameters checked, what is wrong with them): each parameter's
     fingerprint against the sum of those of the tensors written into it
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
     for those in `values_only` (exact_targets), their values alone; for
-    those in `whole`, every element in its place."""
+    those in `whole`, every element in its place. `fingerprints` takes the
+    parameters' (exact_fingerprints, or a HeldFingerprints)."""
     if len(sent) != len(targets):
         raise ValueError(f"{len(sent)} fingerprints for the {len(targets)} tensors exact_check_prepare was given")
     want: dict[str, list[int]] = {}
@@ -469,8 +474,9 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
             total = want.setdefault(name, [0, 0, 0])
             want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, sums, strict=True)]
     params = dict(model.named_parameters())
-    held = dict(zip(params, exact_fingerprints(params.values()), strict=True))
     derived, values_only, whole = set(derived_parameters(model)), set(values_only), set(whole)
+    checked = [n for n in params if n not in derived]  # (vLLM computes those anew: nothing to compare)
+    held = dict(zip(checked, (fingerprints or exact_fingerprints)([params[n] for n in checked]), strict=True))
     problems = []
     for name in params:
         if name not in want and name not in derived:
@@ -536,6 +542,36 @@ def exact_fingerprints(tensors) -> list[list[int]]:
     """exact_fingerprint of each tensor, waiting for the device once."""
     sums = exact_fingerprint_sums(tensors)
     return torch.stack(sums).cpu().tolist() if sums else []
+
+
+class HeldFingerprints:
+    """exact_fingerprints of an engine's parameters, from a CUDA graph that
+    replays every kernel launch at once: a model of hundreds of parameters
+    spends more time launching the few small kernels each one needs than the
+    GPU spends in them. The graph reads the parameters where they were when
+    it was captured: it is captured once the same tensors, at the same
+    addresses, come twice in a row (a loader that allocates new ones is
+    fingerprinted eagerly), and captured again when they move."""
+
+    def __init__(self) -> None:
+        self._last = None  # the previous call's tensors: (address, shape, stride, dtype) each
+        self._graph = self._sums = None
+
+    def __call__(self, tensors) -> list[list[int]]:
+        tensors = list(tensors)
+        key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors]
+        if not tensors or not all(t.is_cuda for t in tensors):
+            return exact_fingerprints(tensors)
+        if key != self._last:
+            self._last, self._graph = key, None
+            return exact_fingerprints(tensors)
+        if self._graph is None:
+            torch.cuda.synchronize()
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):  # (vLLM's own threads)
+                self._sums = torch.stack(exact_fingerprint_sums(tensors))
+        self._graph.replay()
+        return self._sums.cpu().tolist()
 
 
 def exact_fingerprint_sums(tensors) -> list[torch.Tensor]:
