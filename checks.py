@@ -1014,34 +1014,24 @@ class FingerprintedSource(SourceWrapper):
     """A weight source that fingerprints each tensor as the send takes it
     (direct_load's fingerprint, on the tensor's device, cast first to the
     dtype vLLM holds it in where `casts` says so): the exact check's half on
-    the trainer, with no second pass over the model. On a GPU the kernels
-    run on a stream of their own, beside the send's copies rather than
-    before them; `fingerprints()` waits for them once."""
+    the trainer, with no second pass over the model. The kernels queue
+    before the send's own copy of the tensor; `fingerprints()` waits for
+    them once. (On a stream of their own they did not make the send faster:
+    the send waits for the device before each chunk's handoff.)"""
 
     def __init__(self, source: TrainerSource) -> None:
         super().__init__(source)
         self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
         self._sums: list[torch.Tensor] = []
-        self._stream = None
 
     def tensors(self):
         self._sums = []  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
-            held = direct_load.held_as(tensor, self.casts.get(index))
-            if held.is_cuda:
-                self._stream = self._stream or torch.cuda.Stream(held.device)
-                self._stream.wait_stream(torch.cuda.current_stream(held.device))  # the tensor is made
-                with torch.cuda.stream(self._stream):
-                    self._sums += direct_load.exact_fingerprint_sums([held])
-                held.record_stream(self._stream)  # its memory not reused before the kernel has read it
-            else:
-                self._sums += direct_load.exact_fingerprint_sums([held])
+            self._sums += direct_load.exact_fingerprint_sums([direct_load.held_as(tensor, self.casts.get(index))])
             yield name, tensor
 
     def fingerprints(self) -> list[list[int]]:
         """[plain, by_column, by_position] of each tensor the last send took."""
-        if self._stream is not None:
-            self._stream.synchronize()
         return torch.stack(self._sums).cpu().tolist() if self._sums else []
 
 
