@@ -421,11 +421,11 @@ class ExactCheck:
     sent (direct_load.exact_check), per vLLM parameter."""
 
     passed: bool
-    seconds: float  # reading back the trainers' fingerprints (taken in the send), every engine's and comparing
+    seconds: float  # the trainers' fingerprints (of their model's shards; of the rest, taken in the send), every engine's, comparing
     parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
     dp_engines: int
     problem: str | None = None  # the first engine's words: which parameters differ
-    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints, read back
+    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints, taken and read back
     engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
 
 
@@ -433,7 +433,7 @@ def exact_check(job) -> ExactCheck:
     """Each trainer rank fingerprints what it sent; each DP engine compares
     that with what it holds, per parameter, on its GPU."""
     start = time.perf_counter()
-    sums = ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers])
+    sums = rank_fingerprints(ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers]))
     trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
@@ -846,10 +846,10 @@ class Measured:
         return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.name in blocks]
                 for m in self.sent_source.metadata]  # fmt: skip
 
-    def sent_fingerprints(self) -> list[list[int]]:
-        """direct_load.exact_fingerprint of every tensor this rank sent in
-        its last send, in send order: taken on the GPU as the send went
-        (FingerprintedSource), read back now with one wait for the device."""
+    def sent_fingerprints(self) -> dict:
+        """direct_load.exact_fingerprint of every tensor this rank sent in its
+        last send, in send order, on its GPU, from its own model where it can
+        (FingerprintedSource.fingerprints; rank_fingerprints adds the shards up)."""
         return self.fingerprinted.fingerprints()
 
     def set_exact_casts(self, casts: dict[int, str]) -> None:
@@ -1011,28 +1011,77 @@ class SourceWrapper(TrainerSource):
 
 
 class FingerprintedSource(SourceWrapper):
-    """A weight source that fingerprints each tensor as the send takes it
-    (direct_load's fingerprint, on the tensor's device, cast first to the
-    dtype vLLM holds it in where `casts` says so): the exact check's half on
-    the trainer, with no second pass over the model. The kernels queue
-    before the send's own copy of the tensor; `fingerprints()` waits for
-    them once. (On a stream of their own they did not make the send faster:
-    the send waits for the device before each chunk's handoff.)"""
+    """The exact check's half on the trainer: the fingerprint (direct_load's,
+    on the tensor's device, cast first to the dtype vLLM holds it in where
+    `casts` says so) of every tensor a send takes. A tensor that is one model
+    tensor cast (the source's `origins`: most of them) is fingerprinted after
+    the send from the model itself, each rank its own FSDP shard where the
+    shards add up to it (`partial`), every kernel from one CUDA graph
+    (direct_load.HeldFingerprints): nothing is added to the send, and what is
+    proved reaches back to the trainer's own parameters. The rest (a
+    conversion's output) is fingerprinted as the send takes it, the kernels
+    queued before the send's own copy of the tensor."""
 
     def __init__(self, source: TrainerSource) -> None:
         super().__init__(source)
         self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
-        self._sums: list[torch.Tensor] = []
+        self._sums: dict[int, torch.Tensor] = {}  # index -> sums taken in the send
+        self._from_model: dict[int, tuple] = {}  # index -> (module, attribute, a rank's own block)
+        self._held = direct_load.HeldFingerprints()
 
     def tensors(self):
-        self._sums = []  # a send that starts again (a retry) starts the fingerprints again
+        origins = getattr(self._source, "origins", None) or [None] * len(self.metadata)
+        self._from_model = {i: o for i, o in enumerate(origins) if o and _shard_of(getattr(*o[:2]), o[2])}
+        self._sums = {}  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
-            self._sums += direct_load.exact_fingerprint_sums([direct_load.held_as(tensor, self.casts.get(index))])
+            if index not in self._from_model:
+                held = direct_load.held_as(tensor, self.casts.get(index))
+                self._sums[index] = direct_load.exact_fingerprint_sums([held])[0]
             yield name, tensor
 
-    def fingerprints(self) -> list[list[int]]:
-        """[plain, by_column, by_position] of each tensor the last send took."""
-        return torch.stack(self._sums).cpu().tolist() if self._sums else []
+    def fingerprints(self) -> dict:
+        """{"sums": [plain, by_column, by_position] of each tensor the last
+        send took, "partial": the indices where those are this rank's
+        shard's, to be added up over the ranks (rank_fingerprints)}."""
+        tensors, offsets, casts, partial = [], [], [], []
+        for index, (module, attribute, block) in self._from_model.items():
+            local, offset, is_partial = _shard_of(getattr(module, attribute), block)
+            held = self.casts.get(index)
+            tensors.append(local)
+            offsets.append(offset)
+            casts.append((self.metadata[index].dtype, *([getattr(torch, held)] if held else [])))
+            partial += [index] if is_partial else []
+        from_model = dict(zip(self._from_model, self._held(tensors, offsets, casts), strict=True))
+        taken = dict(zip(self._sums, torch.stack(list(self._sums.values())).cpu().tolist() if self._sums else []))
+        return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
+                "partial": partial}  # fmt: skip
+
+
+def _shard_of(tensor: torch.Tensor, block: bool) -> tuple[torch.Tensor, int, bool] | None:
+    """(this rank's part of a model tensor, the row of dim 0 it starts at in
+    the whole, whether the ranks' parts make up the whole): all of it if it is
+    not sharded or is a rank's own block; its FSDP2 shard if dim 0 is split
+    over all ranks. None for another layout (then it is fingerprinted in the send)."""
+    if not hasattr(tensor, "to_local"):
+        return tensor.detach(), 0, False
+    local, mesh, placements = tensor.to_local().detach(), tensor.device_mesh, tensor.placements
+    if block or mesh.size() == 1 or all(p.is_replicate() for p in placements):
+        return local, 0, False
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.ndim != 1 or not placements[0].is_shard(0) or mesh.size() != world:
+        return None
+    rows = tensor.shape[0]
+    return local, min(mesh.get_local_rank() * -(-rows // mesh.size()), rows), True  # torch.chunk's split
+
+
+def rank_fingerprints(reports: list[dict]) -> list[list[list[int]]]:
+    """Each rank's fingerprints of what it sent, from every rank's
+    FingerprintedSource.fingerprints(): where a rank fingerprinted its shard
+    of a tensor every rank sends whole, the sum of all ranks' shards."""
+    partial = set(reports[0]["partial"]) if reports else set()
+    whole = {i: [sum(column) % direct_load.FINGERPRINT_MODULUS for column in zip(*(r["sums"][i] for r in reports))]
+             for i in partial}  # fmt: skip
+    return [[whole.get(i, sums) for i, sums in enumerate(r["sums"])] for r in reports]
 
 
 class TimedSource(SourceWrapper):

@@ -38,6 +38,7 @@ computed.
 from __future__ import annotations
 
 import base64
+import math
 import os
 import pickle
 import re
@@ -475,7 +476,7 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
             want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, sums, strict=True)]
     params = dict(model.named_parameters())
     derived, values_only, whole = set(derived_parameters(model)), set(values_only), set(whole)
-    checked = [n for n in params if n not in derived]  # (vLLM computes those anew: nothing to compare)
+    checked = [n for n in params if n in want or n not in derived]  # (vLLM computes the others anew)
     held = dict(zip(checked, (fingerprints or exact_fingerprints)([params[n] for n in checked]), strict=True))
     problems = []
     for name in params:
@@ -545,31 +546,46 @@ def exact_fingerprints(tensors) -> list[list[int]]:
 
 
 class HeldFingerprints:
-    """exact_fingerprints of an engine's parameters, from a CUDA graph that
-    replays every kernel launch at once: a model of hundreds of parameters
-    spends more time launching the few small kernels each one needs than the
-    GPU spends in them. The graph reads the parameters where they were when
-    it was captured: it is captured once the same tensors, at the same
-    addresses, come twice in a row (a loader that allocates new ones is
-    fingerprinted eagerly), and captured again when they move."""
+    """exact_fingerprints of tensors that stay where they are between syncs
+    (an engine's parameters; a trainer's), from a CUDA graph that replays
+    every kernel launch at once: a model of hundreds of tensors spends more
+    time launching the few small kernels each one needs than the GPU spends
+    in them. The graph reads the tensors where they were when it was
+    captured: it is captured once the same tensors, at the same addresses,
+    come twice in a row (a loader that allocates new ones is fingerprinted
+    eagerly), and captured again when they move. Each tensor may be cast
+    first (`casts`: dtypes to cast it through, in order) and be a shard
+    starting at a row of a larger tensor (`row_offsets`, _fingerprint_sums)."""
 
     def __init__(self) -> None:
-        self._last = None  # the previous call's tensors: (address, shape, stride, dtype) each
+        self._last = None  # the previous call's tensors: (address, shape, stride, dtype, offset, casts) each
         self._graph = self._sums = None
 
-    def __call__(self, tensors) -> list[list[int]]:
+    def __call__(self, tensors, row_offsets=None, casts=None) -> list[list[int]]:
         tensors = list(tensors)
-        key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors]
+        row_offsets = list(row_offsets or [0] * len(tensors))
+        casts = [tuple(c) for c in (casts or [()] * len(tensors))]
+
+        def sums() -> list[torch.Tensor]:
+            out = []
+            for tensor, offset, dtypes in zip(tensors, row_offsets, casts, strict=True):
+                for dtype in dtypes:
+                    tensor = tensor.to(dtype)
+                out.append(_fingerprint_sums(tensor, offset))
+            return out
+
         if not tensors or not all(t.is_cuda for t in tensors):
-            return exact_fingerprints(tensors)
+            return torch.stack(sums()).cpu().tolist() if tensors else []
+        key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, o, c)
+               for t, o, c in zip(tensors, row_offsets, casts, strict=True)]  # fmt: skip
         if key != self._last:
             self._last, self._graph = key, None
-            return exact_fingerprints(tensors)
+            return torch.stack(sums()).cpu().tolist()
         if self._graph is None:
             torch.cuda.synchronize()
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):  # (vLLM's own threads)
-                self._sums = torch.stack(exact_fingerprint_sums(tensors))
+                self._sums = torch.stack(sums())
         self._graph.replay()
         return self._sums.cpu().tolist()
 
@@ -587,12 +603,14 @@ def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
+def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
     """exact_fingerprint as an int64 tensor of 3 on the tensor's device: on a
     GPU, for 2- and 4-byte elements, in one pass of one kernel
-    (_fingerprint_kernel); else with torch, in pieces of bounded size."""
+    (_fingerprint_kernel); else with torch, in pieces of bounded size.
+    `row_offset`: where the tensor's first row sits in a tensor it is a
+    shard of (dim 0), so that the shards' sums add up to the whole's."""
     if triton is not None and tensor.is_cuda and tensor.element_size() in (2, 4) and tensor.numel():
-        return fingerprint_sums_triton(tensor)
+        return fingerprint_sums_triton(tensor, row_offset=row_offset)
     flat = tensor.detach()
     columns = _columns(flat)
     rows = flat.contiguous().reshape(-1, columns)
@@ -607,7 +625,8 @@ def _fingerprint_sums(tensor: torch.Tensor) -> torch.Tensor:
             bits = (bits ^ (bits >> 32)) & _MASK32
         plain = _mix32(bits ^ 0x5BD1E995)  # (the constant: so that zeros count too)
         by_column = (plain * column_weight) & _MASK32
-        row_weight = _weights(torch.arange(start, start + bits.shape[0], device=rows.device), 0x27D4EB2F)
+        first = _first_row(tensor, row_offset) + start
+        row_weight = _weights(torch.arange(first, first + bits.shape[0], device=rows.device), 0x27D4EB2F)
         sums[0] += plain.sum() % FINGERPRINT_MODULUS
         sums[1] += by_column.sum() % FINGERPRINT_MODULUS
         sums[2] += ((by_column * row_weight[:, None]) & _MASK32).sum() % FINGERPRINT_MODULUS
@@ -620,12 +639,18 @@ def _weights(index: torch.Tensor, seed: int) -> torch.Tensor:
     return _mix32((index.to(torch.int64) + seed) & _MASK32) | 1
 
 
+def _first_row(tensor: torch.Tensor, row_offset: int) -> int:
+    """The fingerprint's row (the tensor seen as [rows, columns]) of the first
+    element of a shard that starts at `row_offset` on dim 0 of the whole."""
+    return row_offset * math.prod(tensor.shape[1:-1]) if tensor.dim() >= 2 else row_offset
+
+
 def _columns(tensor: torch.Tensor) -> int:
     """The fingerprint's columns: the last dim's size (1 for a 1-D or empty-last-dim tensor)."""
     return tensor.shape[-1] if tensor.dim() >= 2 and tensor.shape[-1] > 0 else 1
 
 
-def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192) -> torch.Tensor:
+def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset: int = 0) -> torch.Tensor:
     """_fingerprint_sums in one Triton kernel: each program mixes a tile of
     `block` elements (rows by columns of the tensor seen as [rows, columns];
     `block` a power of 2) the way the torch code does, with the same 32-bit
@@ -641,8 +666,9 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192) -> torch.Te
     block_r = block // block_c
     grid = (triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))
     partial = torch.empty(grid[0] * grid[1], 3, dtype=torch.int64, device=flat.device)
-    _fingerprint_kernel[grid](bits, partial, rows, columns, ELEMENT_BITS=8 * flat.element_size(),
-                              SALTED=columns > 1, BLOCK_R=block_r, BLOCK_C=block_c)  # fmt: skip
+    _fingerprint_kernel[grid](bits, partial, rows, columns, _first_row(tensor, row_offset),
+                              ELEMENT_BITS=8 * flat.element_size(), SALTED=columns > 1, BLOCK_R=block_r,
+                              BLOCK_C=block_c)  # fmt: skip
     return partial.sum(0) % FINGERPRINT_MODULUS  # (int64 sums wrap modulo 2**64, a multiple of the modulus)
 
 
@@ -657,8 +683,8 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
         return x ^ (x >> 16)
 
     @triton.jit
-    def _fingerprint_kernel(bits_ptr, partial_ptr, rows, columns, ELEMENT_BITS: tl.constexpr, SALTED: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    def _fingerprint_kernel(bits_ptr, partial_ptr, rows, columns, first_row, ELEMENT_BITS: tl.constexpr,
+                            SALTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
         inside = (row < rows) & (column < columns)
@@ -673,7 +699,7 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
         else:
             column_weight = tl.full([1, BLOCK_C], 1, dtype=tl.uint32)
         by_column = plain * column_weight
-        by_position = by_column * (_mix32_triton(row.to(tl.uint32) + 0x27D4EB2F) | 1)
+        by_position = by_column * (_mix32_triton((row + first_row).to(tl.uint32) + 0x27D4EB2F) | 1)
         zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
         at = partial_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 3
         tl.store(at + 0, tl.sum(tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=1), axis=0))

@@ -226,6 +226,11 @@ class BF16Source(TrainerSource):
         split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
         self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
         self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
+        # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
+        # model tensor cast (its whole under FSDP2), else None. Lets a check read the model instead.
+        self.origins = [None if meta[0] in split else (*origin, False) if origin else None
+                        for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
+                        for _ in split.get(meta[0], [meta])]  # fmt: skip
 
     def param_metas(self) -> list[ParamMeta]:
         return self._metas
@@ -256,6 +261,8 @@ class LocalExpertSource(BF16Source):
         self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
                               for name, sent in self._blocks.items()}  # fmt: skip
         self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
+        self.origins += [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True)
+                         for name in self._blocks]  # fmt: skip
 
     def tensors(self):
         yield from super().tensors()

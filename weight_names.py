@@ -138,6 +138,7 @@ class CheckpointForm:
         form = CheckpointForm(model, torch.bfloat16)
         form.metadata                   # [(checkpoint name, shape, dtype)], in order
         for name, tensor in form: ...   # the same tensors, with their data
+        form.origins                    # each one's (module, attribute), if it is that tensor cast
 
     `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
     names to leave out (a caller sending those its own way). A group that
@@ -165,10 +166,15 @@ class CheckpointForm:
         # for the unsharded parameter while its module is unsharded, so it is read on every sync.
         self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
                        for group in self._groups for n in group}  # fmt: skip
+        # Each tensor's origin where it is one model tensor, cast (its whole tensor under FSDP2):
+        # (module, attribute); None where a conversion makes it from others.
+        origins = [[self._where[name] for name, _, _ in metadata] if unchanged else [None] * len(metadata)
+                   for metadata, unchanged in zip(self._group_metadata, self._unchanged, strict=True)]  # fmt: skip
         order = _gather_order(self._owners)
         self._groups, self._unchanged, self._owners = ([x[i] for i in order] for x in
                                                        (self._groups, self._unchanged, self._owners))  # fmt: skip
         self.metadata = [m for i in order for m in self._group_metadata[i]]
+        self.origins = [o for i in order for o in origins[i]]
 
     @torch.no_grad()
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -130,6 +130,21 @@ def test_fingerprints_see_a_single_changed_value():
     assert direct_load._fingerprint(t.float()) != same  # dtype is part of it
 
 
+def test_the_shards_fingerprints_add_up_to_the_wholes():
+    """A trainer rank fingerprints its FSDP shard (rows of dim 0) where it
+    starts in the whole tensor: the ranks' sums add up to the whole's, all
+    three; a shard fingerprinted as if it started at row 0 does not."""
+    modulus = direct_load.FINGERPRINT_MODULUS
+    for shape in [(10, 7), (9, 4, 5), (13,), (6, 1)]:
+        whole = torch.randn(shape).to(torch.bfloat16)
+        shards = whole.chunk(3)  # FSDP2's split of dim 0
+        starts = [sum(len(s) for s in shards[:i]) for i in range(len(shards))]
+        sums = [direct_load._fingerprint_sums(s, start).tolist() for s, start in zip(shards, starts, strict=True)]
+        assert [sum(column) % modulus for column in zip(*sums)] == direct_load.exact_fingerprint(whole), shape
+        at_zero = [direct_load._fingerprint_sums(s).tolist() for s in shards]
+        assert sum(s[2] for s in at_zero) % modulus != direct_load.exact_fingerprint(whole)[2], shape
+
+
 def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     """On a GPU the exact check fingerprints 2- and 4-byte tensors with one
     Triton kernel; here it runs in Triton's interpreter on CPU, against the
@@ -152,6 +167,8 @@ cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=tor
          torch.randn(3, 700, dtype=torch.bfloat16)]  # columns over several programs, the last one partial
 for t in cases:
     assert d._fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
+for t in cases[:3]:  # a shard that starts at row 3 of dim 0 of a larger tensor
+    assert d._fingerprint_sums(t, 3).tolist() == d.fingerprint_sums_triton(t, block=256, row_offset=3).tolist()
 swapped = cases[0].clone().view(-1)
 swapped[0], swapped[1] = cases[0].view(-1)[1], cases[0].view(-1)[0]
 assert d.fingerprint_sums_triton(swapped.view(37, 129), block=256)[2] != d.fingerprint_sums_triton(cases[0], block=256)[2]
