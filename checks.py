@@ -421,20 +421,34 @@ class ExactCheck:
     sent (direct_load.exact_check), per vLLM parameter."""
 
     passed: bool
-    seconds: float  # the trainers' fingerprints (of their model's shards; of the rest, taken in the send), every engine's, comparing
+    seconds: float  # from the start (start_exact_check) to the verdict: both sides' fingerprints and the comparison
     parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
     dp_engines: int
     problem: str | None = None  # the first engine's words: which parameters differ
-    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints, taken and read back
+    trainer_seconds: float | None = None  # of `wait_seconds`: the trainers' fingerprints, waited for and read back
     engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
+    wait_seconds: float | None = None  # of `seconds`: the round waiting in exact_check (the rest ran beside the gate)
 
 
-def exact_check(job) -> ExactCheck:
+def start_exact_check(job) -> float:
+    """After a sync: every trainer rank and every DP engine start
+    fingerprinting (on the GPU, on CUDA streams of their own), so that the
+    kernels run beside what the round does next, such as the gate's
+    requests; exact_check then compares. Returns when they were started."""
+    started = time.perf_counter()
+    ray_ranks.ray_get_all([t.start_sent_fingerprints.remote() for t in job.trainers])
+    helpers.collective_rpc(job.server.socket_path, "exact_check_start")
+    return started
+
+
+def exact_check(job, started: float | None = None) -> ExactCheck:
     """Each trainer rank fingerprints what it sent; each DP engine compares
-    that with what it holds, per parameter, on its GPU."""
-    start = time.perf_counter()
+    that with what it holds, per parameter, on its GPU (the fingerprints
+    start_exact_check launched at `started`, or now)."""
+    start = started if started is not None else time.perf_counter()
+    waited = time.perf_counter()
     sums = rank_fingerprints(ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers]))
-    trainer_seconds = time.perf_counter() - start
+    trainer_seconds = time.perf_counter() - waited
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
         answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
@@ -442,9 +456,10 @@ def exact_check(job) -> ExactCheck:
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: "):].split('"', 1)[0]
-        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds)
+        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds,
+                          wait_seconds=time.perf_counter() - waited)  # fmt: skip
     return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size, None, trainer_seconds,
-                      answer.get("seconds"))  # fmt: skip
+                      answer.get("seconds"), time.perf_counter() - waited)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -582,6 +597,8 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
         engines = f"{exact['dp_engines']} DP engine" + ("s" if exact["dp_engines"] != 1 else "")
         split = (f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
                  if exact.get("engine_seconds") is not None else "")  # fmt: skip
+        if exact.get("wait_seconds") is not None:
+            split = f", beside the gate; then waited {exact['wait_seconds']:.2f} s{split}"
         print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
               f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s{split})" if exact["passed"]
               else f"[exact] FAIL: {exact['problem']}", flush=True)  # fmt: skip
@@ -846,6 +863,10 @@ class Measured:
         return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.name in blocks]
                 for m in self.sent_source.metadata]  # fmt: skip
 
+    def start_sent_fingerprints(self) -> None:
+        """Start sent_fingerprints' kernels, to run beside what comes next."""
+        self.fingerprinted.start()
+
     def sent_fingerprints(self) -> dict:
         """direct_load.exact_fingerprint of every tensor this rank sent in its
         last send, in send order, on its GPU, from its own model where it can
@@ -1028,33 +1049,44 @@ class FingerprintedSource(SourceWrapper):
         self._sums: dict[int, torch.Tensor] = {}  # index -> sums taken in the send
         self._from_model: dict[int, tuple] = {}  # index -> (module, attribute, a rank's own block)
         self._held = direct_load.HeldFingerprints()
+        self._started = None  # what waits for the fingerprints start() launched
+        self._partial: list[int] = []
 
     def tensors(self):
         origins = getattr(self._source, "origins", None) or [None] * len(self.metadata)
         self._from_model = {i: o for i, o in enumerate(origins) if o and _shard_of(getattr(*o[:2]), o[2])}
-        self._sums = {}  # a send that starts again (a retry) starts the fingerprints again
+        self._sums, self._started = {}, None  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
                 held = direct_load.held_as(tensor, self.casts.get(index))
                 self._sums[index] = direct_load.exact_fingerprint_sums([held])[0]
             yield name, tensor
 
-    def fingerprints(self) -> dict:
-        """{"sums": [plain, by_column, by_position] of each tensor the last
-        send took, "partial": the indices where those are this rank's
-        shard's, to be added up over the ranks (rank_fingerprints)}."""
-        tensors, offsets, casts, partial = [], [], [], []
+    def start(self) -> None:
+        """Start fingerprinting, from the model, the tensors the last send
+        took from it: on a GPU on a CUDA stream of its own, beside whatever
+        the rank does next (fingerprints() waits for it)."""
+        tensors, offsets, casts, self._partial = [], [], [], []
         for index, (module, attribute, block) in self._from_model.items():
             local, offset, is_partial = _shard_of(getattr(module, attribute), block)
             held = self.casts.get(index)
             tensors.append(local)
             offsets.append(offset)
             casts.append((self.metadata[index].dtype, *([getattr(torch, held)] if held else [])))
-            partial += [index] if is_partial else []
-        from_model = dict(zip(self._from_model, self._held(tensors, offsets, casts), strict=True))
+            self._partial += [index] if is_partial else []
+        self._started = self._held.start(tensors, offsets, casts)
+
+    def fingerprints(self) -> dict:
+        """{"sums": [plain, by_column, by_position] of each tensor the last
+        send took, "partial": the indices where those are this rank's
+        shard's, to be added up over the ranks (rank_fingerprints)}."""
+        if self._started is None:
+            self.start()
+        started, self._started = self._started, None
+        from_model = dict(zip(self._from_model, started(), strict=True))
         taken = dict(zip(self._sums, torch.stack(list(self._sums.values())).cpu().tolist() if self._sums else []))
         return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
-                "partial": partial}  # fmt: skip
+                "partial": self._partial}  # fmt: skip
 
 
 def _shard_of(tensor: torch.Tensor, block: bool) -> tuple[torch.Tensor, int, bool] | None:

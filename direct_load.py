@@ -84,6 +84,7 @@ class DirectLoadWorker:
         if (unfinished := getattr(self, "_direct_session", None)) is not None:
             unfinished.importer.close()  # a send that failed part way: start afresh
         self._direct_session = _session(self.model_runner.get_model(), PackedBufferImporter())
+        self._exact_started = None  # fingerprints of what the engine held before this sync: no longer of use
 
     def direct_load_check(self, expected: str) -> dict:
         """Before any send: raise, naming the cause, unless this engine holds,
@@ -219,6 +220,19 @@ class DirectLoadWorker:
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
                 "parameters": len({t for ts in self._exact_targets for t in ts})}  # fmt: skip
 
+    def exact_check_start(self) -> dict:
+        """Start fingerprinting what this engine holds, after a sync, on a CUDA
+        stream of its own, beside whatever it serves next; exact_check waits
+        for it (or, if this was not called, fingerprints then)."""
+        targets = getattr(self, "_exact_targets", None)
+        if targets is None:
+            raise RuntimeError("exact_check_prepare was not called")
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        names = checked_parameters(model, targets)
+        self._exact_started = self._held_fingerprints.start(params[n] for n in names)
+        return {"parameters": len(names)}
+
     def exact_check(self, expected: str) -> dict:
         """Prove that this engine holds exactly what the trainer rank on its
         GPU sent (`exact_problems`; `expected`: JSON {gpu_uuid: [[plain,
@@ -236,8 +250,13 @@ class DirectLoadWorker:
         per_rank = json.loads(expected)
         sent = per_rank[uuid] if uuid in per_rank else _no_trainer_rank(uuid, list(per_rank))
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
+        started, self._exact_started = getattr(self, "_exact_started", None), None
+
+        def fingerprints(tensors):  # those exact_check_start launched, of the same parameters; else now
+            return started() if started is not None else self._held_fingerprints(tensors)
+
         checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole,
-                                           self._held_fingerprints)  # fmt: skip
+                                           fingerprints)  # fmt: skip
         if problems:
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip
@@ -476,7 +495,7 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
             want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, sums, strict=True)]
     params = dict(model.named_parameters())
     derived, values_only, whole = set(derived_parameters(model)), set(values_only), set(whole)
-    checked = [n for n in params if n in want or n not in derived]  # (vLLM computes the others anew)
+    checked = checked_parameters(model, targets)
     held = dict(zip(checked, (fingerprints or exact_fingerprints)([params[n] for n in checked]), strict=True))
     problems = []
     for name in params:
@@ -490,6 +509,13 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
             problems.append(f"{name}: " + ("the values sent, in another layout (transposed or permuted)"
                                            if held[name][0] == want[name][0] else "not what the trainer sent"))  # fmt: skip
     return len(params), problems
+
+
+def checked_parameters(model: torch.nn.Module, targets: list[list[str]]) -> list[str]:
+    """The parameters exact_problems fingerprints: those a sent tensor is
+    written into (one that none is, it names without a fingerprint)."""
+    written = {n for names in targets for n in names}
+    return [n for n, _ in model.named_parameters() if n in written]
 
 
 def derived_parameters(model: torch.nn.Module) -> list[str]:
@@ -555,39 +581,58 @@ class HeldFingerprints:
     come twice in a row (a loader that allocates new ones is fingerprinted
     eagerly), and captured again when they move. Each tensor may be cast
     first (`casts`: dtypes to cast it through, in order) and be a shard
-    starting at a row of a larger tensor (`row_offsets`, _fingerprint_sums)."""
+    starting at a row of a larger tensor (`row_offsets`, _fingerprint_sums).
+    `start` runs them on a CUDA stream of their own, beside whatever the
+    process does next, and returns what waits for them."""
 
     def __init__(self) -> None:
         self._last = None  # the previous call's tensors: (address, shape, stride, dtype, offset, casts) each
-        self._graph = self._sums = None
+        self._graph = self._sums = self._stream = None
 
     def __call__(self, tensors, row_offsets=None, casts=None) -> list[list[int]]:
+        return self.start(tensors, row_offsets, casts)()
+
+    def start(self, tensors, row_offsets=None, casts=None):
+        """Launch the fingerprints; returns a function that waits for them and reads them back."""
         tensors = list(tensors)
         row_offsets = list(row_offsets or [0] * len(tensors))
         casts = [tuple(c) for c in (casts or [()] * len(tensors))]
 
-        def sums() -> list[torch.Tensor]:
+        def sums() -> torch.Tensor:
             out = []
             for tensor, offset, dtypes in zip(tensors, row_offsets, casts, strict=True):
                 for dtype in dtypes:
                     tensor = tensor.to(dtype)
                 out.append(_fingerprint_sums(tensor, offset))
-            return out
+            return torch.stack(out)
 
         if not tensors or not all(t.is_cuda for t in tensors):
-            return torch.stack(sums()).cpu().tolist() if tensors else []
+            done = sums().tolist() if tensors else []
+            return lambda: done
         key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, o, c)
                for t, o, c in zip(tensors, row_offsets, casts, strict=True)]  # fmt: skip
-        if key != self._last:
-            self._last, self._graph = key, None
-            return torch.stack(sums()).cpu().tolist()
-        if self._graph is None:
+        self._stream = self._stream or torch.cuda.Stream(tensors[0].device)
+        if key == self._last and self._graph is None:
             torch.cuda.synchronize()
             self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):  # (vLLM's own threads)
-                self._sums = torch.stack(sums())
-        self._graph.replay()
-        return self._sums.cpu().tolist()
+            with torch.cuda.graph(self._graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._sums = sums()  # ("thread_local": vLLM's own threads may use CUDA meanwhile)
+        self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # what wrote them first
+        with torch.cuda.stream(self._stream):
+            if key == self._last:
+                self._graph.replay()
+                out = self._sums
+            else:
+                self._last, self._graph = key, None
+                out = sums()
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+
+        def result() -> list[list[int]]:
+            ready.synchronize()
+            return out.cpu().tolist()
+
+        return result
 
 
 def exact_fingerprint_sums(tensors) -> list[torch.Tensor]:

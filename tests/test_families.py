@@ -491,3 +491,44 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     # Nothing synced at all: every parameter is named.
     _sync(vllm_model, [], loader)
     assert len(problems()) == checked
+
+
+@pytest.mark.parametrize("loader", ["vllm", "direct"])
+def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later(loader, vllm_models):
+    """The worker extension's own calls, as a round makes them over
+    /collective_rpc, on a real vLLM model (DeepSeek-V3: MLA's derived weights
+    too): exact_check_prepare, the sync, exact_check_start (after the sync,
+    before the gate), exact_check (after it). It compares what
+    exact_check_start fingerprinted (here at once, on CPU), names a parameter
+    that differed then, and without a start fingerprints at once."""
+    import json
+    import types
+
+    import direct_load
+
+    hf = build_model("deepseek_v3", device="cpu")
+    vllm_model = vllm_models("deepseek_v3")
+    worker = direct_load.DirectLoadWorker()  # the mixin vLLM's worker class gets: here around the model alone
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: vllm_model)
+    worker.vllm_config = vllm_model.test_vllm_config
+    sent = _sent(hf, loader)
+    blocks = set(weight_names.expert_block_names(hf).values()) if loader == "direct" else set()
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+    casts = {int(i): d for i, d in worker.exact_check_prepare(json.dumps(metas))["casts"].items()}
+    expected = json.dumps({"": direct_load.exact_fingerprints(direct_load.as_held(sent, casts))})
+    _sync(vllm_model, sent, loader)
+    assert worker.exact_check_start()["parameters"] == worker.exact_check(expected)["parameters"] > 0
+    params = dict(vllm_model.named_parameters())
+    name = sorted(n for n in params if n.endswith("kv_b_proj.weight"))[0]  # the source of MLA's derived weights
+    kept = params[name].detach().clone()
+    with torch.no_grad():
+        worker.exact_check_start()
+        params[name].view(-1)[0] += 1  # after the start: not what it judges
+        worker.exact_check(expected)
+        worker.exact_check_start()  # before: named
+        with pytest.raises(RuntimeError, match=rf"exact check: DP engine 0: 1 of \d+ parameters differ: {name}"):
+            worker.exact_check(expected)
+        with pytest.raises(RuntimeError, match=name):  # no start: fingerprinted at once
+            worker.exact_check(expected)
+        params[name].copy_(kept)
+    worker.exact_check(expected)

@@ -44,6 +44,8 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         sent = [(n, t.detach().clone()) for n, t in iter(source)]
         held = [t.float() if i == 0 else t for i, (_, t) in enumerate(sent)]
         report[loader] = len(names)
+        if loader == "direct":  # as a round does: started after the send, read back later
+            trainer.start_sent_fingerprints()
         report[f"{loader}_fingerprints"] = trainer.sent_fingerprints()
         report[f"{loader}_want"] = [direct_load.exact_fingerprint(t) for t in held]
         report[f"{loader}_uncast"] = [direct_load.exact_fingerprint(t) for _, t in sent]
