@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -110,10 +111,12 @@ _TOKENIZER_CORPUS = (
 
 
 def resolve_model(model: str, workdir: Path) -> Path:
-    """The model directory: built in `workdir` for a preset, as given for a
-    path, downloaded for a Hugging Face id. Exits with one line if none."""
+    """The model directory: for a preset, built once in this user's cache
+    (preset_dir; in `workdir` if that cache is not safe to use), as given for
+    a path, downloaded for a Hugging Face id. Exits with one line if none."""
     if model in PRESETS:
-        return build_preset(model, workdir / model)
+        cached = preset_dir(model)
+        return cached if cached is not None else build_preset(model, workdir / model)
     path = Path(model).expanduser()
     looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local:
@@ -133,6 +136,34 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+def preset_dir(name: str) -> Path | None:
+    """PRESETS[name] built once, at a path that stays the same from run to
+    run ($XDG_CACHE_HOME or ~/.cache, rlhf_ipc_fsdp_ep/presets/<name>-<hash
+    of what is written>): vLLM keys its torch.compile cache on the model's
+    path, so a server of the same preset starts from the compiled code of the
+    last run instead of compiling again. None if that folder is not this
+    user's alone (another user could change the files in it)."""
+    import hashlib
+    import tempfile
+
+    recipe = json.dumps([PRESETS[name], CHAT_TEMPLATE, _TOKENIZER_CORPUS], sort_keys=True)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf_ipc_fsdp_ep" / "presets"
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if root.stat().st_uid != os.getuid() or root.stat().st_mode & 0o022:
+            return None
+        out = root / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+        if not (out / "config.json").is_file():
+            built = build_preset(name, tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+            try:
+                built.rename(out)  # whole or not at all: two runs may build it at once
+            except OSError:  # the other one was first
+                shutil.rmtree(built, ignore_errors=True)
+        return out if (out / "config.json").is_file() else None
+    except OSError:  # no home, a read-only one
+        return None
 
 
 def build_preset(name: str, out_dir: str | os.PathLike) -> Path:

@@ -346,7 +346,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
     SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
     started it."""
     with helpers.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
-        workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket, models
+        workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
             model_path = models.resolve_model(args.model, workdir)

@@ -96,6 +96,21 @@ def test_presets_are_built_locally(tmp_path):
     assert (path / "tokenizer.json").is_file()
 
 
+def test_a_preset_is_built_once_at_a_path_that_stays(tmp_path, monkeypatch):
+    """vLLM keys its compile cache on the model's path: a preset resolves to
+    the same folder in every run (this user's cache), built once; in a cache
+    other users can write to, it is built in the run's own private folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = models.resolve_model("tiny", tmp_path / "run1")
+    built = (first / "config.json").stat().st_mtime_ns
+    again = models.resolve_model("tiny", tmp_path / "run2")
+    assert again == first and (again / "config.json").stat().st_mtime_ns == built
+    assert first.parent == tmp_path / "cache" / "rlhf_ipc_fsdp_ep" / "presets" and first.name.startswith("tiny-")
+    assert models.resolve_model("tiny-mixtral", tmp_path / "run1") != first  # each preset its own
+    (tmp_path / "cache" / "rlhf_ipc_fsdp_ep" / "presets").chmod(0o777)
+    assert models.resolve_model("tiny", tmp_path / "run3") == tmp_path / "run3" / "tiny"
+
+
 def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     path = models.resolve_model("tiny", tmp_path)
     name, size = models.largest_parameter(models.meta_model(path))
@@ -123,7 +138,7 @@ def test_a_checkpoint_without_safetensors_is_refused_before_gpu_work(tmp_path):
     """Each trainer rank reads its own shards from the safetensors files; a
     directory with a config and no such files (pytorch_model.bin only, or a
     download that stopped) ends the run before any GPU work, in one line."""
-    path = models.resolve_model("tiny", tmp_path)  # config and tokenizer, no weights
+    path = models.build_preset("tiny", tmp_path / "tiny")  # config and tokenizer, no weights
     (path / "pytorch_model.bin").write_bytes(b"")
     args = script.parse_args(["--model", str(path), "--num-gpus", "2"])
     with pytest.raises(SystemExit, match=r"^error: .*tiny has no safetensors files \(model.safetensors, or an index"):
