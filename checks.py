@@ -442,8 +442,9 @@ def start_exact_check(job) -> float:
 
 
 def exact_check(job, started: float | None = None) -> ExactCheck:
-    """Each trainer rank fingerprints what it sent; each DP engine compares
-    that with what it holds, per parameter, on its GPU (the fingerprints
+    """Each trainer rank fingerprints what it sent (from its own model's
+    shards, where a tensor is one model tensor); each DP engine compares that
+    with what it holds, per parameter, on its GPU (the fingerprints
     start_exact_check launched at `started`, or now)."""
     start = started if started is not None else time.perf_counter()
     waited = time.perf_counter()
@@ -876,8 +877,8 @@ class Measured:
     def set_exact_casts(self, casts: dict[int, str]) -> None:
         """Which sent tensors vLLM holds in another dtype (exact_check_prepare).
         Also fingerprints a few rows of each dtype and width it will send, so
-        that Triton compiles its kernels now rather than in the first sync
-        (seconds)."""
+        that Triton compiles most of its kernels now rather than in the first
+        sync (seconds; it specializes on a few more of their arguments)."""
         self.fingerprinted.casts = casts
         kinds = {(casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
                  for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())}  # fmt: skip
@@ -1037,8 +1038,9 @@ class FingerprintedSource(SourceWrapper):
     `casts` says so) of every tensor a send takes. A tensor that is one model
     tensor cast (the source's `origins`: most of them) is fingerprinted after
     the send from the model itself, each rank its own FSDP shard where the
-    shards add up to it (`partial`), every kernel from one CUDA graph
-    (direct_load.HeldFingerprints): nothing is added to the send, and what is
+    shards add up to it (`partial`), from the second send on every kernel from
+    one CUDA graph (direct_load.HeldFingerprints; eagerly where --train's fp32
+    masters are cast first): nothing is added to the send, and what is
     proved reaches back to the trainer's own parameters. The rest (a
     conversion's output) is fingerprinted as the send takes it, the kernels
     queued before the send's own copy of the tensor."""
@@ -1068,7 +1070,9 @@ class FingerprintedSource(SourceWrapper):
         the rank does next (fingerprints() waits for it)."""
         tensors, offsets, casts, self._partial = [], [], [], []
         for index, (module, attribute, block) in self._from_model.items():
-            local, offset, is_partial = _shard_of(getattr(module, attribute), block)
+            if (shard := _shard_of(getattr(module, attribute), block)) is None:
+                raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
+            local, offset, is_partial = shard
             held = self.casts.get(index)
             tensors.append(local)
             offsets.append(offset)

@@ -215,7 +215,7 @@ class DirectLoadWorker:
         model = self.model_runner.get_model()
         self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
             model, json.loads(sent), self.vllm_config)
-        self._held_fingerprints = HeldFingerprints()
+        self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
                 "parameters": len({t for ts in self._exact_targets for t in ts})}  # fmt: skip
@@ -242,6 +242,7 @@ class DirectLoadWorker:
         import time
 
         start = time.perf_counter()
+        started, self._exact_started = getattr(self, "_exact_started", None), None  # used once, or not at all
         targets = getattr(self, "_exact_targets", None)
         if targets is None:
             raise RuntimeError("exact_check_prepare was not called")
@@ -250,7 +251,6 @@ class DirectLoadWorker:
         per_rank = json.loads(expected)
         sent = per_rank[uuid] if uuid in per_rank else _no_trainer_rank(uuid, list(per_rank))
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
-        started, self._exact_started = getattr(self, "_exact_started", None), None
 
         def fingerprints(tensors):  # those exact_check_start launched, of the same parameters; else now
             return started() if started is not None else self._held_fingerprints(tensors)
@@ -579,14 +579,17 @@ class HeldFingerprints:
     in them. The graph reads the tensors where they were when it was
     captured: it is captured once the same tensors, at the same addresses,
     come twice in a row (a loader that allocates new ones is fingerprinted
-    eagerly), and captured again when they move. Each tensor may be cast
-    first (`casts`: dtypes to cast it through, in order) and be a shard
-    starting at a row of a larger tensor (`row_offsets`, _fingerprint_sums).
-    `start` runs them on a CUDA stream of their own, beside whatever the
-    process does next, and returns what waits for them."""
+    eagerly), and captured again once moved tensors come twice in a row.
+    Each tensor may be cast first (`casts`: dtypes to cast it through, in
+    order) and be a shard starting at a row of a larger tensor
+    (`row_offsets`, _fingerprint_sums); a call with a tensor that needs a
+    cast or a contiguous copy runs eagerly, since a graph would keep those
+    copies' memory for as long as it lives. `start` runs them on a
+    CUDA stream of their own, beside whatever the process does next, and
+    returns what waits for them."""
 
     def __init__(self) -> None:
-        self._last = None  # the previous call's tensors: (address, shape, stride, dtype, offset, casts) each
+        self._last = None  # the previous call's tensors: (address, shape, stride, dtype, offset) each
         self._graph = self._sums = self._stream = None
 
     def __call__(self, tensors, row_offsets=None, casts=None) -> list[list[int]]:
@@ -609,21 +612,24 @@ class HeldFingerprints:
         if not tensors or not all(t.is_cuda for t in tensors):
             done = sums().tolist() if tensors else []
             return lambda: done
-        key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, o, c)
-               for t, o, c in zip(tensors, row_offsets, casts, strict=True)]  # fmt: skip
+        graphed = not any(casts) and all(t.is_contiguous() for t in tensors)
+        key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, o)
+               for t, o in zip(tensors, row_offsets, strict=True)] if graphed else None  # fmt: skip
         self._stream = self._stream or torch.cuda.Stream(tensors[0].device)
-        if key == self._last and self._graph is None:
+        if key is None or key != self._last:  # new tensors (or ones a graph should not hold): eagerly
+            self._last, self._graph, self._sums = key, None, None
+        elif self._graph is None:  # the same tensors a second time: capture
             torch.cuda.synchronize()
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph, stream=self._stream, capture_error_mode="thread_local"):
-                self._sums = sums()  # ("thread_local": vLLM's own threads may use CUDA meanwhile)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                captured = sums()  # ("thread_local": vLLM's own threads may use CUDA meanwhile)
+            self._graph, self._sums = graph, captured
         self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # what wrote them first
         with torch.cuda.stream(self._stream):
-            if key == self._last:
+            if self._graph is not None:
                 self._graph.replay()
                 out = self._sums
             else:
-                self._last, self._graph = key, None
                 out = sums()
             ready = torch.cuda.Event()
             ready.record(self._stream)

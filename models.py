@@ -143,27 +143,47 @@ def preset_dir(name: str) -> Path | None:
     run ($XDG_CACHE_HOME or ~/.cache, rlhf_ipc_fsdp_ep/presets/<name>-<hash
     of what is written>): vLLM keys its torch.compile cache on the model's
     path, so a server of the same preset starts from the compiled code of the
-    last run instead of compiling again. None if that folder is not this
-    user's alone (another user could change the files in it)."""
+    last run instead of compiling again. None if that folder, or one above it
+    in the cache, is not this user's alone (another user could change the
+    files in it)."""
     import hashlib
+    import importlib.metadata
+    import inspect
     import tempfile
 
-    recipe = json.dumps([PRESETS[name], CHAT_TEMPLATE, _TOKENIZER_CORPUS], sort_keys=True)
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf_ipc_fsdp_ep" / "presets"
+    versions = [importlib.metadata.version(p) for p in ("tokenizers", "transformers")]
+    recipe = json.dumps([PRESETS[name], inspect.getsource(build_preset), CHAT_TEMPLATE, _TOKENIZER_CORPUS, versions],
+                        sort_keys=True)  # fmt: skip
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = base / "rlhf_ipc_fsdp_ep" / "presets"
+    out = root / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if root.stat().st_uid != os.getuid() or root.stat().st_mode & 0o022:
+        if not _mine_alone(root, base):
             return None
-        out = root / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
         if not (out / "config.json").is_file():
-            built = build_preset(name, tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+            building = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
-                built.rename(out)  # whole or not at all: two runs may build it at once
+                build_preset(name, building).rename(out)  # whole or not at all: two runs may build it at once
             except OSError:  # the other one was first
-                shutil.rmtree(built, ignore_errors=True)
-        return out if (out / "config.json").is_file() else None
+                pass
+            finally:
+                shutil.rmtree(building, ignore_errors=True)
+        return out if _mine_alone(out, base) and (out / "config.json").is_file() else None
     except OSError:  # no home, a read-only one
         return None
+
+
+def _mine_alone(path: Path, base: Path) -> bool:
+    """Whether `path`, and each folder above it up to `base`, is this user's
+    and no one else may write to it."""
+    for folder in [path, *path.parents]:
+        info = folder.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return False
+        if folder == base:
+            return True
+    return False
 
 
 def build_preset(name: str, out_dir: str | os.PathLike) -> Path:
