@@ -1049,14 +1049,15 @@ class FingerprintedSource(SourceWrapper):
         super().__init__(source)
         self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
         self._sums: dict[int, torch.Tensor] = {}  # index -> sums taken in the send
-        self._from_model: dict[int, tuple] = {}  # index -> (module, attribute, a rank's own block)
+        self._from_model: dict[int, tuple] | None = None  # index -> (module, attribute, a rank's own block)
         self._held = direct_load.HeldFingerprints()
         self._started = None  # what waits for the fingerprints start() launched
         self._partial: list[int] = []
 
     def tensors(self):
-        origins = getattr(self._source, "origins", None) or [None] * len(self.metadata)
-        self._from_model = {i: o for i, o in enumerate(origins) if o and _shard_of(getattr(*o[:2]), o[2])}
+        if self._from_model is None:  # once, before the first send: the layout stays
+            origins = getattr(self._source, "origins", None) or [None] * len(self.metadata)
+            self._from_model = {i: o for i, o in enumerate(origins) if o and _shard_of(getattr(*o[:2]), o[2])}
         self._sums, self._started = {}, None  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
@@ -1069,14 +1070,13 @@ class FingerprintedSource(SourceWrapper):
         took from it: on a GPU on a CUDA stream of its own, beside whatever
         the rank does next (fingerprints() waits for it)."""
         tensors, offsets, casts, self._partial = [], [], [], []
-        for index, (module, attribute, block) in self._from_model.items():
+        for index, (module, attribute, block) in (self._from_model or {}).items():
             if (shard := _shard_of(getattr(module, attribute), block)) is None:
                 raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
             local, offset, is_partial = shard
-            held = self.casts.get(index)
             tensors.append(local)
             offsets.append(offset)
-            casts.append((self.metadata[index].dtype, *([getattr(torch, held)] if held else [])))
+            casts.append(_casts(local.dtype, self.metadata[index].dtype, self.casts.get(index)))
             self._partial += [index] if is_partial else []
         self._started = self._held.start(tensors, offsets, casts)
 
@@ -1087,10 +1087,23 @@ class FingerprintedSource(SourceWrapper):
         if self._started is None:
             self.start()
         started, self._started = self._started, None
-        from_model = dict(zip(self._from_model, started(), strict=True))
+        from_model = dict(zip(self._from_model or {}, started(), strict=True))
         taken = dict(zip(self._sums, torch.stack(list(self._sums.values())).cpu().tolist() if self._sums else []))
         return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
                 "partial": self._partial}  # fmt: skip
+
+
+def _casts(held: torch.dtype, sent: torch.dtype, vllm_holds: str | None) -> tuple[torch.dtype, ...]:
+    """The casts from a model tensor (`held` by the trainer) to what vLLM
+    holds of it: to the dtype it is `sent` in, then to the one vLLM keeps it
+    in (`vllm_holds`, a dtype's name, if another); only those that change it,
+    since a tensor cast first cannot be fingerprinted from a CUDA graph."""
+    out, dtype = [], held
+    for target in (sent, getattr(torch, vllm_holds) if vllm_holds else sent):
+        if target != dtype:
+            out.append(target)
+            dtype = target
+    return tuple(out)
 
 
 def _shard_of(tensor: torch.Tensor, block: bool) -> tuple[torch.Tensor, int, bool] | None:

@@ -72,6 +72,19 @@ def test_the_weight_sources_are_vllm_weight_sources(tiny_checkpoint, tmp_path):
     assert 0 < reports[0]["vllm_from_model"] < reports[0]["vllm"]
 
 
+def test_a_trainer_tensor_is_cast_only_where_the_cast_changes_it():
+    """What the trainer fingerprints from its model: cast to the sent dtype,
+    then to vLLM's, only where that changes it; a tensor with no cast (the bf16
+    weights without --train) is one a CUDA graph can fingerprint."""
+    import checks
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert checks._casts(bf16, bf16, None) == () and checks._casts(fp32, fp32, "float32") == ()
+    assert checks._casts(fp32, bf16, None) == (bf16,)  # --train's fp32 masters, sent in bf16
+    assert checks._casts(bf16, bf16, "float32") == (fp32,)  # a router vLLM keeps in fp32
+    assert checks._casts(fp32, bf16, "float32") == (bf16, fp32)  # both: the bf16 rounding counts
+
+
 def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     """vLLM 0.33 loads GPT-OSS's fused experts past its reload's weight loaders
     (they would stay unwritten) and takes each expert alone instead; 0.32 only
