@@ -7,11 +7,13 @@ Nothing here moves weights: rlhf_ipc_fsdp_ep.py does, and calls these around it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
 import shlex
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -421,35 +423,51 @@ class ExactCheck:
     sent (direct_load.exact_check), per vLLM parameter."""
 
     passed: bool
-    seconds: float  # from the start (start_exact_check) to the verdict: both sides' fingerprints and the comparison
+    seconds: float  # from the start to the verdict: both sides' fingerprints and the comparison (beside the gate)
     parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
     dp_engines: int
     problem: str | None = None  # the first engine's words: which parameters differ
-    trainer_seconds: float | None = None  # of `wait_seconds`: the trainers' fingerprints, waited for and read back
+    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints, started, waited for and read back
     engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
-    wait_seconds: float | None = None  # of `seconds`: the round waiting in exact_check (the rest ran beside the gate)
+    wait_seconds: float | None = None  # what the check added to the round: its wait for the verdict after the gate
 
 
-def start_exact_check(job) -> float:
-    """After a sync: every trainer rank and every DP engine start
-    fingerprinting (on the GPU, on CUDA streams of their own), so that the
-    kernels run beside what the round does next, such as the gate's
-    requests; exact_check then compares. Returns when they were started."""
-    started = time.perf_counter()
-    ray_ranks.ray_get_all([t.start_sent_fingerprints.remote() for t in job.trainers])
-    helpers.collective_rpc(job.server.socket_path, "exact_check_start")
-    return started
+def start_exact_check(job) -> concurrent.futures.Future:
+    """After a sync: the exact check, in a thread of its own, beside what the
+    round does next (the gate's requests). Every trainer rank and every DP
+    engine start fingerprinting on CUDA streams of their own, then each engine
+    compares what it holds with what its trainer rank sent. exact_check(job,
+    started) waits for the verdict."""
+    verdict: concurrent.futures.Future = concurrent.futures.Future()
+
+    def check() -> None:
+        try:
+            verdict.set_result(_exact_check(job))
+        except BaseException as e:  # re-raised in the round, by exact_check
+            verdict.set_exception(e)
+
+    threading.Thread(target=check, name="exact-check", daemon=True).start()
+    return verdict
 
 
-def exact_check(job, started: float | None = None) -> ExactCheck:
+def exact_check(job, started: concurrent.futures.Future | None = None) -> ExactCheck:
+    """The verdict of the exact check start_exact_check started, or of one run
+    now; `wait_seconds`: how long the round waited for it."""
+    waited = time.perf_counter()
+    result = started.result() if started is not None else _exact_check(job)
+    result.wait_seconds = time.perf_counter() - waited
+    return result
+
+
+def _exact_check(job) -> ExactCheck:
     """Each trainer rank fingerprints what it sent (from its own model's
     shards, where a tensor is one model tensor); each DP engine compares that
-    with what it holds, per parameter, on its GPU (the fingerprints
-    start_exact_check launched at `started`, or now)."""
-    start = started if started is not None else time.perf_counter()
-    waited = time.perf_counter()
+    with what it holds, per parameter, on its GPU."""
+    start = time.perf_counter()
+    ray_ranks.ray_get_all([t.start_sent_fingerprints.remote() for t in job.trainers])
+    helpers.collective_rpc(job.server.socket_path, "exact_check_start")
     sums = rank_fingerprints(ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers]))
-    trainer_seconds = time.perf_counter() - waited
+    trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
         answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
@@ -457,10 +475,9 @@ def exact_check(job, started: float | None = None) -> ExactCheck:
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: "):].split('"', 1)[0]
-        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds,
-                          wait_seconds=time.perf_counter() - waited)  # fmt: skip
+        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds)
     return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size, None, trainer_seconds,
-                      answer.get("seconds"), time.perf_counter() - waited)  # fmt: skip
+                      answer.get("seconds"))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -599,7 +616,7 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
         split = (f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
                  if exact.get("engine_seconds") is not None else "")  # fmt: skip
         if exact.get("wait_seconds") is not None:
-            split = f", beside the gate; then waited {exact['wait_seconds']:.2f} s{split}"
+            split = f" beside the gate{split}; the round waited {exact['wait_seconds']:.3f} s for it"
         print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
               f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s{split})" if exact["passed"]
               else f"[exact] FAIL: {exact['problem']}", flush=True)  # fmt: skip

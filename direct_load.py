@@ -621,8 +621,15 @@ class HeldFingerprints:
         elif self._graph is None:  # the same tensors a second time: capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                captured = sums()  # ("thread_local": vLLM's own threads may use CUDA meanwhile)
+            # Not torch.cuda.graph(): it empties PyTorch's cache first, and the
+            # trainer would allocate its 4 GiB send buffer again next sync.
+            # ("thread_local": vLLM's own threads may use CUDA meanwhile.)
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    captured = sums()
+                finally:
+                    graph.capture_end()
             self._graph, self._sums = graph, captured
         self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # what wrote them first
         with torch.cuda.stream(self._stream):

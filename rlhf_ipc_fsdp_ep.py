@@ -462,7 +462,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
         helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on
-    # its GPU sent (its fingerprints run beside the gate); and vLLM now
+    # its GPU sent (checked in a thread of its own, beside the gate); and vLLM now
     # scores the same tokens as the trainer.
     exact_started = checks.start_exact_check(job) if args.tensor_parallel_size == 1 else None  # TP shards: not checked
     after = checks.job_logprob_gap(job, sequences)

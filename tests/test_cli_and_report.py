@@ -613,9 +613,9 @@ def test_the_exact_checks_line_says_where_its_time_went(capsys):
     checks.print_round(record, TOLERANCES)
     assert "404 vLLM parameters on each of 1 DP engine hold what the trainer sent, bit for bit " \
            "(0.32 s: trainers 0.12 s, engine 0 0.19 s)" in capsys.readouterr().out
-    record.exact_check["wait_seconds"] = 0.05  # started before the gate, compared after it
+    record.exact_check["wait_seconds"] = 0.05  # it ran beside the gate, and the round waited for it after
     checks.print_round(record, TOLERANCES)
-    assert "bit for bit (0.32 s, beside the gate; then waited 0.05 s: trainers 0.12 s, engine 0 0.19 s)" \
+    assert "bit for bit (0.32 s beside the gate: trainers 0.12 s, engine 0 0.19 s; the round waited 0.050 s for it)" \
         in capsys.readouterr().out
 
 
