@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import checks
-import helpers
+import colocated_sync
 import rlhf_ipc_fsdp_ep as script
 
 LOADERS = ("vllm", "direct")
@@ -89,7 +89,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
-        helpers.weight_checker(job.server.socket_path, "reset")
+        colocated_sync.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
@@ -153,18 +153,18 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     sock = job.server.socket_path
     print("=== do the loaders agree? ===", flush=True)
     script.setup_weight_transfer_on_every_rank(job, args, "vllm")
-    helpers.sleep_for_sync(sock, args.sleep_level)
-    helpers.wake_weights(sock, args.sleep_level)
+    colocated_sync.sleep_for_sync(sock, args.sleep_level)
+    colocated_sync.wake_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, node_servers=job.node_servers)
-    helpers.wake_to_serve(sock)
-    stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
+    colocated_sync.wake_to_serve(sock)
+    stored = colocated_sync.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, node_servers=job.node_servers)
-    helpers.wake_to_serve(sock)
+    colocated_sync.wake_to_serve(sock)
     try:
-        compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
-    except helpers.ServerError as e:
+        compared = colocated_sync.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
+    except colocated_sync.ServerError as e:
         print(f"[agree] NO: {e}", flush=True)
         return {"agree": False, "parameters_per_engine": stored["parameters"], "error": str(e)[:2000]}
     print(f"[agree] yes: {compared['parameters']} parameters per engine, bit for bit", flush=True)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     bench, args = parse_args(argv)
     with script.colocated_job(args, loaders=bench.loaders) as job:
         result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
-        greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
+        greedy = colocated_sync.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy])
         result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).

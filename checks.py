@@ -24,10 +24,8 @@ import torch
 import torch.distributed as dist
 
 import direct_load
-import helpers
+import colocated_sync
 import models
-import ray_ranks
-import weight_names
 from vllm_compat import TrainerSource
 
 GiB = 1024**3
@@ -86,9 +84,9 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
                 f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
                 f"the largest parameter, {name} ({size} bytes); pass at least {size}"
             )
-        if problem := packing_problem(weight_names.CheckpointForm(meta, torch.bfloat16).metadata):
+        if problem := packing_problem(colocated_sync.CheckpointForm(meta, torch.bfloat16).metadata):
             raise SystemExit(f"error: {problem}")
-    if "direct" in loaders and (problem := models.direct_loader_problem(meta, args.num_gpus)):
+    if "direct" in loaders and (problem := colocated_sync.direct_loader_problem(meta, args.num_gpus)):
         raise SystemExit(f"error: {problem}")
 
 
@@ -191,7 +189,7 @@ def logprob_gap(
     """Ask every DP engine for its prompt log-probabilities of `sequences`
     and compare them with the trainer's."""
     server = [
-        [helpers.prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
+        [colocated_sync.prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
         for dp_rank in range(dp_size)
     ]
     stats = [dlogp_stats(trainer_lps, lps) for lps in server]
@@ -201,14 +199,14 @@ def logprob_gap(
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
     """The trainer's log-probabilities of `sequences` (every rank runs the forward)."""
-    return ray_ranks.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
+    return colocated_sync.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
 def kernel_noise(trainers: list, sequences: list[list[int]]) -> KernelNoise | None:
     """KernelNoise on `sequences` (one extra forward, through the other
     attention implementation), printed; None where the model has only one."""
     reference = trainer_logprobs(trainers, sequences)
-    other = ray_ranks.ray_get_all([t.other_attention_logprobs.remote(sequences) for t in trainers])[0]
+    other = colocated_sync.ray_get_all([t.other_attention_logprobs.remote(sequences) for t in trainers])[0]
     if other is None:
         print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
         return None
@@ -376,17 +374,17 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
     """The first half of a sync (sleep, wake the weights), then zero every
     vLLM parameter on every DP rank; returns their checksums as zeros. What
     the sync then fails to write stays zero."""
-    helpers.sleep_for_sync(sock, sleep_level)
-    helpers.wake_weights(sock, sleep_level)
-    helpers.weight_checker(sock, "reset")
-    return helpers.weight_checker(sock, "checksum")["checksums"]
+    colocated_sync.sleep_for_sync(sock, sleep_level)
+    colocated_sync.wake_weights(sock, sleep_level)
+    colocated_sync.weight_checker(sock, "reset")
+    return colocated_sync.weight_checker(sock, "checksum")["checksums"]
 
 
 def check_coverage(job, sleep_level: int) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
-    ray_ranks.send_all(job.trainers, job.server.socket_path, job.send_retries, job.node_servers)
-    helpers.wake_to_serve(job.server.socket_path)
+    colocated_sync.send_all(job.trainers, job.server.socket_path, job.send_retries, job.node_servers)
+    colocated_sync.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)
     return result
@@ -395,7 +393,7 @@ def check_coverage(job, sleep_level: int) -> dict:
 def coverage(sock: str, zeros: dict[str, str]) -> dict:
     """After a sync that followed zero_vllm_weights: which parameters it left
     zero (vLLM's /weight_checker: slow, it hashes every tensor)."""
-    written = set(helpers.weight_checker(sock, "compare", baseline=zeros)["mismatches"])
+    written = set(colocated_sync.weight_checker(sock, "compare", baseline=zeros)["mismatches"])
     return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
 
 
@@ -409,10 +407,10 @@ def prepare_exact_check(job) -> dict:
     it learns which of its parameters each tensor is written into
     (direct_load.exact_check_prepare). After setting up a loader's transfer,
     before a full sync: it leaves zeros where it probes."""
-    sent = ray_ranks.ray_get_all([job.trainers[0].sent_metadata.remote()])[0]
-    answer = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
+    sent = colocated_sync.ray_get_all([job.trainers[0].sent_metadata.remote()])[0]
+    answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
-    ray_ranks.ray_get_all([t.set_exact_casts.remote({int(i): d for i, d in answer["casts"].items()})
+    colocated_sync.ray_get_all([t.set_exact_casts.remote({int(i): d for i, d in answer["casts"].items()})
                            for t in job.trainers])  # fmt: skip
     return answer
 
@@ -464,14 +462,14 @@ def _exact_check(job) -> ExactCheck:
     shards, where a tensor is one model tensor); each DP engine compares that
     with what it holds, per parameter, on its GPU."""
     start = time.perf_counter()
-    ray_ranks.ray_get_all([t.start_sent_fingerprints.remote() for t in job.trainers])
-    helpers.collective_rpc(job.server.socket_path, "exact_check_start")
-    sums = rank_fingerprints(ray_ranks.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers]))
+    colocated_sync.ray_get_all([t.start_sent_fingerprints.remote() for t in job.trainers])
+    colocated_sync.collective_rpc(job.server.socket_path, "exact_check_start")
+    sums = rank_fingerprints(colocated_sync.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers]))
     trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
-        answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
-    except helpers.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
+        answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
+    except colocated_sync.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: "):].split('"', 1)[0]
@@ -814,7 +812,7 @@ def show_layout(placements: list[dict], num_nodes: int) -> None:
               f"({ranks[0].get('gpu_name', 'no GPU')})", flush=True)  # fmt: skip
 
 
-def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
+def show_texts(label: str, prompts: list[str], batch: list[colocated_sync.Completion]) -> None:
     print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(prompts, batch, strict=True)), sep="\n")
 
 
@@ -985,7 +983,7 @@ def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
 def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
     """For each rank, the process group of the vLLM server on its node (ranks
     go in node order), as `memory` takes them."""
-    per_node = [server.pgid, *ray_ranks.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
+    per_node = [server.pgid, *colocated_sync.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 

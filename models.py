@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import weight_names
+import colocated_sync
 from model_families import FAMILIES
 
 _QWEN3_MOE_COMMON = {
@@ -239,7 +239,7 @@ def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
     if not (plan := model._get_dtype_plan(dtype)):
         return
     pattern, glob_of_group, _ = build_glob_alternation(list(plan))
-    for name, tensor in weight_names.state_tensors(model).items():
+    for name, tensor in colocated_sync.state_tensors(model).items():
         if not tensor.is_floating_point() or not (match := pattern.search(name)):
             continue
         want = plan[glob_of_group[match.lastgroup]]
@@ -259,35 +259,13 @@ def architecture(model_path: str | os.PathLike) -> str:
 def has_experts(model_path: str | os.PathLike) -> bool:
     """Whether the model has fused expert tensors (a MoE): vLLM refuses
     --enable-expert-parallel for a model without experts."""
-    return bool(weight_names.fused_expert_tensors(meta_model(model_path)))
+    return bool(colocated_sync.fused_expert_tensors(meta_model(model_path)))
 
 
 def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
     """(name, bytes in bf16) of the model's largest parameter (a meta_model will do)."""
     name, param = max(model.named_parameters(), key=lambda kv: kv[1].numel())
     return name, param.numel() * torch.bfloat16.itemsize
-
-
-def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
-    """Why --weight-loader direct cannot sync this model over `world_size`
-    GPUs, or None. It sends what vLLM's loader gets (the checkpoint form),
-    except that each rank sends its own block of each fused expert tensor
-    (weight_names.expert_block_names), which the server copies as it is into
-    its own experts. So each fused expert tensor must be one the server knows
-    (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
-    rows), with experts that split evenly over the GPUs."""
-    from direct_load import EXPERT_TENSORS
-
-    fix = "; pass --weight-loader vllm"
-    for name, layout in weight_names.fused_expert_tensors(model).items():
-        if name.rpartition(".")[2] not in EXPERT_TENSORS:
-            return f"the direct loader copies fused {'/'.join(EXPERT_TENSORS)} experts only, not {name}{fix}"
-        if layout["transposed"] or not layout["concatenated"]:
-            return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
-        if layout["shape"][0] % world_size:
-            return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
-                    f"{world_size} GPUs as --weight-loader direct needs{fix}")  # fmt: skip
-    return None
 
 
 def restore_rotary_tables(model: torch.nn.Module) -> None:
@@ -310,7 +288,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     same on every rank, so that a sync that misses one shows."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     params = dict(model.named_parameters())
-    for i, (name, buf) in enumerate(weight_names.state_tensors(model).items()):
+    for i, (name, buf) in enumerate(colocated_sync.state_tensors(model).items()):
         if name not in params and buf.is_floating_point():
             gen = torch.Generator(device=buf.device).manual_seed(seed * 1_000_003 + i)
             buf.normal_(0.0, 0.01, generator=gen)
@@ -440,7 +418,7 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
     # FSDP2 splits like torch.chunk: a rank can hold no rows of a tensor (16 ranks, 60 experts), and
     # then transformers, reading none of its sources, reports it missing or unconvertible.
-    empty = {n for n, t in weight_names.state_tensors(model).items()
+    empty = {n for n, t in colocated_sync.state_tensors(model).items()
              if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0}  # fmt: skip
     problems = {"missing": sorted(info.missing_keys - tied - empty), "of another shape": sorted(info.mismatched_keys),
                 "not converted": sorted(set(info.conversion_errors) - empty)}  # fmt: skip

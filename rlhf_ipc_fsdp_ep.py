@@ -23,7 +23,6 @@ as run_round() does it:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -34,16 +33,16 @@ from pathlib import Path
 
 import ray
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta
+import torch.distributed as dist
 
 import checks
-import helpers
+import colocated_sync
 import models
 import toy_rl
-import weight_names
-from ray_ranks import (Rank, cli, free_port, gloo_interface_env, init_ray, leave_ray, raise_node_failure, ray_get_all,
-                       send_all, start_node_servers, start_trainers, stop_node_servers, wait_until_ready)
-from vllm_compat import TrainerSource, untested_vllm_warning, vllm_load_form
+from colocated_sync import (cli, free_port, gloo_interface_env, init_ray, leave_ray, placements, raise_node_failure,
+                            ray_get_all, send_all, start_node_servers, start_trainers, stop_node_servers,
+                            wait_until_ready)  # fmt: skip
+from vllm_compat import untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -117,11 +116,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- The trainer: one FSDP2 rank per GPU ----------------------------------------------------------
 
 
-class FSDPTrainer(Rank):
-    """One FSDP2 rank on one GPU; a Ray actor (start_trainers, which joins the
-    ranks in one process group: ray_ranks.Rank)."""
+class FSDPTrainer:
+    """One FSDP2 rank on one GPU; a Ray actor (colocated_sync.start_trainers
+    starts one per GPU and joins them in one process group)."""
 
-    model = optimizer = engine = None
+    model = optimizer = sender = None
+
+    def __init__(self) -> None:
+        # Ray made this rank's GPU the only one visible.
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
 
     def build_model(self, model_path: str, lr: float | None = None) -> None:
         """Allocate the model sharded from the start (never whole on one GPU);
@@ -131,7 +142,7 @@ class FSDPTrainer(Rank):
 
         model = models.meta_model(model_path, torch.bfloat16 if lr is None else torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for name in {name.rpartition(".")[0] for name in weight_names.fused_expert_tensors(model)}:
+        for name in {name.rpartition(".")[0] for name in colocated_sync.fused_expert_tensors(model)}:
             # Experts in their own FSDP unit: a sync gathers a layer's other weights in one all-gather
             # without them (each rank sends its own experts as they are: LocalExpertSource).
             fully_shard(model.get_submodule(name), mp_policy=mp_policy)
@@ -175,35 +186,22 @@ class FSDPTrainer(Rank):
 
     def weight_source(self, loader: str):
         """What vLLM receives, in bf16 whatever the master dtype."""
-        return LocalExpertSource(self.model, self.world_size) if loader == "direct" else BF16Source(self.model)
+        return colocated_sync.weight_source(self.model, self.world_size, loader)
 
     def weight_sync_client(self, sock: str, loader: str, source, trainer_gpu_uuids: list[str]):
-        """Who rank 0 tells about each chunk: the direct loader (which first
-        checks that it holds the expert blocks `source` will send) or vLLM's
-        weight routes."""
-        if loader == "direct":
-            return helpers.DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks)
-        return helpers.weight_sync_client(sock)
+        """Whom rank 0 tells about each chunk (the direct loader, or vLLM's weight routes)."""
+        return colocated_sync.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int,
                               trainer_gpu_uuids: list[str]) -> None:  # fmt: skip
         """Build vLLM's IPC trainer engine on this rank."""
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
         source = self.weight_source(loader)
-        self.client = helpers.FailAfterSend(self.weight_sync_client(sock, loader, source, trainer_gpu_uuids))
-        self.engine = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=self.rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
-            client=self.client,
-            source=source,
-        )
+        client = self.weight_sync_client(sock, loader, source, trainer_gpu_uuids)
+        self.sender = colocated_sync.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
 
     def send_weights(self) -> None:
-        """One full sync; every rank takes part. A server error on rank 0
-        is raised once every rank is through the send, so it can be retried."""
-        self.engine.send_weights()
-        self.client.raise_failure()
+        """One full sync; every rank takes part (a server error: raised once all are through, for a retry)."""
+        self.sender.send()
 
     def return_borrowed_memory(self) -> None:
         """Give the GPU memory this rank's allocator keeps cached (the step's
@@ -212,63 +210,6 @@ class FSDPTrainer(Rank):
         PyTorch holds, even unused."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-class BF16Source(TrainerSource):
-    """What vLLM's own loader receives: every tensor as `save_pretrained`
-    would write it (weight_names.CheckpointForm: each family's checkpoint
-    names, persistent buffers such as a router's correction bias included),
-    gathered one FSDP module at a time, in bf16 (fp32 where transformers keeps
-    a tensor in fp32). Names and shapes are worked out once, not per sync."""
-
-    def __init__(self, module: torch.nn.Module, exclude=()) -> None:
-        self._form = weight_names.CheckpointForm(module, torch.bfloat16, exclude)
-        split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
-        self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
-        self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
-        # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
-        # model tensor cast (its whole under FSDP2), else None. Lets a check read the model instead.
-        self.origins = [None if meta[0] in split else (*origin, False) if origin else None
-                        for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
-                        for _ in split.get(meta[0], [meta])]  # fmt: skip
-
-    def param_metas(self) -> list[ParamMeta]:
-        return self._metas
-
-    def tensors(self):
-        for name, tensor in self._form:
-            if name in self._split:  # one expert at a time
-                yield from zip(self._split[name], tensor.unbind(0), strict=True)
-            else:
-                yield name, tensor
-
-
-class LocalExpertSource(BF16Source):
-    """What the direct loader receives from one rank: BF16Source's tensors,
-    except the fused expert tensors, of which each rank sends its own FSDP
-    shard without a gather, under the name of vLLM's expert layer
-    (weight_names.expert_block_names). FSDP2 shards dim 0, so rank r holds
-    experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
-    gives the engine on rank r's GPU. Every rank yields the same names and
-    shapes, as vLLM's packed IPC producer requires."""
-
-    def __init__(self, module: torch.nn.Module, world_size: int) -> None:
-        if problem := models.direct_loader_problem(module, world_size):
-            raise ValueError(problem)
-        self._blocks = weight_names.expert_block_names(module)  # in-memory name -> name sent
-        super().__init__(module, exclude=self._blocks)
-        self._params = dict(module.named_parameters())
-        self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
-                              for name, sent in self._blocks.items()}  # fmt: skip
-        self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
-        self.origins += [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True)
-                         for name in self._blocks]  # fmt: skip
-
-    def tensors(self):
-        yield from super().tensors()
-        for name, sent in self._blocks.items():
-            param = self._params[name]
-            yield sent, (param.to_local() if hasattr(param, "to_local") else param).to(torch.bfloat16)
 
 
 class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
@@ -281,40 +222,13 @@ class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
 
 def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
                experts: bool = True) -> list[str]:  # fmt: skip
-    """`vllm serve` flags after the model's path, for the engines on one
-    node's GPUs: one DP engine per TP group, experts (if the model has them)
-    split over every GPU of every node, memory it can release while the
-    trainer works. On more nodes, node 0 runs the API server and its engines,
-    every other node its engines alone (--headless), which reach node 0's at
-    `head` (address, port)."""
-    dp_size = args.num_gpus // args.tensor_parallel_size
-    # fmt: off
-    flags = [
-        "--served-model-name", args.model,
-        "--tensor-parallel-size", str(args.tensor_parallel_size),
-        "--data-parallel-size", str(dp_size),
-        *(["--enable-expert-parallel"] if experts else []),
-        "--device-ids", ",".join(gpu_ids),
-        "--enable-sleep-mode",
-        "--load-format", "dummy",  # the trainer sends the real weights
-        "--weight-transfer-config", json.dumps({"backend": "ipc"}),
-        "--worker-extension-cls", "direct_load.DirectLoadWorker",  # reached through /collective_rpc
-        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-    ]
-    if args.num_nodes > 1:
-        local = dp_size // args.num_nodes
-        flags += ["--data-parallel-size-local", str(local), "--data-parallel-address", head[0],
-                  "--data-parallel-rpc-port", str(head[1])]
-        if node > 0:
-            flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
-    # fmt: on
-    if args.enforce_eager:
-        flags.append("--enforce-eager")
-    if args.max_model_len:
-        flags += ["--max-model-len", str(args.max_model_len)]
-    if args.kv_cache_memory_bytes:
-        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    return flags
+    """colocated_sync.serve_args from the flags, for one node's GPUs."""
+    return colocated_sync.serve_args(
+        args.model, gpu_ids, num_nodes=args.num_nodes, tensor_parallel_size=args.tensor_parallel_size,
+        experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len, node=node, head=head,
+    )
 
 
 @dataclass
@@ -322,7 +236,7 @@ class Job:
     """What colocated_job() started."""
 
     trainers: list
-    server: helpers.Server
+    server: colocated_sync.Server
     served_name: str
     dp_size: int
     architecture: str
@@ -339,13 +253,13 @@ class Job:
 
 @contextmanager
 def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, trainer_cls: type | None = None):
-    """Reserve the GPUs, start a trainer rank on each (`trainer_cls`, a Rank
-    subclass or such a Ray actor; the script's MeasuredTrainer by default) with the model sharded
+    """Reserve the GPUs, start a trainer rank on each (`trainer_cls`, any
+    class with FSDPTrainer's methods, or such a Ray actor; the script's MeasuredTrainer by default) with the model sharded
     over them, start `vllm serve` on the same GPUs (on more nodes: through a
     NodeServer actor on each other node). On the way out (error, Ctrl-C,
     SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
     started it."""
-    with helpers.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
+    with colocated_sync.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
         workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
@@ -356,46 +270,46 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
             trainers, pg = start_trainers(trainer_cls or MeasuredTrainer, args.num_gpus, args.num_nodes,
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip
-            placements = ray_get_all([t.placement.remote() for t in trainers])
-            checks.show_layout(placements, args.num_nodes)
-            if problem := checks.placement_problem(placements):
+            ranks = placements(trainers)
+            checks.show_layout(ranks, args.num_nodes)
+            if problem := checks.placement_problem(ranks):
                 raise SystemExit(f"error: {problem}")
             filling = build_models(trainers, args, model_path)
             # The servers' workers import the direct loader (direct_load.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-            network = gloo_interface_env(placements[0]["node_ip"]) if args.num_nodes > 1 else {}
-            flags = serve_plan(args, placements, experts=models.has_experts(model_path))
+            network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
+            flags = serve_plan(args, ranks, experts=models.has_experts(model_path))
             node_model = args.model if args.model in models.PRESETS else str(model_path)  # the path resolved here
             node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:])
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
-            with helpers.serving(
+            with colocated_sync.serving(
                 [str(model_path), *flags[0]],
                 socket_path=workdir / "vllm.sock",
                 log_path=args.server_log,
                 env={**env, **network},
                 # A local Ray we started goes with us even if we are SIGKILLed (its agents would
                 # linger for minutes); by now, with the trainers started, all its processes are up.
-                also_stop=helpers.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
+                also_stop=colocated_sync.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
                 weights_in_after_s = wait_until_ready(server, filling, args.server_timeout, node_servers)
                 try:
                     yield Job(trainers=trainers, server=server, served_name=args.model,
                               dp_size=args.num_gpus // args.tensor_parallel_size,
-                              architecture=models.architecture(model_path), gpu_name=placements[0]["gpu_name"],
-                              gpu_uuids=[p["gpu_uuid"] for p in placements], rank_nodes=[p["node"] for p in placements],
+                              architecture=models.architecture(model_path), gpu_name=ranks[0]["gpu_name"],
+                              gpu_uuids=[p["gpu_uuid"] for p in ranks], rank_nodes=[p["node"] for p in ranks],
                               weights_in_after_s=weights_in_after_s,
                               checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers,
                               server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus,
                                                                          args.num_nodes))  # fmt: skip
-                except helpers.ServerError as e:  # name the node whose server died, if one did
+                except colocated_sync.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
                 finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
-                    with helpers.signals_ignored():
+                    with colocated_sync.signals_ignored():
                         node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)
         finally:
-            with helpers.signals_ignored():
+            with colocated_sync.signals_ignored():
                 stop_node_servers(node_servers)
                 leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -442,25 +356,25 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
     temperature = args.temperature if args.train else 0.0
-    batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
+    batch = colocated_sync.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
     sequences = [c.prompt_token_ids + c.token_ids for c in batch]
     before = checks.job_logprob_gap(job, sequences)
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
     with timer.phase("sleep"):
-        kv_cache_freed = helpers.sleep_for_sync(sock, args.sleep_level, frees_kv_cache(args))
+        kv_cache_freed = colocated_sync.sleep_for_sync(sock, args.sleep_level, frees_kv_cache(args))
     loss = None
     if samples:
         with timer.phase("train"):
             loss = ray_get_all([t.train_step.remote(samples) for t in trainers])[0]
     with timer.phase("wake_weights"):
-        helpers.wake_weights(sock, args.sleep_level)
+        colocated_sync.wake_weights(sock, args.sleep_level)
     with timer.phase("send"):
         send_per_rank, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
     with timer.phase("wake_kv"):
         if kv_cache_freed:
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
-        helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
+        colocated_sync.wake_to_serve(sock, kv_cache=kv_cache_freed)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on
     # its GPU sent (checked in a thread of its own, beside the gate); and vLLM now
     # scores the same tokens as the trainer.
@@ -496,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tensor_parallel_size == 1:
             checks.prepare_exact_check(job)
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
-        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
+        greedy = colocated_sync.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy])
         rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
@@ -508,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
             rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
-        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
+        greedy = colocated_sync.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("after the last sync", args.prompts, greedy)
         result = checks.run_result(args, job, rounds, coverage, time_to_first_sync_s)
     return checks.report(args, result)

@@ -22,7 +22,7 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 
-import helpers  # noqa: E402
+import colocated_sync  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
 SERVED_NAME = "tiny"
@@ -53,7 +53,7 @@ def private_socket_path():
 
 
 def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
-    server = helpers.start_server(
+    server = colocated_sync.start_server(
         cpu_serve_args(model_dir, *extra),
         socket_path=private_socket_path(),
         log_path=tmp_path / "server.log",
@@ -62,9 +62,9 @@ def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
     )
     if wait:
         try:
-            helpers.wait_until_healthy(server, timeout_s=300)
+            colocated_sync.wait_until_healthy(server, timeout_s=300)
         except Exception:
-            helpers.stop_server(server)
+            colocated_sync.stop_server(server)
             raise
     return server
 
@@ -90,7 +90,7 @@ def cpu_server(tiny_checkpoint, tmp_path_factory):
     """One real vLLM server for the session, serving tiny_checkpoint's weights."""
     server = start_cpu_server(tiny_checkpoint, tmp_path_factory.mktemp("server"))
     yield server
-    helpers.stop_server(server)
+    colocated_sync.stop_server(server)
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +108,7 @@ def cpu_trainers(ray_cluster):
     import rlhf_ipc_fsdp_ep as script
 
     trainers, _ = script.start_trainers(
-        script.MeasuredTrainer, 2, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=60
+        script.MeasuredTrainer, 2, gpus_per_trainer=0, placement_timeout_s=60
     )
     return trainers
 
@@ -179,21 +179,21 @@ def run_ranks(fn, world_size, *args):
 def _rank_main(rank, world_size, ports, fn, args):
     import rlhf_ipc_fsdp_ep as script
 
-    trainer = script.MeasuredTrainer(rank, world_size, device_type="cpu")
+    trainer = script.MeasuredTrainer()
     if rank == 0:
-        port = trainer.open_rendezvous("127.0.0.1")
+        port = colocated_sync.open_rendezvous("127.0.0.1", world_size)
         for _ in range(world_size - 1):
             ports.put(port)
     else:
         port = ports.get()
-    trainer.join_process_group("127.0.0.1", port)
+    colocated_sync.join_process_group(rank, world_size, "127.0.0.1", port)
     fn(trainer, *args)
 
 
 def live(pids):
     """Which of these PIDs still run (zombies count as gone): the process-tree
     check after each failure case."""
-    return [pid for pid in pids if helpers.start_time(pid) is not None]
+    return [pid for pid in pids if colocated_sync.start_time(pid) is not None]
 
 
 @pytest.fixture
@@ -213,8 +213,8 @@ def fresh_cpu_trainers(ray_cluster):
 
     def start(n=2, **kwargs):
         trainer_cls = kwargs.pop("trainer_cls", script.FSDPTrainer)
-        trainers, _ = script.start_trainers(trainer_cls, n, gpus_per_trainer=0, device_type="cpu", **kwargs)
-        placements = script.ray_get_all([t.placement.remote() for t in trainers])
+        trainers, _ = script.start_trainers(trainer_cls, n, gpus_per_trainer=0, **kwargs)
+        placements = colocated_sync.placements(trainers)
         started.append((trainers, [p["pid"] for p in placements]))
         return trainers
 

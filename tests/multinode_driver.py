@@ -28,9 +28,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 import checks  # noqa: E402
-import helpers  # noqa: E402
+import colocated_sync  # noqa: E402
 import models  # noqa: E402
-import ray_ranks  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
@@ -47,13 +46,13 @@ class _SendFailsPartWay:
 
     def send_weights(self) -> None:
         self.count += 1
-        raise helpers.ServerError("POST /collective_rpc timed out (simulated)")
+        raise colocated_sync.ServerError("POST /collective_rpc timed out (simulated)")
 
     def sends(self) -> int:
         return self.count
 
 
-class _NoModelRank(ray_ranks.Rank):
+class _NoModelRank:
     """A trainer rank that builds no model: the job only has to get as far as the servers."""
 
     def build_model(self, model_path: str, lr: float | None = None) -> None:
@@ -109,15 +108,15 @@ def _left_of_node_servers() -> list[str]:
     private directory: its server, and the server's watchdog."""
     left = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        argv = helpers.cmdline(pid)
-        if b"rlhf-ipc-node-" in argv and helpers.start_time(pid) is not None:
+        argv = colocated_sync.cmdline(pid)
+        if b"rlhf-ipc-node-" in argv and colocated_sync.start_time(pid) is not None:
             left.append(argv.replace(b"\0", b" ").decode(errors="replace")[:200])
     return left
 
 
 def _interface_with(ip: str) -> str | None:
     """The interface holding `ip`, asked of the kernel (SIOCGIFADDR), not of
-    psutil as ray_ranks.gloo_interface_env does."""
+    psutil as colocated_sync.gloo_interface_env does."""
     import fcntl
     import socket
     import struct
@@ -160,13 +159,13 @@ def _model_node1_serves(argv: list[str]) -> str:
     served = []
 
     def on_cpu(*args, **kwargs):
-        return start_trainers(*args, **kwargs, gpus_per_trainer=1, device_type="cpu")
+        return start_trainers(*args, **kwargs, gpus_per_trainer=1)
 
     def and_stop(pg, model, log_path, env, flags_per_node):
         servers = start_node_servers(pg, model, log_path, env, flags_per_node, launcher=SLEEPS)
         cmd = ray.get(servers[0].__ray_call__.remote(lambda node: list(node.server.proc.args)))
         served.append(cmd[cmd.index("serve") + 1])  # the watchdog's argv: `... -- <launcher> serve <model> ...`
-        ray_ranks.stop_node_servers(servers)
+        colocated_sync.stop_node_servers(servers)
         raise _Stop
 
     for name, stand_in in zip(originals, (on_cpu, and_stop, _NoModelRank)):
@@ -190,40 +189,40 @@ def main(out_path: str, log_dir: str) -> None:
     cluster.add_node(num_cpus=2, num_gpus=1)
     # Set after the nodes started, as if exported only where the driver runs: job_env() carries them.
     os.environ.update(NCCL_SOCKET_IFNAME="from-the-driver", VLLM_HOST_IP="the-drivers-own")
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": ray_ranks.job_env()})
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": colocated_sync.job_env()})
     try:
         seen["driver_node"] = ray.get_runtime_context().get_node_id()
-        seen["one_node_for_two"] = _error_of(lambda: ray_ranks.start_trainers(
-            script.FSDPTrainer, 2, num_nodes=1, device_type="cpu", placement_timeout_s=5))  # fmt: skip
+        seen["one_node_for_two"] = _error_of(lambda: colocated_sync.start_trainers(
+            script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5))  # fmt: skip
 
-        trainers, pg = ray_ranks.start_trainers(script.FSDPTrainer, 2, num_nodes=2, device_type="cpu")
-        placements = ray_ranks.ray_get_all([t.placement.remote() for t in trainers])
+        trainers, pg = colocated_sync.start_trainers(script.FSDPTrainer, 2, num_nodes=2)
+        placements = colocated_sync.placements(trainers)
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
-        seen["all_reduce"] = ray_ranks.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
+        seen["all_reduce"] = colocated_sync.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
         seen["node1_env"] = ray.get(trainers[1].__ray_call__.remote(
             lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}))  # fmt: skip
         checks.show_layout(placements, 2)
         seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
         args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
-        head = (placements[0]["node_ip"], ray_ranks.free_port(placements[0]["node_ip"]))
+        head = (placements[0]["node_ip"], colocated_sync.free_port(placements[0]["node_ip"]))
         seen["head"] = list(head)
         seen["flags"] = [script.serve_args(args, gpus, k, head) for k, gpus in enumerate(seen["layout"])]
         log = str(Path(log_dir) / "server.log")
 
         # A node's server that exits during the start: the wait ends at once, naming the node.
-        first = helpers.start_server(["m"], socket_path=conftest.private_socket_path(),
+        first = colocated_sync.start_server(["m"], socket_path=conftest.private_socket_path(),
                                      log_path=Path(log_dir) / "head.log", launcher=SLEEPS)  # fmt: skip
-        failing = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
+        failing = colocated_sync.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
         begin = time.monotonic()
-        seen["failed_start"] = _error_of(lambda: ray_ranks.wait_until_ready(first, [], 120, failing))
+        seen["failed_start"] = _error_of(lambda: colocated_sync.wait_until_ready(first, [], 120, failing))
         seen["failed_start_s"] = time.monotonic() - begin
-        helpers.stop_server(first)
-        ray_ranks.stop_node_servers(failing)
+        colocated_sync.stop_server(first)
+        colocated_sync.stop_node_servers(failing)
 
         # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
         os.chdir(log_dir)  # a relative --server-log: the node's log lands here, not in its actor's cwd
-        running = ray_ranks.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS)
+        running = colocated_sync.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS)
         pid = ray.get(running[0].__ray_call__.remote(_server_pid))
         seen["running_failure"] = ray.get(running[0].failure.remote())
         time.sleep(1)
@@ -232,26 +231,26 @@ def main(out_path: str, log_dir: str) -> None:
         seen["node1_interface"] = os.environ.get("GLOO_SOCKET_IFNAME") or _interface_with(ip)
         os.kill(pid, 9)
         time.sleep(1)
-        seen["died_mid_run"] = _error_of(lambda: ray_ranks.raise_node_failure(
-            running, seen_as=helpers.ServerError("POST /sleep failed")))  # fmt: skip
+        seen["died_mid_run"] = _error_of(lambda: colocated_sync.raise_node_failure(
+            running, seen_as=colocated_sync.ServerError("POST /sleep failed")))  # fmt: skip
         # A send the server fails part way while node 1's server is dead (the first node's still
         # answers): not sent again, and node 1 named at once, as run_round calls send_all.
         with _healthy_api() as sock:
             senders = [_SendFailsPartWay.remote() for _ in range(2)]
             begin = time.monotonic()
-            seen["send_with_a_dead_node"] = _error_of(lambda: ray_ranks.send_all(senders, sock, 2, running))
+            seen["send_with_a_dead_node"] = _error_of(lambda: colocated_sync.send_all(senders, sock, 2, running))
             seen["send_with_a_dead_node_s"] = time.monotonic() - begin
             seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])
-        ray_ranks.stop_node_servers(running)
+        colocated_sync.stop_node_servers(running)
 
         # An actor lost with its server running (the driver gone, say): the watchdog stops it.
-        orphaned = ray_ranks.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
+        orphaned = colocated_sync.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
         pid = ray.get(orphaned[0].__ray_call__.remote(_server_pid))
         ray.kill(orphaned[0])
         deadline = time.monotonic() + 30
-        while helpers.start_time(pid) is not None and time.monotonic() < deadline:
+        while colocated_sync.start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
-        seen["orphan_alive_after_s"] = None if helpers.start_time(pid) is None else 30
+        seen["orphan_alive_after_s"] = None if colocated_sync.start_time(pid) is None else 30
         time.sleep(2)
         seen["left_after_stops"] = _left_of_node_servers()
         seen["log_files"] = sorted(os.listdir(log_dir))

@@ -11,9 +11,8 @@ import ray
 import torch
 
 import checks
-import helpers
+import colocated_sync
 import models
-import ray_ranks
 import rlhf_ipc_fsdp_ep as script
 import toy_rl
 
@@ -351,9 +350,9 @@ def test_reward_and_advantages():
     assert toy_rl.reward("ab c") == 1.0
     assert toy_rl.reward("aB1!") == 0.25
     batch = [
-        helpers.Completion("abcd", [1, 2], [3, 4]),
-        helpers.Completion("AB!!", [1, 2], [5, 6]),
-        helpers.Completion("", [1, 2], []),  # no tokens: nothing to learn from
+        colocated_sync.Completion("abcd", [1, 2], [3, 4]),
+        colocated_sync.Completion("AB!!", [1, 2], [5, 6]),
+        colocated_sync.Completion("", [1, 2], []),  # no tokens: nothing to learn from
     ]
     samples, mean = toy_rl.policy_gradient_samples(batch)
     assert mean == pytest.approx(1 / 3)
@@ -364,7 +363,7 @@ def test_reward_and_advantages():
 def test_equal_rewards_take_no_step():
     """Every advantage zero: a step would change nothing and the round would
     wrongly fail as 'logprobs unchanged'; no samples, so no step is taken."""
-    batch = [helpers.Completion("abc", [1], [3]), helpers.Completion("xyz", [1], [4])]
+    batch = [colocated_sync.Completion("abc", [1], [3]), colocated_sync.Completion("xyz", [1], [4])]
     assert toy_rl.policy_gradient_samples(batch) == ([], 1.0)
 
 
@@ -429,7 +428,7 @@ def test_a_job_that_cannot_place_its_trainers_leaves_a_ray_it_did_not_start_runn
     placement group goes with it, once it has one, is
     test_trainer.py's test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group.)"""
     args = script.parse_args(["--model", "tiny", "--num-gpus", "2"])
-    with pytest.raises(ray_ranks.PlacementError, match="asked for 2 GPUs"):
+    with pytest.raises(colocated_sync.PlacementError, match="asked for 2 GPUs"):
         with script.colocated_job(args):
             pass
     assert ray.is_initialized()
@@ -494,7 +493,7 @@ def test_cli_ends_expected_failures_and_ctrl_c_with_one_line(capsys):
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "error: interrupted; the server and the trainers are stopped\n"
     with pytest.raises(SystemExit) as exit_:
-        script.cli(raises(helpers.ServerError("the send failed part way")))
+        script.cli(raises(colocated_sync.ServerError("the send failed part way")))
     assert exit_.value.code == "error: the send failed part way"  # printed by Python, exit status 1
     with pytest.raises(SystemExit) as exit_:
         script.cli(lambda: 3)
@@ -624,7 +623,7 @@ def test_two_ranks_on_one_gpu_are_refused():
     assert "trainer ranks [0, 2] share GPU GPU-a" in checks.placement_problem(
         [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}])
     with pytest.raises(ValueError, match="two trainer ranks on one GPU"):
-        helpers.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})
+        colocated_sync.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})
 
 
 def test_the_step_check_sees_a_change_that_keeps_the_sum_of_the_bits():

@@ -1,9 +1,10 @@
 """The README's copy table is true: each file it names imports with only the
 files its last column names beside it, in an empty directory with nothing
-else of this project on the path; and the classes it says to copy out of the
-script use nothing but the files their row names."""
+else of this project on the path; and the lift runs a user's own RL code
+there (tests/lifted_rl.py): its own trainer class as 2 Ray ranks, FSDP2,
+the server started through the lift, the direct loader's check before a send."""
 
-import inspect
+import json
 import os
 import re
 import shutil
@@ -11,13 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-import rlhf_ipc_fsdp_ep as script
+from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT_ROW = ["rlhf_ipc_fsdp_ep.py"]
-NOT_COPIED = ["checks.py", "toy_rl.py", "benchmark.py"]  # the row that says "nothing"
+LIFT = ["colocated_sync.py"]
+NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "checks.py", "toy_rl.py", "benchmark.py"]  # the rows that say "nothing"
 
 
 def copy_table() -> list[tuple[list[str], list[str]]]:
@@ -35,35 +34,49 @@ def copy_table() -> list[tuple[list[str], list[str]]]:
 ROWS = copy_table()
 
 
-def start_import(folder: Path, modules: list[str], files: list[str]) -> subprocess.Popen:
-    """Copy `files` into `folder` and import `modules` there, with nothing else of this project on the path."""
+def copied(folder: Path, files: list[str]) -> Path:
     folder.mkdir(exist_ok=True)
     for f in files:
         shutil.copy(ROOT / f, folder / f)
-    code = f"import sys\nsys.path[0] = {str(folder)!r}\n" + "".join(f"import {m}\n" for m in modules)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.Popen([sys.executable, "-c", code], cwd=folder, stderr=subprocess.PIPE, text=True, env=env)
+    return folder
+
+
+def alone(folder: Path) -> dict:
+    """An environment in which only `folder` is importable of this project (Ray's workers inherit it)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(folder)}
 
 
 def test_the_table_is_there():
-    assert SCRIPT_ROW in [files for files, _ in ROWS] and NOT_COPIED in [files for files, _ in ROWS]
-    assert any(files == ["helpers.py"] for files, _ in ROWS)
+    assert [files for files, _ in ROWS][0] == LIFT
+    assert sorted(sum((files for files, needs in ROWS if not needs and files[0] in NOT_COPIED), [])) == sorted(NOT_COPIED)
 
 
 def test_each_row_imports_beside_only_what_it_names(tmp_path):
-    """Every row at once (each in its own folder), and the classes to copy out
-    of the script as a module of their own."""
-    ((_, needs),) = [r for r in ROWS if r[0] == SCRIPT_ROW]
-    source = "\n\n".join(inspect.getsource(c) for c in (script.FSDPTrainer, script.BF16Source, script.LocalExpertSource))
-    assert not re.search(r"\b(checks|toy_rl)\.", source)  # the proof and the toy RL stay behind
-    header = ("from __future__ import annotations\n\nimport torch\n"
-              "from vllm.distributed.weight_transfer.base import ParamMeta\n\n"
-              "import helpers\nimport models\nimport weight_names\nfrom ray_ranks import Rank\n"
-              "from vllm_compat import TrainerSource, vllm_load_form\n")  # fmt: skip
-    (tmp_path / "lifted").mkdir()
-    (tmp_path / "lifted" / "lifted.py").write_text(f"{header}\n\n{source}\n")
-    runs = {"the classes copied out of the script": start_import(tmp_path / "lifted", ["lifted"], needs)}
-    for k, (files, row_needs) in enumerate(r for r in ROWS if r[0] not in (SCRIPT_ROW, NOT_COPIED)):
-        runs[", ".join(files)] = start_import(tmp_path / f"row{k}", [f.removesuffix(".py") for f in files], files + row_needs)
+    runs = {}
+    for k, (files, needs) in enumerate(r for r in ROWS if r[0][0] not in NOT_COPIED):
+        folder = copied(tmp_path / f"row{k}", files + needs)
+        code = "".join(f"import {f.removesuffix('.py')}\n" for f in files)
+        runs[", ".join(files)] = subprocess.Popen([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, '.')\n{code}"],
+                                                  cwd=folder, stderr=subprocess.PIPE, text=True, env=alone(folder))  # fmt: skip
     failed = {row: run.communicate(timeout=240)[1][-1500:] for row, run in runs.items()}
     assert not {row: err for row, err in failed.items() if runs[row].returncode}, failed
+
+
+def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
+    ((_, needs),) = [r for r in ROWS if r[0] == LIFT]
+    folder = copied(tmp_path / "my_rl", LIFT + needs)
+    shutil.copy(ROOT / "tests" / "lifted_rl.py", folder)
+    lines = sum(len((folder / f).read_text().splitlines()) for f in LIFT + needs)
+    print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
+    flags = cpu_serve_args(tiny_checkpoint)[1:]
+    run = subprocess.run([sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)],
+                         cwd=folder, env={**alone(folder), "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = run.stdout
+    assert run.returncode == 0, (out + run.stderr)[-4000:]
+    assert "ranks [0, 1]" in out and "same names and shapes on every rank: True" in out
+    blocks = json.loads(out.split("expert blocks: ", 1)[1].split("\n", 1)[0])
+    assert blocks and all(shape[0] == 4 for shape in blocks.values()), blocks  # 8 experts: each rank its 4
+    assert "one rank: passed" in out
+    assert re.search(r"two ranks: refused: .*holds experts 0\.\.7 .* sends experts 0\.\.3", out), out
+    assert "health: True" in out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import direct_load
-import helpers
+import colocated_sync
 import vllm_compat
 
 
@@ -23,7 +23,7 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_checkpoint))
     trainer = dict(hf.named_parameters())
-    (layout,) = helpers.collective_rpc(cpu_server.socket_path, "direct_load_layout")
+    (layout,) = colocated_sync.collective_rpc(cpu_server.socket_path, "direct_load_layout")
     assert layout["dp_rank"] == 0
     layers = layout["expert_layers"]
     assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(len(hf.model.layers))]
@@ -35,17 +35,17 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
 
 
 def test_direct_load_errors_quote_the_cause(cpu_server):
-    client = helpers.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {})
+    client = colocated_sync.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {})
     chunk = {"ipc_handles": {"GPU-elsewhere": ()}, "names": [], "dtype_names": [], "shapes": []}
-    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
+    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})
     client.start_weight_update()
-    with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
+    with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
         client.update_weights({**chunk, "tensor_sizes": []})
     client.finish_weight_update()  # closes the session: the next chunk needs a new start
     # Every engine says in the server's log what it received and where its time went.
     assert "[direct_load] DP rank 0: 0 tensors, 0.00 GB; seconds in the chunks: " in cpu_server.log_path.read_text()
-    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
+    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})
     with pytest.raises(ValueError, match="packed"):
         client.init_weight_transfer_engine({"packed": False})
@@ -57,10 +57,10 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
     that is not its own experts, no trainer rank on its GPU, or an expert layer
     no block covers each fail with the cause, before a single tensor moves. (On CPU an engine's GPU id is "".)"""
     sock = cpu_server.socket_path
-    (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
+    (layout,) = colocated_sync.collective_rpc(sock, "direct_load_layout")
     layers = layout["expert_layers"]
     whole = {f"{n}.{t}": layers[n][w] for n in layers for t, w in (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))}
-    helpers.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
+    colocated_sync.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
     name = sorted(layers)[0]
     renamed = {k.replace(f"{name}.gate_up_proj", "model.layers.0.block_sparse_moe.experts.gate_up_proj"): v
                for k, v in whole.items()}  # fmt: skip
@@ -73,8 +73,8 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
             ([""], {k: v for k, v in whole.items() if not k.startswith(sorted(layers)[-1] + ".")}),
     }  # fmt: skip
     for message, (uuids, blocks) in cases.items():
-        with pytest.raises(helpers.ServerError, match=message):
-            helpers.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
+        with pytest.raises(colocated_sync.ServerError, match=message):
+            colocated_sync.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
 
 
 def _experts(dp_rank: int, dp_size: int, num_experts: int, shape):

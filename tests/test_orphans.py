@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import private_socket_path
 
-import helpers
+import colocated_sync
 
 TESTS = Path(__file__).resolve().parent
 
@@ -35,9 +35,9 @@ def _watchdogs_of(socket_path: str) -> list[int]:
     """PIDs of live watchdogs started for this socket (they run outside the group)."""
     pids = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        argv = helpers.cmdline(pid).split(b"\0")
+        argv = colocated_sync.cmdline(pid).split(b"\0")
         if any(a.endswith(b"server_watchdog.py") for a in argv) and socket_path.encode() in argv:
-            if helpers.start_time(pid) is not None:  # not a zombie
+            if colocated_sync.start_time(pid) is not None:  # not a zombie
                 pids.append(pid)
     return pids
 
@@ -45,7 +45,7 @@ def _watchdogs_of(socket_path: str) -> list[int]:
 def _gone_within(pgid: int, timeout_s: float) -> float | None:
     """Seconds until group `pgid` is empty, or None if it is not within timeout_s."""
     start = time.monotonic()
-    while helpers.group_members(pgid):
+    while colocated_sync.group_members(pgid):
         if time.monotonic() - start > timeout_s:
             return None
         time.sleep(0.1)
@@ -56,7 +56,7 @@ def _cleanup(driver: subprocess.Popen, pgid: int | None) -> None:
     driver.kill()
     driver.wait()
     driver.stdout.close()
-    if pgid is not None and helpers.group_members(pgid):
+    if pgid is not None and colocated_sync.group_members(pgid):
         os.killpg(pgid, signal.SIGKILL)
 
 
@@ -66,18 +66,18 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     sock = str(private_socket_path())
     driver = _driver(f"""
         import time
-        import helpers, models
+        import colocated_sync, models
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
         model = models.build_preset("tiny", tmp / "tiny")
-        server = helpers.start_server(
+        server = colocated_sync.start_server(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
             env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
         )
         print("pgid", server.pgid, flush=True)
-        helpers.wait_until_healthy(server, timeout_s=240)
+        colocated_sync.wait_until_healthy(server, timeout_s=240)
         print("healthy", flush=True)
         time.sleep(600)
     """)
@@ -85,15 +85,15 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         _read_until(driver, "healthy")
-        assert helpers.health(sock)
-        assert len(helpers.group_members(pgid)) >= 2  # API server + engine core at least
+        assert colocated_sync.health(sock)
+        assert len(colocated_sync.group_members(pgid)) >= 2  # API server + engine core at least
         assert len(_watchdogs_of(sock)) == 1
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
         took = _gone_within(pgid, 25)
-        assert took is not None, f"processes {helpers.group_members(pgid)} of the server outlived the driver"
+        assert took is not None, f"processes {colocated_sync.group_members(pgid)} of the server outlived the driver"
         print(f"server group gone {took:.1f}s after the driver's SIGKILL")
-        assert not helpers.health(sock)
+        assert not colocated_sync.health(sock)
         deadline = time.monotonic() + 5
         while _watchdogs_of(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -133,9 +133,9 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     grace_s = 2.0
     driver = _driver(f"""
         import sys, time
-        import helpers
-        helpers._WATCHDOG_GRACE_S = {grace_s}
-        server = helpers.start_server(
+        import colocated_sync
+        colocated_sync._WATCHDOG_GRACE_S = {grace_s}
+        server = colocated_sync.start_server(
             [], socket_path={sock!r}, log_path={str(log)!r},
             launcher=(sys.executable, "-c", {STUBBORN_SERVER!r}),
         )
@@ -146,7 +146,7 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         _wait_for_line(log, "ready")  # the stubborn child is up, its handler in place
-        members = helpers.group_members(pgid)
+        members = colocated_sync.group_members(pgid)
         assert len(members) == 2 and pgid in members, members  # the leader and the stubborn child
         driver.kill()
         driver.wait()
@@ -175,40 +175,40 @@ def test_stop_server_also_ends_the_watchdog(tmp_path):
     """stop_server waits for the watchdog too, and the server's Popen is the
     server itself: its exit code, its pid the group's id."""
     sock = str(private_socket_path())
-    server = helpers.start_server(
+    server = colocated_sync.start_server(
         [], socket_path=sock, log_path=tmp_path / "log", launcher=(sys.executable, "-c", STUBBORN_SERVER)
     )
     try:
         deadline = time.monotonic() + 20
-        while len(helpers.group_members(server.pgid)) < 2 or not _watchdogs_of(sock):
+        while len(colocated_sync.group_members(server.pgid)) < 2 or not _watchdogs_of(sock):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert os.getpgid(server.proc.pid) == server.pgid
         (watchdog,) = _watchdogs_of(sock)
         assert os.getpgid(watchdog) != server.pgid  # outside the group: group_members counts only the server's
-        helpers.stop_server(server, grace_s=1)
-        assert helpers.group_members(server.pgid) == []
+        colocated_sync.stop_server(server, grace_s=1)
+        assert colocated_sync.group_members(server.pgid) == []
         assert server.proc.returncode == -signal.SIGTERM  # the server's own status, not a wrapper's
         assert _watchdogs_of(sock) == []
-        helpers.stop_server(server)  # safe to call twice
+        colocated_sync.stop_server(server)  # safe to call twice
     finally:
-        if helpers.group_members(server.pgid):
+        if colocated_sync.group_members(server.pgid):
             os.killpg(server.pgid, signal.SIGKILL)
 
 
 def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
-    server = helpers.start_server(
+    server = colocated_sync.start_server(
         [], socket_path=private_socket_path(), log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"),
     )  # fmt: skip
     try:
-        helpers.wait_until_healthy(server, timeout_s=20, poll_s=0.1)
-    except helpers.ServerError as e:
+        colocated_sync.wait_until_healthy(server, timeout_s=20, poll_s=0.1)
+    except colocated_sync.ServerError as e:
         assert "exited with code 3" in str(e) and "bad flag" in str(e)
     else:
         raise AssertionError("no ServerError")
     finally:
-        helpers.stop_server(server)
+        colocated_sync.stop_server(server)
     assert (tmp_path / "log").read_text().startswith("$ " + sys.executable + " -c ")
 
 
@@ -220,7 +220,7 @@ def _ignored_signals(pid: int) -> set[int]:
 
 
 def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path):
-    """As the script does it (helpers.hangups_unwind around helpers.serving):
+    """As the script does it (colocated_sync.hangups_unwind around colocated_sync.serving):
     SIGTERM exits with 143 through the finally blocks, which stop the
     server's whole group; a second SIGTERM during that shutdown is ignored.
 
@@ -233,12 +233,12 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
     go_on = tmp_path / "go-on"
     driver = _driver(f"""
         import time
-        import helpers, models
+        import colocated_sync, models
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
         model = models.build_preset("tiny", tmp / "tiny")
-        stop_server = helpers.stop_server
+        stop_server = colocated_sync.stop_server
 
         def stop_when_told(server, **kwargs):
             print("stop_server called", flush=True)
@@ -246,13 +246,13 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
                 time.sleep(0.05)
             stop_server(server, **kwargs)
 
-        helpers.stop_server = stop_when_told
-        with helpers.hangups_unwind(), helpers.serving(
+        colocated_sync.stop_server = stop_when_told
+        with colocated_sync.hangups_unwind(), colocated_sync.serving(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
             env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
         ) as server:
-            helpers.wait_until_healthy(server, timeout_s=240)
+            colocated_sync.wait_until_healthy(server, timeout_s=240)
             print("pgid", server.pgid, flush=True)
             time.sleep(600)
     """)
@@ -264,11 +264,11 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         _read_until(driver, "stop_server called")  # and waiting for go_on: the shutdown is under way
         assert {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} <= _ignored_signals(driver.pid)
         driver.send_signal(signal.SIGTERM)  # while it stops the server
-        assert helpers.health(sock)  # not stopped yet
+        assert colocated_sync.health(sock)  # not stopped yet
         go_on.touch()
         assert driver.wait(timeout=60) == 128 + signal.SIGTERM
-        assert helpers.group_members(pgid) == []  # gone before the driver exited
-        assert not helpers.health(sock) and _watchdogs_of(sock) == []
+        assert colocated_sync.group_members(pgid) == []  # gone before the driver exited
+        assert not colocated_sync.health(sock) and _watchdogs_of(sock) == []
     finally:
         _cleanup(driver, pgid)
 
@@ -276,24 +276,24 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
 def test_sigterm_still_unwinds_after_ray_starts():
     """ray.init() installs Ray's own SIGTERM handler, which prints a stack and
     aborts the process (exit 134) a few seconds into the cleanup; the script
-    starts Ray through ray_ranks.init_ray, after which SIGTERM unwinds with
+    starts Ray through colocated_sync.init_ray, after which SIGTERM unwinds with
     143 and the cleanup runs to its end. The signal comes while the driver
     waits in Ray (as send_all does during a send), whose wait turns any
     exception from a signal handler but KeyboardInterrupt into exit code 1."""
     driver = _driver("""
         import time
-        import ray, helpers, ray_ranks
+        import ray, colocated_sync
 
         @ray.remote
         def slow():
             time.sleep(120)
 
-        with helpers.hangups_unwind():
+        with colocated_sync.hangups_unwind():
             try:
-                ray_ranks.init_ray()
+                colocated_sync.init_ray()
                 ref = slow.remote()
                 print("ready", flush=True)
-                ray_ranks.ray_get_all([ref], also_check=lambda: None)
+                colocated_sync.ray_get_all([ref], also_check=lambda: None)
             finally:
                 time.sleep(4)  # past the point where Ray's handler aborts
                 ray.shutdown()
@@ -318,7 +318,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     driver = _driver(f"""
         import os, sys, time
         import ray
-        import helpers
+        import colocated_sync
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
 
@@ -330,12 +330,12 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         worker = Worker.remote()
         ray.get(worker.pid.remote())  # a worker process is up
         def agents_up(processes):  # the raylet starts its agents on its own time
-            names = [helpers.cmdline(int(p.split(":")[0])) for p in processes]
+            names = [colocated_sync.cmdline(int(p.split(":")[0])) for p in processes]
             return all(any(agent in n for n in names) for agent in (b"DashboardAgent", b"RuntimeEnvAgent"))
         deadline = time.monotonic() + 30
-        while not agents_up(ray_processes := helpers.descendants(os.getpid())) and time.monotonic() < deadline:
+        while not agents_up(ray_processes := colocated_sync.descendants(os.getpid())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        server = helpers.start_server(
+        server = colocated_sync.start_server(
             [], socket_path={sock!r}, log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
         )
@@ -347,14 +347,14 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         ray_processes = _read_until(driver, "ray").split(",")
-        names = [helpers.cmdline(int(p.split(":")[0])) for p in ray_processes]
+        names = [colocated_sync.cmdline(int(p.split(":")[0])) for p in ray_processes]
         assert any(b"DashboardAgent" in n for n in names) and any(b"RuntimeEnvAgent" in n for n in names), names
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
         deadline = time.monotonic() + 20
         left = ray_processes
         while left and time.monotonic() < deadline:
-            left = [p for p in ray_processes if helpers.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+            left = [p for p in ray_processes if colocated_sync.start_time(int(p.split(":")[0])) == p.split(":")[1]]
             time.sleep(0.2)
         assert left == [], f"Ray processes outlived the driver: {left}"
         assert _gone_within(pgid, 20) is not None
@@ -370,17 +370,17 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
     driver = _driver(f"""
         import os, sys
         import ray
-        import helpers
+        import colocated_sync
         from conftest import private_socket_path
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
-        ray_processes = helpers.descendants(os.getpid())
-        server = helpers.start_server(
+        ray_processes = colocated_sync.descendants(os.getpid())
+        server = colocated_sync.start_server(
             [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
         )
-        helpers.stop_server(server)
-        alive = [p for p in ray_processes if helpers.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+        colocated_sync.stop_server(server)
+        alive = [p for p in ray_processes if colocated_sync.start_time(int(p.split(":")[0])) == p.split(":")[1]]
         print("alive", len(alive), len(ray_processes), flush=True)
         ray.shutdown()
     """)
@@ -397,20 +397,20 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     later: the watchdog still stops what the caller listed in `also_stop`."""
     driver = _driver(f"""
         import os, signal, subprocess, sys, time
-        import helpers
+        import colocated_sync
         from conftest import private_socket_path
         from pathlib import Path
         other = subprocess.Popen(["sleep", "300"])  # stands in for Ray's processes
-        server = helpers.start_server(
+        server = colocated_sync.start_server(
             [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
-            also_stop=helpers.descendants(os.getpid(), "sleep"),
+            also_stop=colocated_sync.descendants(os.getpid(), "sleep"),
         )
         time.sleep(1)  # the watchdog is forked off as the server starts
         os.killpg(server.pgid, signal.SIGKILL)  # the server dies first
         server.proc.wait()
         time.sleep(1)
-        print("other", other.pid, helpers.start_time(other.pid), flush=True)
+        print("other", other.pid, colocated_sync.start_time(other.pid), flush=True)
         time.sleep(600)
     """)
     try:
@@ -418,9 +418,9 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
         driver.kill()
         driver.wait()
         deadline = time.monotonic() + 10
-        while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
+        while colocated_sync.start_time(int(pid)) == start and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert helpers.start_time(int(pid)) != start, "the listed process outlived the caller"
+        assert colocated_sync.start_time(int(pid)) != start, "the listed process outlived the caller"
     finally:
         _cleanup(driver, None)
 
@@ -432,9 +432,9 @@ def test_descendants_can_keep_to_what_was_started_from_one_place():
 
     unrelated = subprocess.Popen(["sleep", "30"])
     try:
-        listed = [int(p.split(":")[0]) for p in helpers.descendants(os.getpid())]
+        listed = [int(p.split(":")[0]) for p in colocated_sync.descendants(os.getpid())]
         assert unrelated.pid in listed
-        ray_only = [int(p.split(":")[0]) for p in helpers.descendants(os.getpid(), os.path.dirname(ray.__file__))]
+        ray_only = [int(p.split(":")[0]) for p in colocated_sync.descendants(os.getpid(), os.path.dirname(ray.__file__))]
         assert unrelated.pid not in ray_only
     finally:
         unrelated.kill()

@@ -10,24 +10,24 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pathlib import Path
 
-import helpers
+import colocated_sync
 import models
 from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
 
 
 def test_health_and_sleep_state(cpu_server):
-    assert helpers.health(cpu_server.socket_path)
-    assert helpers.is_sleeping(cpu_server.socket_path) is False
+    assert colocated_sync.health(cpu_server.socket_path)
+    assert colocated_sync.is_sleeping(cpu_server.socket_path) is False
 
 
 def test_weight_sync_client_quotes_the_servers_errors(cpu_server):
-    client = helpers.weight_sync_client(cpu_server.socket_path)
+    client = colocated_sync.weight_sync_client(cpu_server.socket_path)
     client.init_weight_transfer_engine({"packed": True})
     client.start_weight_update()
     try:
         # A second start while one is active is refused; the error must carry
         # the server's own explanation, not just "HTTP 500".
-        with pytest.raises(helpers.ServerError, match="(?i)active"):
+        with pytest.raises(colocated_sync.ServerError, match="(?i)active"):
             client.start_weight_update()
     finally:
         client.finish_weight_update()
@@ -39,8 +39,8 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
     from transformers import AutoTokenizer
 
     prompts = ["The capital of France is", "Hello, my name is"]
-    first = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
-    second = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    first = colocated_sync.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    second = colocated_sync.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     for prompt, c in zip(prompts, first, strict=True):
@@ -50,13 +50,13 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
 
 def test_prompt_logprobs_one_per_token_after_the_first(cpu_server):
     ids = [5, 17, 99, 300, 42, 7]
-    lps = helpers.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
+    lps = colocated_sync.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
     assert len(lps) == len(ids) - 1
     assert all(lp <= 0 for lp in lps)
-    assert lps == helpers.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
+    assert lps == colocated_sync.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
     # The header really picks an engine: this server has one, so DP rank 1 is refused.
-    with pytest.raises(helpers.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
-        helpers.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
+    with pytest.raises(colocated_sync.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
+        colocated_sync.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
 
 
 def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
@@ -64,13 +64,13 @@ def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
     and after waking only the weights; awake after the KV cache and the
     scheduler. (The CPU server accepts the calls; freeing memory needs a GPU.)"""
     sock = cpu_server.socket_path
-    assert helpers.sleep(sock, 2) == {"status": "sleeping", "level": 2}
-    assert helpers.is_sleeping(sock)
-    assert helpers.wake_up(sock, ["weights"])["status"] == "sleeping"
-    assert helpers.is_sleeping(sock)
-    helpers.wake_to_serve(sock)
-    assert not helpers.is_sleeping(sock)
-    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    assert colocated_sync.sleep(sock, 2) == {"status": "sleeping", "level": 2}
+    assert colocated_sync.is_sleeping(sock)
+    assert colocated_sync.wake_up(sock, ["weights"])["status"] == "sleeping"
+    assert colocated_sync.is_sleeping(sock)
+    colocated_sync.wake_to_serve(sock)
+    assert not colocated_sync.is_sleeping(sock)
+    assert len(colocated_sync.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
 def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server):
@@ -78,15 +78,15 @@ def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server
     engine (the CPU build cannot release it, and says so: the GPU runs cover
     the release itself), weights never woken, then serving again."""
     sock = cpu_server.socket_path
-    assert helpers.sleep(sock, 0) == {"status": "sleeping", "level": 0}
-    assert helpers.is_sleeping(sock)
-    with pytest.raises(helpers.ServerError, match="Selective discard is not supported on CPU"):
-        helpers.release_kv_cache(sock)
-    helpers.wake_weights(sock, 0)  # nothing to wake: a wake_up?tags=weights here would leave it asleep
-    assert helpers.is_sleeping(sock)
-    helpers.wake_to_serve(sock)
-    assert not helpers.is_sleeping(sock)
-    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    assert colocated_sync.sleep(sock, 0) == {"status": "sleeping", "level": 0}
+    assert colocated_sync.is_sleeping(sock)
+    with pytest.raises(colocated_sync.ServerError, match="Selective discard is not supported on CPU"):
+        colocated_sync.release_kv_cache(sock)
+    colocated_sync.wake_weights(sock, 0)  # nothing to wake: a wake_up?tags=weights here would leave it asleep
+    assert colocated_sync.is_sleeping(sock)
+    colocated_sync.wake_to_serve(sock)
+    assert not colocated_sync.is_sleeping(sock)
+    assert len(colocated_sync.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
 def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts(cpu_server):
@@ -96,16 +96,16 @@ def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts
     after the sync must not be served from them."""
     sock = cpu_server.socket_path
     prompt = ["Reinforcement learning moves weights into a server after every step. " * 12]
-    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    colocated_sync.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     hits = prefix_cache_hits(sock)
-    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    colocated_sync.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     assert prefix_cache_hits(sock) > hits  # the prompt's blocks were cached: the check below can fail
-    assert helpers.sleep_for_sync(sock, 0, free_kv_cache=False) is False  # nothing for wake_to_serve to map back
-    helpers.wake_weights(sock, 0)
-    helpers.wake_to_serve(sock, kv_cache=False)
-    assert not helpers.is_sleeping(sock)
+    assert colocated_sync.sleep_for_sync(sock, 0, free_kv_cache=False) is False  # nothing for wake_to_serve to map back
+    colocated_sync.wake_weights(sock, 0)
+    colocated_sync.wake_to_serve(sock, kv_cache=False)
+    assert not colocated_sync.is_sleeping(sock)
     hits = prefix_cache_hits(sock)
-    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    colocated_sync.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     assert prefix_cache_hits(sock) == hits
 
 
@@ -114,16 +114,16 @@ def test_a_kv_cache_that_cannot_be_mapped_back_is_explained():
     had freed was taken meanwhile (a soak's round 83, other servers starting)."""
     seen = ('POST /wake_up -> HTTP 500: {"error":{"message":"Call to wake_up method failed: CUDA Error: out of '
             'memory at <path>:163","type":"InternalServerError","param":null,"code":500}}')
-    assert helpers.wake_failure(seen, kv_cache=True) == (
+    assert colocated_sync.wake_failure(seen, kv_cache=True) == (
         "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another process "
         "on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it smaller: " + seen)
-    assert helpers.wake_failure(seen, kv_cache=False) == seen  # the cache was kept: not that
-    assert helpers.wake_failure("POST /wake_up -> HTTP 500: something else", kv_cache=True).endswith("something else")
+    assert colocated_sync.wake_failure(seen, kv_cache=False) == seen  # the cache was kept: not that
+    assert colocated_sync.wake_failure("POST /wake_up -> HTTP 500: something else", kv_cache=True).endswith("something else")
 
 
 def prefix_cache_hits(sock) -> float:
     """vLLM's prefix-cache hit counter (tokens), from GET /metrics."""
-    with helpers._client(sock, 10) as client:
+    with colocated_sync._client(sock, 10) as client:
         text = client.get("/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
@@ -135,7 +135,7 @@ def test_only_this_user_can_reach_the_server(cpu_server):
     folder = os.stat(os.path.dirname(sock))
     assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
     assert stat.S_ISSOCK(os.stat(sock).st_mode)
-    ports = {port for _, port in listening_tcp(helpers.group_members(cpu_server.pgid))}
+    ports = {port for _, port in listening_tcp(colocated_sync.group_members(cpu_server.pgid))}
     # The engines' own sockets (gloo, ZMQ) may listen on loopback: none may speak HTTP. (All asked at
     # once: each that does not answer costs its whole timeout.)
     with ThreadPoolExecutor(max(1, len(ports))) as pool:
@@ -143,7 +143,7 @@ def test_only_this_user_can_reach_the_server(cpu_server):
     assert not any(answers.values()), answers
     assert _connect_as_another_user(sock) == errno.EACCES
     # vLLM's own ZMQ sockets between its processes are in the same private directory.
-    bound = _unix_sockets_of(helpers.group_members(cpu_server.pgid))
+    bound = _unix_sockets_of(colocated_sync.group_members(cpu_server.pgid))
     assert bound and all(os.path.dirname(path) == os.path.dirname(sock) for path in bound), bound
     assert {_connect_as_another_user(path) for path in bound} == {errno.EACCES}
 
@@ -180,12 +180,12 @@ def test_a_socket_folder_others_can_enter_is_refused(tmp_path):
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
-    with pytest.raises(helpers.ServerError, match="private to you"):
-        helpers.start_server(["m"], socket_path=folder / "vllm.sock", log_path=tmp_path / "log")
+    with pytest.raises(colocated_sync.ServerError, match="private to you"):
+        colocated_sync.start_server(["m"], socket_path=folder / "vllm.sock", log_path=tmp_path / "log")
 
 
 def test_server_that_dies_at_start_reports_its_log(tmp_path):
-    with pytest.raises(helpers.ServerError, match="exited with code") as err:
+    with pytest.raises(colocated_sync.ServerError, match="exited with code") as err:
         start_cpu_server(tmp_path / "no-such-model", tmp_path)
     assert "no-such-model" in str(err.value)  # the log tail names the cause
 
@@ -200,15 +200,15 @@ time.sleep(120)
 
 
 def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
-    server = helpers.start_server(
+    server = colocated_sync.start_server(
         [], socket_path=private_socket_path(), log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", FAKE_SERVER),
     )  # fmt: skip
-    with pytest.raises(helpers.ServerError, match="not healthy after"):
-        helpers.wait_until_healthy(server, timeout_s=2)
-    assert len(helpers.group_members(server.pgid)) == 2
-    helpers.stop_server(server, grace_s=1)
-    assert helpers.group_members(server.pgid) == []
+    with pytest.raises(colocated_sync.ServerError, match="not healthy after"):
+        colocated_sync.wait_until_healthy(server, timeout_s=2)
+    assert len(colocated_sync.group_members(server.pgid)) == 2
+    colocated_sync.stop_server(server, grace_s=1)
+    assert colocated_sync.group_members(server.pgid) == []
 
 
 def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path, capsys):
@@ -217,23 +217,23 @@ def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path, capsys):
     server = start_cpu_server(model, tmp_path, "--load-format", "dummy")
     # While it started, its progress was printed from its log: each milestone once, in order.
     progress = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[server]")]
-    labels = [label for _, label in helpers.START_MILESTONES]
+    labels = [label for _, label in colocated_sync.START_MILESTONES]
     assert {"engines starting", "engines ready", "API server listening"} <= set(progress), progress
     assert progress == sorted(set(progress), key=labels.index), progress
-    dummy = helpers.weight_checker(server.socket_path, "checksum")["checksums"]
+    dummy = colocated_sync.weight_checker(server.socket_path, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
-    assert helpers.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
+    assert colocated_sync.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
     # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
-    (stored,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
+    (stored,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
     assert stored == {"dp_rank": 0, "parameters": 21}
-    (same,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    (same,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
     assert same["differ"] == []
-    helpers.weight_checker(server.socket_path, "reset")
-    with pytest.raises(helpers.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
-        helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
-    zeros = helpers.weight_checker(server.socket_path, "checksum")["checksums"]
+    colocated_sync.weight_checker(server.socket_path, "reset")
+    with pytest.raises(colocated_sync.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
+        colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    zeros = colocated_sync.weight_checker(server.socket_path, "checksum")["checksums"]
     assert set(zeros) == set(dummy)
-    changed = set(helpers.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
+    changed = set(colocated_sync.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
     # Seen on CPU: reset leaves the attention and router linears' checksums as
     # they were (CPU-specific weight handling), so only these are asserted here;
     # --check-coverage itself needs a GPU.
@@ -244,10 +244,10 @@ def test_weight_checker_and_stop_on_a_dummy_weight_server(tmp_path, capsys):
     ):
         assert f"dp0:pp0:pcp0:tp0:{name}" in changed, sorted(changed)
 
-    members = helpers.group_members(server.pgid)
+    members = colocated_sync.group_members(server.pgid)
     assert len(members) >= 2  # API server + engine core at least
-    helpers.stop_server(server)
-    assert helpers.group_members(server.pgid) == []
+    colocated_sync.stop_server(server)
+    assert colocated_sync.group_members(server.pgid) == []
 
 
 def test_the_openai_client_works_as_the_readme_says(cpu_server):
@@ -271,7 +271,7 @@ def test_a_socket_directory_too_long_for_vllms_own_sockets_is_refused(tmp_path):
 
     deep = Path(tempfile.mkdtemp(prefix="d" * (71 - len(tempfile.gettempdir()) - 1)))  # 71 bytes in all
     try:
-        with pytest.raises(helpers.ServerError, match="too long for vLLM's own sockets"):
-            helpers.start_server(["m"], socket_path=deep / "s", log_path=tmp_path / "log")
+        with pytest.raises(colocated_sync.ServerError, match="too long for vLLM's own sockets"):
+            colocated_sync.start_server(["m"], socket_path=deep / "s", log_path=tmp_path / "log")
     finally:
         deep.rmdir()

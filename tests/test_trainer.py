@@ -9,8 +9,7 @@ import ray.cloudpickle
 import torch
 
 import checks
-import helpers
-import ray_ranks
+import colocated_sync
 import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, run_ranks
 
@@ -149,7 +148,7 @@ def test_random_init_follows_the_seed_and_gives_each_rank_its_own_shard(tmp_path
 def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
     from ray.util.placement_group import placement_group_table
 
-    placements = script.ray_get_all([t.placement.remote() for t in cpu_trainers])
+    placements = colocated_sync.placements(cpu_trainers)
     assert [p["rank"] for p in placements] == [0, 1]
     assert len({p["node"] for p in placements}) == 1
     assert all(p["gpu_ids"] == [] for p in placements)  # Ray reports what it gave: no GPUs here
@@ -170,7 +169,8 @@ def test_the_trainers_rendezvous_on_one_node_is_a_private_file_not_a_port(cpu_tr
         from torch.distributed.distributed_c10d import _get_default_store
 
         return {"store": type(_get_default_store().underlying_store).__name__,
-                "dir": str(getattr(trainer, "_rendezvous_dir", "")), "pid": os.getpid()}  # fmt: skip
+                "dir": os.path.dirname(colocated_sync._store.path) if colocated_sync._store else "",
+                "pid": os.getpid()}  # fmt: skip
 
     ranks = ray.get([t.__ray_call__.remote(seen) for t in cpu_trainers])
     assert [r["store"] for r in ranks] == ["FileStore", "FileStore"]  # what each rank's process group uses
@@ -186,8 +186,7 @@ def test_opening_the_rendezvous_on_one_node_listens_on_no_port():
     import shutil
 
     before = set(listening_tcp([os.getpid()]))
-    rank = ray_ranks.Rank(0, 2, device_type="cpu")
-    where = rank.open_rendezvous("127.0.0.1")
+    where = colocated_sync.open_rendezvous("127.0.0.1", 2)
     try:
         assert set(listening_tcp([os.getpid()])) == before
     finally:
@@ -197,18 +196,18 @@ def test_opening_the_rendezvous_on_one_node_listens_on_no_port():
 def test_server_calls_give_up_before_the_trainers_collectives_do():
     """A hung server must surface as a server error, not as a trainer rank
     timing out in a collective."""
-    assert helpers.SERVER_CALL_TIMEOUT_S + 10 < ray_ranks.COLLECTIVE_TIMEOUT.total_seconds()
+    assert colocated_sync.SERVER_CALL_TIMEOUT_S + 10 < colocated_sync.COLLECTIVE_TIMEOUT.total_seconds()
 
 
 def test_too_few_gpus_is_a_clear_error(ray_cluster):
-    with pytest.raises(ray_ranks.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
-        script.start_trainers(script.FSDPTrainer, 2, gpus_per_trainer=1, device_type="cpu")
+    with pytest.raises(colocated_sync.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
+        script.start_trainers(script.FSDPTrainer, 2, gpus_per_trainer=1)
 
 
 def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
     start = time.monotonic()
-    with pytest.raises(ray_ranks.PlacementError, match="could not place 16 trainers"):
-        script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=2)
+    with pytest.raises(colocated_sync.PlacementError, match="could not place 16 trainers"):
+        script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, placement_timeout_s=2)
     assert time.monotonic() - start < 30
 
 
@@ -221,7 +220,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers
 
 
 def test_a_trainer_that_fails_to_start_says_why(ray_cluster, fresh_cpu_trainers):
-    with pytest.raises(ray_ranks.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
+    with pytest.raises(colocated_sync.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
         fresh_cpu_trainers(trainer_cls=TrainerThatCannotStart)
 
 
@@ -255,7 +254,7 @@ def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(
     waiting = trainers[1].token_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
     start = time.monotonic()
     ray_cluster.kill(trainers[0])
-    with pytest.raises(ray_ranks.TrainerDied, match="a trainer rank's process died"):
+    with pytest.raises(colocated_sync.TrainerDied, match="a trainer rank's process died"):
         script.ray_get_all([_call_on_a_killed_actor(ray_cluster, trainers[0]), waiting])
     assert time.monotonic() - start < 30
 
@@ -266,7 +265,7 @@ def _call_on_a_killed_actor(ray_cluster, actor, timeout_s=30):
     then only the other rank's collective error would be left to report."""
     deadline = time.monotonic() + timeout_s
     while True:
-        ref = actor.placement.remote()
+        ref = actor.__ray_ready__.remote()
         try:
             ray_cluster.get(ref, timeout=timeout_s)
         except ray_cluster.exceptions.RayActorError:
@@ -293,7 +292,7 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     sock = cpu_server.socket_path
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
     script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
-    outs = helpers.completions(sock, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
+    outs = colocated_sync.completions(sock, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
 
     # The trainer's own kernel noise: a second forward through the other
@@ -424,14 +423,17 @@ def _remove_groups_left_since(before: set[str]) -> None:
 
 # Ranks without the trainer (whose workers would import vLLM, for ~10 s on 2 cores):
 # these tests need no model.
-class RankThatFailsOncePlaced(ray_ranks.Rank):
-    def placement(self) -> dict:
-        raise RuntimeError("simulated failure once the trainers are placed")
-
-
-class RankThatCannotStart(ray_ranks.Rank):
+class RankThatCannotStart:
     def __init__(self, *args, **kwargs):
         raise RuntimeError("CUDA out of memory (simulated)")
+
+
+class NoModelRank:
+    """A trainer rank of a class with nothing of ours: start_trainers joins it to the others."""
+
+
+def _fails_once_placed(_trainer):
+    raise RuntimeError("simulated failure once the trainers are placed")
 
 
 def test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group(ray_cluster, monkeypatch):
@@ -441,12 +443,14 @@ def test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group
     start_trainers, placed = script.start_trainers, []
 
     def on_cpu(*args, **kwargs):
-        trainers, group = start_trainers(*args, **{**kwargs, "gpus_per_trainer": 0, "device_type": "cpu"})
+        trainers, group = start_trainers(*args, **{**kwargs, "gpus_per_trainer": 0})
         placed.append(group.id.hex())
         return trainers, group
 
     monkeypatch.setattr(script, "start_trainers", on_cpu)
-    monkeypatch.setattr(script, "MeasuredTrainer", RankThatFailsOncePlaced)
+    monkeypatch.setattr(script, "MeasuredTrainer", NoModelRank)
+    monkeypatch.setattr(script, "placements", lambda trainers: script.ray_get_all(
+        [t.__ray_call__.remote(_fails_once_placed) for t in trainers]))  # the first call to the placed trainers
     before = set(_groups_not_removed())
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="simulated failure once the trainers are placed"):
@@ -465,8 +469,8 @@ def test_trainers_that_cannot_be_placed_leave_no_placement_group(ray_cluster):
     taking the GPUs of whatever runs next)."""
     before = set(_groups_not_removed())
     try:
-        with pytest.raises(ray_ranks.PlacementError, match="could not place 16 trainers"):
-            script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, device_type="cpu", placement_timeout_s=1)
+        with pytest.raises(colocated_sync.PlacementError, match="could not place 16 trainers"):
+            script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, placement_timeout_s=1)
         assert _groups_left_since(before) == []
     finally:
         _remove_groups_left_since(before)
@@ -477,8 +481,8 @@ def test_a_trainer_that_fails_to_start_leaves_no_placement_group(ray_cluster):
     raises before it returns the group, so no caller can remove it."""
     before = set(_groups_not_removed())
     try:
-        with pytest.raises(ray_ranks.TrainerDied, match="CUDA out of memory"):
-            script.start_trainers(RankThatCannotStart, 1, gpus_per_trainer=0, device_type="cpu")
+        with pytest.raises(colocated_sync.TrainerDied, match="CUDA out of memory"):
+            script.start_trainers(RankThatCannotStart, 1, gpus_per_trainer=0)
         assert _groups_left_since(before, timeout_s=2) == []
     finally:
         _remove_groups_left_since(before)
@@ -500,7 +504,7 @@ def test_another_user_cannot_read_write_or_plant_the_trainers_rendezvous(cpu_tra
     import errno
     import os
 
-    path = ray.get(cpu_trainers[0].__ray_call__.remote(lambda trainer: str(trainer._rendezvous_dir / "store")))
+    path = ray.get(cpu_trainers[0].__ray_call__.remote(lambda _: colocated_sync._store.path))
     assert os.path.exists(path)
     assert _open_as_another_user(path, os.O_RDWR | os.O_CREAT) == errno.EACCES
     assert _open_as_another_user(path, os.O_RDONLY) == errno.EACCES
@@ -512,17 +516,18 @@ def test_the_one_node_rendezvous_directory_goes_with_the_trainers(ray_cluster):
     """leave_ray removes it with the placement group (the ranks, killed, cannot)."""
     import os
 
-    trainers, pg = script.start_trainers(ray_ranks.Rank, 2, gpus_per_trainer=0, device_type="cpu")
-    folder = ray.get(trainers[0].__ray_call__.remote(lambda trainer: str(trainer._rendezvous_dir)))
+    trainers, pg = script.start_trainers(NoModelRank, 2, gpus_per_trainer=0)
+    store = ray.get(trainers[0].__ray_call__.remote(lambda _: colocated_sync._store.path))
+    folder = os.path.dirname(store)
     assert os.path.isdir(folder)
-    ray_ranks.leave_ray(False, pg)
+    colocated_sync.leave_ray(False, pg)
     assert not os.path.exists(folder)
 
 
 def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainers):
-    """start_trainers takes a Rank subclass, or one a user made a Ray actor
-    already (`@ray.remote class Trainer(Rank)`, as in vLLM's example), whose
-    ranks then join one process group the same way."""
+    """start_trainers takes a class, or one a user made a Ray actor already
+    (`@ray.remote class Trainer`, as in vLLM's example), whose ranks then
+    join one process group the same way."""
     trainers = fresh_cpu_trainers(trainer_cls=ray.remote(script.FSDPTrainer))
-    placements = script.ray_get_all([t.placement.remote() for t in trainers])
+    placements = colocated_sync.placements(trainers)
     assert [p["rank"] for p in placements] == [0, 1]

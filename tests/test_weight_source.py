@@ -92,20 +92,19 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     takes, and either way the same values."""
     from test_families import build_model
 
-    import rlhf_ipc_fsdp_ep as script
+    import colocated_sync
     import vllm_compat
-    import weight_names
 
     hf = build_model("gpt_oss", device="cpu")
-    fused = dict(weight_names.CheckpointForm(hf, torch.bfloat16))
+    fused = dict(colocated_sync.CheckpointForm(hf, torch.bfloat16))
     # What the trainer holds: FSDP2's fully_shard gives the model a subclass of its own,
     # FSDPGptOssForCausalLM, which must not matter. (This one instance only.)
     hf.__class__ = type(f"FSDP{type(hf).__name__}", (type(hf),), {})
-    as_installed = dict(iter(script.BF16Source(hf)))
+    as_installed = dict(iter(colocated_sync.BF16Source(hf)))
     if not vllm_compat._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
         assert list(as_installed) == list(fused)
     monkeypatch.setattr(vllm_compat, "_takes_gpt_oss_experts_one_by_one", lambda: True)
-    source = script.BF16Source(hf)
+    source = colocated_sync.BF16Source(hf)
     split = dict(iter(source))
     assert [m.name for m in source.metadata] == list(split)
     prefix = "model.layers.0.mlp.experts"

@@ -1,0 +1,1645 @@
+"""Colocated weight sync: an FSDP2 trainer's weights into a vLLM server
+(data parallel + expert parallel) on the same GPUs, over vLLM's CUDA-IPC
+weight-transfer engine. The module to copy into your RL code, with three
+files beside it: direct_load.py (the server's worker extension, which the
+server imports from its PYTHONPATH), vllm_compat.py (vLLM 0.32 against 0.33)
+and server_watchdog.py (the program that stops the server if this process
+dies).
+
+The server listens on a Unix socket in a directory only its user can enter,
+never on a TCP port: its dev routes (/sleep, /collective_rpc, the weight
+routes) and the pickled IPC handles they take would let any client that
+reaches them run code in the server.
+
+On the driver: one trainer rank per GPU (a Ray actor of your own class, in one
+process group), the server on the same GPUs, then each round:
+
+    trainers, pg = start_trainers(MyTrainer, num_gpus)      # rank r on GPU r; then rank 0's placement()...
+    with serving([model_path, *serve_args(model_name, gpu_ids)], socket_path=private_dir / "vllm.sock") as server:
+        wait_until_healthy(server, timeout_s=1200)
+        sock = server.socket_path
+        ...every rank: WeightSender(rank, sock, weight_source(model, world_size), gpu_uuids)...
+        freed = sleep_for_sync(sock, level=0, free_kv_cache=True)   # /sleep (+ /release_kv_cache_memory): train now
+        wake_weights(sock, level=0)                                 # /wake_up?tags=weights (levels 1, 2)
+        send_all(trainers, sock, retries=1)                         # every rank's WeightSender.send()
+        # if freed: every rank's torch.cuda.empty_cache() first
+        wake_to_serve(sock, kv_cache=freed)                         # /wake_up?tags=kv_cache&tags=scheduling
+
+Public names:
+  the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
+  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions, prompt_logprobs,
+                   collective_rpc, weight_checker
+  the trainers     start_trainers, ray_get_all, send_all, init_ray, leave_ray, cli
+  a trainer rank   weight_source (BF16Source, LocalExpertSource), WeightSender
+  more nodes       NodeServer, start_node_servers, stop_node_servers, wait_until_ready, gloo_interface_env
+
+Any HTTP client reaches the server through the socket, e.g.
+`curl --unix-socket <socket> http://localhost/health`, or
+`openai.OpenAI(base_url="http://localhost/v1", api_key="-",
+http_client=httpx.Client(transport=httpx.HTTPTransport(uds=<socket>)))`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta
+
+from server_watchdog import group_members, proc_stat, start_time  # (shared with the watchdog)
+from vllm_compat import TrainerSource, vllm_load_form
+
+# Every call that can wait on the server (a chunk of weights included) gives
+# up after this long: well inside the trainers' 10-minute collective timeout,
+# so a hung server is reported as such, not as a dead trainer.
+SERVER_CALL_TIMEOUT_S = 300.0
+
+
+class ServerError(RuntimeError):
+    """The vLLM server failed to start, died, or answered a route with an error."""
+
+
+# ---------------------------------------------------------------------------
+# The server process
+# ---------------------------------------------------------------------------
+
+# Run the CLI through Python: it works where no `vllm` console script is installed.
+DEFAULT_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.cli.main")
+
+# The dev routes (/sleep, /wake_up, /collective_rpc, weight transfer) exist
+# only in dev mode, and the IPC handles arrive pickled, which vLLM refuses to
+# unpickle unless told to. Both are safe only because nobody but this user
+# can reach the server (see start_server).
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+
+
+@dataclass
+class Server:
+    """A running `vllm serve` and where to reach it."""
+
+    proc: subprocess.Popen
+    socket_path: str
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+    healthy_after_s: float | None = None  # what wait_until_healthy returned
+    milestones_shown: set[str] = field(default_factory=set)  # print_progress
+    # The write end of the watchdog's `alive` pipe, the read end of its `done` pipe (start_server).
+    watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)
+
+    @property
+    def pgid(self) -> int:
+        # start_new_session=True makes the server the leader of its own group.
+        return self.proc.pid
+
+
+def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tensor_parallel_size: int = 1,
+               experts: bool = True, gpu_memory_utilization: float = 0.35, kv_cache_memory_bytes: int | None = None,
+               enforce_eager: bool = False, max_model_len: int | None = None, node: int = 0,
+               head: tuple[str, int] | None = None,
+               worker_extension: str = "direct_load.DirectLoadWorker") -> list[str]:  # fmt: skip
+    """`vllm serve` flags after the model's path, for the engines on one
+    node's GPUs (`gpu_ids`, as many on each of `num_nodes` nodes): one DP
+    engine per TP group, experts (if the model has them) split over every GPU
+    of every node, dummy weights (the trainer sends the real ones), memory it
+    can release while the trainer works, IPC weight transfer, the direct
+    loader (`worker_extension`, reached through /collective_rpc). On more
+    nodes, node 0 runs the API server and its engines, every other node its
+    engines alone (--headless), which reach node 0's at `head` (address, port)."""
+    dp_size = len(gpu_ids) * num_nodes // tensor_parallel_size
+    # fmt: off
+    flags = [
+        "--served-model-name", served_name,
+        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--data-parallel-size", str(dp_size),
+        *(["--enable-expert-parallel"] if experts else []),
+        "--device-ids", ",".join(gpu_ids),
+        "--enable-sleep-mode",
+        "--load-format", "dummy",
+        "--weight-transfer-config", json.dumps({"backend": "ipc"}),
+        "--worker-extension-cls", worker_extension,
+        "--gpu-memory-utilization", str(gpu_memory_utilization),
+    ]
+    if num_nodes > 1:
+        local = dp_size // num_nodes
+        flags += ["--data-parallel-size-local", str(local), "--data-parallel-address", head[0],
+                  "--data-parallel-rpc-port", str(head[1])]
+        if node > 0:
+            flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
+    # fmt: on
+    if enforce_eager:
+        flags.append("--enforce-eager")
+    if max_model_len:
+        flags += ["--max-model-len", str(max_model_len)]
+    if kv_cache_memory_bytes:
+        flags += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
+    return flags
+
+
+def start_server(
+    serve_args: Sequence[str],
+    *,
+    socket_path: str | os.PathLike,
+    log_path: str | os.PathLike,
+    env: dict[str, str] | None = None,
+    launcher: Sequence[str] = DEFAULT_LAUNCHER,
+    also_stop: Sequence[str] = (),
+) -> Server:
+    """Start `vllm serve <serve_args>` listening on `socket_path`, in its own
+    process group, with its output in `log_path`.
+
+    The socket's directory must be private to this user (mode 0700, as
+    tempfile.mkdtemp makes it): other users cannot connect then. vLLM's
+    internal ZMQ sockets go there too (VLLM_RPC_BASE_PATH). `env` is
+    merged over this process's environment and SERVER_ENV. Ray's GPU mask is
+    dropped (a caller inside Ray would otherwise hand the server one GPU):
+    pass `--device-ids` to choose GPUs instead.
+
+    The server cannot outlive this process: a watchdog (server_watchdog.py)
+    stops its whole group once this process is gone, however it ended, and
+    then also the processes in `also_stop` (from `descendants`).
+    """
+    socket_path = os.fspath(socket_path)
+    folder = os.stat(os.path.dirname(os.path.abspath(socket_path)))
+    if folder.st_uid != os.getuid() or stat.S_IMODE(folder.st_mode) & 0o077:
+        raise ServerError(f"the server's socket must be in a directory private to you (0700): {socket_path}")
+    if len(socket_path.encode()) > 100:  # the kernel's limit for a socket path is 107 bytes
+        raise ServerError(f"socket path too long for a Unix socket ({len(socket_path)} bytes): {socket_path}")
+    if len(os.path.dirname(os.path.abspath(socket_path)).encode()) > 70:  # + vLLM's "/<uuid4>" for its ZMQ sockets
+        raise ServerError(f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
+                          f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory")  # fmt: skip
+    log_path = Path(log_path)
+    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    full_env.pop("CUDA_VISIBLE_DEVICES", None)
+    # vLLM's own processes talk over ZMQ sockets it creates under this
+    # directory (/tmp by default, with the umask's modes: a user of the same
+    # group could connect, and its decoders unpickle what the dev routes
+    # accept). In the socket's private directory, nobody else can reach them.
+    full_env["VLLM_RPC_BASE_PATH"] = os.path.dirname(os.path.abspath(socket_path))
+    cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
+    if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
+        # What Popen would raise: the watchdog's exec fails only in the child.
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop)
+    return Server(proc=proc, socket_path=socket_path, log_path=log_path, watchdog_fds=watchdog_fds)
+
+
+def _start_watched(cmd: list[str], log, env: dict[str, str],
+                   also_stop: Sequence[str] = ()) -> tuple[subprocess.Popen, tuple[int, int]]:  # fmt: skip
+    """Popen(cmd) as the leader of a new process group, through
+    server_watchdog.py, which forks the watchdog off (outside the group) and
+    then execs `cmd`: the Popen is the server itself. The group holds the
+    server's API servers, engine cores and DP coordinator, so stop_server and
+    the watchdog can signal every one of them, not only the parent.
+
+    Two pipes: only this process holds the write end of `alive`, so the
+    watchdog reads EOF when this process is gone; only the watchdog holds the
+    write end of `done`, so stop_server reads EOF when the watchdog is gone."""
+    alive_r, alive_w = os.pipe()
+    done_r, done_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT, str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S),
+             *([",".join(also_stop)] if also_stop else []), "--", *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            pass_fds=(alive_r, done_w),
+        )  # fmt: skip
+    except BaseException:
+        os.close(alive_w)
+        os.close(done_r)
+        raise
+    finally:
+        os.close(alive_r)
+        os.close(done_w)
+    return proc, (alive_w, done_r)
+
+
+def descendants(pid: int, started_from: str | None = None) -> list[str]:
+    """"PID:START" of the live descendants of process `pid` (Linux /proc),
+    for start_server's `also_stop`. With `started_from` (a directory), only
+    the children whose command line runs something in it, and all theirs:
+    e.g. the processes of a local Ray cluster `pid` started, and no others."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if (stat := proc_stat(entry)) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    todo = [c for c in children.get(pid, []) if started_from is None or started_from.encode() in cmdline(c)]
+    found, seen = [], set()
+    while todo:
+        child = todo.pop()
+        if child in seen:
+            continue
+        seen.add(child)
+        if (start := start_time(child)) is not None:
+            found.append(f"{child}:{start}")
+        todo += children.get(child, [])
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    """/proc/PID/cmdline (arguments NUL-separated), b"" if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+# The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
+_WATCHDOG_GRACE_S = 10.0
+_WATCHDOG_SCRIPT = str(Path(__file__).resolve().with_name("server_watchdog.py"))
+
+
+def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
+    """Close the server's `alive` pipe (its watchdog then stops what is left of
+    the group, and exits), and wait until the watchdog is gone."""
+    if server.watchdog_fds is None:
+        return
+    (alive_w, done_r), server.watchdog_fds = server.watchdog_fds, None
+    try:
+        os.write(alive_w, b"r")  # a release, not the caller's death: leave its `also_stop` alone
+    except OSError:
+        pass
+    os.close(alive_w)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([done_r], [], [], left)
+            if ready and not os.read(done_r, 4096):  # EOF: the watchdog exited
+                break
+    finally:
+        os.close(done_r)
+
+
+def log_tail(server: Server, lines: int = 40) -> str:
+    try:
+        text = server.log_path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# What a starting `vllm serve` (0.32) is doing, from the first log line that
+# says so, in the order they come. Only for progress lines: a milestone whose
+# wording changes is not shown, nothing else depends on it.
+START_MILESTONES = (
+    ("Initializing a V1 LLM engine", "engines starting"),
+    ("Model loading took", "model built (dummy weights)"),
+    ("Starting torch.compile", "torch.compile ..."),
+    ("torch.compile took", "torch.compile done"),
+    ("Capturing CUDA", "capturing CUDA graphs ..."),
+    ("Available KV cache memory", "memory profiled, KV cache sized"),
+    ("init engine (profile, create kv cache, warmup model) took", "engines ready"),
+    ("Starting vLLM server on", "API server listening"),
+)
+
+
+def print_progress(server: Server) -> None:
+    """Print each START_MILESTONES line the server's log has reached since
+    the last call, with the seconds since its start."""
+    try:
+        text = server.log_path.read_text(errors="replace")
+    except OSError:
+        return
+    for needle, label in START_MILESTONES:
+        if label not in server.milestones_shown and needle in text:
+            server.milestones_shown.add(label)
+            print(f"[server] {time.monotonic() - server.started_at:5.0f} s: {label}", flush=True)
+
+
+def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0, also_check=None) -> float:
+    """Block until GET /health answers 200, printing the server's progress
+    (print_progress) meanwhile; return seconds since start.
+
+    Raises ServerError at once if the process exits, or when the deadline
+    passes, quoting the end of the server's log either way. `also_check()`,
+    if given, runs every poll, and may raise to stop the wait (e.g. when a
+    server on another node has exited).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        print_progress(server)
+        code = server.proc.poll()
+        if code is not None:
+            raise ServerError(
+                f"vLLM server exited with code {code} during start; last lines of "
+                f"{server.log_path}:\n{log_tail(server)}"
+            )
+        if also_check:  # after our own server's exit: that one we name for sure
+            also_check()
+        if health(server.socket_path):
+            return time.monotonic() - server.started_at
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"vLLM server not healthy after {timeout_s:.0f}s; last lines of "
+                f"{server.log_path}:\n{log_tail(server)}"
+            )
+        time.sleep(poll_s)
+
+
+def _wait_group_gone(server: Server, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(server.pgid):
+        server.proc.poll()  # reap the parent so it does not linger as a zombie
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def stop_server(server: Server, grace_s: float = 20.0) -> None:
+    """SIGTERM the server's whole process group, SIGKILL what is left after
+    `grace_s`, and wait until every process is gone, its watchdog included.
+    Safe to call twice."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(server.pgid, sig)
+        except ProcessLookupError:
+            break
+        if _wait_group_gone(server, wait_s):
+            break
+    else:
+        raise ServerError(f"processes {group_members(server.pgid)} of the vLLM server survived SIGKILL")
+    try:
+        server.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    _release_watchdog(server)
+
+
+@contextmanager
+def serving(serve_args: Sequence[str], **start_kwargs):
+    """start_server(serve_args, **start_kwargs) and yield the server, still
+    starting (wait_until_healthy, once you have done what can overlap its
+    start); on the way out, stop it, saying so and quoting its log if it had
+    exited on its own."""
+    server = start_server(serve_args, **start_kwargs)
+    try:
+        yield server
+    finally:
+        with signals_ignored():
+            if server.proc.poll() is not None:
+                print(f"[shutdown] the vLLM server had exited with code {server.proc.returncode}; "
+                      f"last lines of {server.log_path}:\n{log_tail(server, 15)}", flush=True)  # fmt: skip
+            print("[shutdown] stopping the vLLM server", flush=True)
+            try:
+                stop_server(server)
+            except ServerError as e:  # say it, and keep the error that brought us here
+                print(f"[shutdown] {e}", flush=True)
+
+
+@contextmanager
+def hangups_unwind():
+    """SIGTERM and SIGHUP (a scheduler's stop, a closed terminal) end the
+    program the way Ctrl-C does: by an exception that runs every `finally`
+    (and so stops the server) on the way out; out of this block it becomes
+    SystemExit(128 + signal). The exception is a KeyboardInterrupt (Hangup),
+    because a blocking Ray call (ray.wait, ray.get) gives way to that one
+    alone: it turns any other exception raised in a signal handler into an
+    exit with code 1."""
+    _hangups_received.clear()
+    previous = unwind_on_hangups()
+    try:
+        yield
+    except KeyboardInterrupt:  # (Ray raises its own KeyboardInterrupt in place of ours)
+        if _hangups_received:
+            raise SystemExit(128 + _hangups_received[0]) from None
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class Hangup(KeyboardInterrupt):
+    """SIGTERM or SIGHUP received inside hangups_unwind."""
+
+
+_hangups_received: list[int] = []
+
+
+def unwind_on_hangups() -> dict:
+    """hangups_unwind's handlers, (re)installed; returns the ones they replace.
+    Again after a library that installs its own: ray.init() puts in Ray's,
+    under which a SIGTERM during a blocking Ray call aborts the process, or
+    ends it with code 1, midway through the cleanup."""
+    return {sig: signal.signal(sig, _unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _unwind(signum: int, _frame) -> None:
+    _hangups_received.append(signum)
+    raise Hangup(f"signal {signum}")
+
+
+@contextmanager
+def signals_ignored():
+    """Let a cleanup finish: a second Ctrl-C, SIGTERM or SIGHUP meanwhile
+    would otherwise cut it short and leave processes behind."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = [signal.signal(sig, signal.SIG_IGN) for sig in sigs]
+    try:
+        yield
+    finally:
+        for sig, handler in zip(sigs, previous, strict=True):
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------
+# HTTP routes: one small function each. `sock` is the server's socket path.
+# ---------------------------------------------------------------------------
+
+
+def _client(sock: str, timeout: float) -> httpx.Client:
+    # Plain HTTP over a local socket: no TLS context to build (loading the CA
+    # certificates costs ~30 ms per client, 34 times a sync) and no proxy.
+    transport = httpx.HTTPTransport(uds=sock, verify=False)
+    return httpx.Client(transport=transport, base_url="http://localhost", timeout=timeout, trust_env=False)
+
+
+def _request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
+    """Call a route; return its JSON; raise ServerError with the server's own
+    error text."""
+    try:
+        with _client(sock, timeout) as client:
+            resp = client.request(method, route, **kwargs)
+    except httpx.HTTPError as e:
+        raise ServerError(f"{method} {route} failed: {e!r}") from e
+    if resp.status_code != 200:
+        raise ServerError(f"{method} {route} -> HTTP {resp.status_code}: {resp.text[:2000]}")
+    return resp.json() if resp.content else None
+
+
+def health(sock: str) -> bool:
+    try:
+        with _client(sock, timeout=5) as client:
+            return client.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def sleep(sock: str, level: int) -> dict:
+    """POST /sleep: level 0 only pauses scheduling; level 1 also offloads the
+    weights to CPU, level 2 discards them; both free the KV cache."""
+    return _request(sock, "POST", "/sleep", params={"level": level})
+
+
+def release_kv_cache(sock: str) -> dict:
+    """POST /release_kv_cache_memory: after /sleep?level=0, give the KV
+    cache's GPU memory back (the weights stay); /wake_up?tags=kv_cache maps it
+    again. Resets the prefix cache, whose entries the old weights computed."""
+    return _request(sock, "POST", "/release_kv_cache_memory")
+
+
+def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
+    """Stop serving until the sync. At level 0 the weights stay mapped (the
+    send overwrites them in place) and, with `free_kv_cache`, the KV cache's
+    memory goes to the trainer (for a training step); without, only the
+    prefix cache is reset, since the old weights computed its entries:
+    nothing to unmap now and map back later (vLLM's reset still visits
+    every block of the cache). Levels 1 and 2 free
+    the KV cache and the weights. Returns whether the KV cache is freed (what
+    wake_to_serve must map back)."""
+    sleep(sock, level)
+    if level == 0:
+        if free_kv_cache:
+            release_kv_cache(sock)
+        else:
+            reset_prefix_cache(sock)
+    return level > 0 or free_kv_cache
+
+
+def reset_prefix_cache(sock: str) -> None:
+    """POST /reset_prefix_cache: forget the cached prompts' KV entries."""
+    _request(sock, "POST", "/reset_prefix_cache")
+
+
+def wake_weights(sock: str, level: int) -> None:
+    """POST /wake_up?tags=weights: map the weights back before the send,
+    unless level 0 kept them mapped."""
+    if level > 0:
+        wake_up(sock, ["weights"])
+
+
+def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
+    """POST /wake_up?tags=...: map back the named memory pools (all if None)."""
+    params = [("tags", t) for t in tags] if tags else None
+    return _request(sock, "POST", "/wake_up", params=params)
+
+
+def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
+    """POST /wake_up?tags=kv_cache&tags=scheduling: the KV cache back (unless
+    the sleep kept it), the scheduler running; raise unless the server is then
+    fully awake."""
+    try:
+        state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
+    except ServerError as e:
+        raise ServerError(wake_failure(str(e), kv_cache)) from e
+    if state["status"] != "awake":
+        raise ServerError(f"server still asleep after the last wake_up: {state}")
+
+
+def wake_failure(error: str, kv_cache: bool) -> str:
+    """What a failed wake_up means, in front of the server's own words: out
+    of memory while mapping a freed KV cache back is memory taken meanwhile."""
+    if kv_cache and "out of memory" in error.lower():
+        return ("vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by "
+                "another process on the GPU, or kept by the trainer); keep the KV cache through the sync, or "
+                f"make it smaller: {error}")
+    return error
+
+
+def is_sleeping(sock: str) -> bool:
+    return _request(sock, "GET", "/is_sleeping")["is_sleeping"]
+
+
+def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict:
+    """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns
+    {key: sha256}, 'compare' checks against a baseline."""
+    body: dict[str, Any] = {"action": action}
+    if baseline is not None:
+        body["baseline"] = baseline
+    return _request(sock, "POST", "/weight_checker", json=body)
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+
+
+def _completions(sock: str, body: dict, dp_rank: int | None) -> dict:
+    """POST /v1/completions; `dp_rank` pins it to one DP engine."""
+    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
+    return _request(sock, "POST", "/v1/completions", headers=headers, json=body)
+
+
+def completions(
+    sock: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    dp_rank: int | None = None,
+) -> list[Completion]:
+    """One completion per prompt (greedy by default), with the prompt's and
+    the output's token ids."""
+    body = {
+        "model": model,
+        "prompt": prompts,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "return_token_ids": True,
+    }
+    by_index = {c["index"]: c for c in _completions(sock, body, dp_rank)["choices"]}
+    return [
+        Completion(c["text"], list(c["prompt_token_ids"]), list(c["token_ids"]))
+        for c in (by_index[i] for i in range(len(prompts)))
+    ]
+
+
+def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
+    """vLLM's log-probability of each prompt token given the ones before it
+    (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    per_position = _completions(sock, body, dp_rank)["choices"][0]["prompt_logprobs"]
+    # Position 0 has no context (None); each later entry maps token id -> info
+    # and always holds the prompt's own token.
+    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
+
+
+def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
+    """POST /collective_rpc: call `method` on the worker of every engine
+    (string arguments only). Returns the first DP engine's results; an error
+    on any engine fails the call."""
+    body = {"method": method, "args": list(args), "timeout": timeout}
+    out = _request(sock, "POST", "/collective_rpc", timeout=timeout + 10, json=body)
+    return out["results"] if out else []
+
+
+# ---------------------------------------------------------------------------
+# Weight sync clients: what vLLM's IPC trainer engine calls on trainer rank 0
+# ---------------------------------------------------------------------------
+
+
+def weight_sync_client(sock: str):
+    """vLLM's HTTPVLLMWeightSyncClient (its /start_weight_update,
+    /update_weights, /finish_weight_update routes), over the Unix socket, and
+    raising ServerError with the server's reply instead of a bare HTTP status."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    class WeightSyncClient(HTTPVLLMWeightSyncClient):
+        def _post(self, path: str, json: dict | None = None) -> None:
+            _request(sock, "POST", f"/{path}", timeout=self.timeout, json=json)
+
+    return WeightSyncClient(sock, timeout=SERVER_CALL_TIMEOUT_S)
+
+
+class DirectLoadClient:
+    """The same calls as vLLM's HTTPVLLMWeightSyncClient, sent to the server's
+    direct loader (direct_load.py) through /collective_rpc instead of vLLM's
+    weight routes. `expert_blocks` ({name: shape} of the expert blocks each
+    rank will send) is checked against every engine when vLLM's IPC engine is
+    built, so a layout the server cannot take fails before any send."""
+
+    def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple]) -> None:
+        if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
+            raise ValueError(f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader "
+                             "needs one rank per GPU")  # fmt: skip
+        self.sock = sock
+        self.trainer_gpu_uuids = list(trainer_gpu_uuids)
+        self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        if not init_info.get("packed"):
+            raise ValueError("the direct loader reads packed IPC buffers: use packed=True")
+        expected = {"blocks": self.expert_blocks, "dtype": "bfloat16", "trainer_gpu_uuids": self.trainer_gpu_uuids}
+        collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
+
+    def start_weight_update(self) -> None:
+        collective_rpc(self.sock, "direct_load_start")
+
+    def update_weights(self, update_info: dict) -> dict:
+        """One chunk; returns what the first DP engine reports of it."""
+        import base64
+        import pickle
+
+        update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids}
+        return collective_rpc(self.sock, "direct_load_chunk", base64.b64encode(pickle.dumps(update)).decode())[0]
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        collective_rpc(self.sock, "direct_load_finish")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
+
+
+class FailAfterSend:
+    """Rank 0's weight sync client, made safe to retry. In a send, vLLM's IPC
+    trainer engine has every rank all-gather IPC handles and meet at a barrier
+    for each chunk, and only rank 0 calls the client: if a call raised there,
+    rank 0 would leave the send while the others wait at the next barrier (for
+    the 10-minute collective timeout), and no retry could start. So after a
+    failed call the send's remaining updates are skipped, `finish_weight_update`
+    is still called (the direct loader's finish closes its session; its own
+    failure is ignored), and `raise_failure()` raises the first error once the
+    send is over. Only the direct loader's sends are retried (send_all)."""
+
+    def __init__(self, client) -> None:
+        self._client, self._failure = client, None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._client.init_weight_transfer_engine(init_info)  # at setup, not in a send: raise now
+
+    def start_weight_update(self) -> None:
+        self._failure = None
+        self._call(self._client.start_weight_update)
+
+    def update_weights(self, update_info: dict) -> None:
+        if self._failure is None:
+            self._call(self._client.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call(self._client.finish_weight_update, weight_version)
+
+    def raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def __getattr__(self, name: str):  # anything else vLLM may call
+        return getattr(self._client, name)
+
+    def _call(self, method, *args) -> None:
+        try:
+            method(*args)
+        except ServerError as e:
+            self._failure = self._failure or e
+
+# ===========================================================================
+# The trainer ranks: one Ray actor per GPU, in one process group
+# ===========================================================================
+
+# Placing, calling and stopping what the sync runs on the Ray cluster.
+#
+# Every rank of the trainer takes part in collectives, so a call is made on all
+# of them at once and must not wait on a rank that is gone:
+#
+#   start_trainers    one trainer rank per GPU (an actor of any class), on whole
+#                     nodes, rank 0 on this one, joined in one process group
+#   placements        which GPU of which node each rank got
+#   ray_get_all       every rank's result, failing at the first error (a dead
+#                     rank as TrainerDied, naming why; a server error as itself)
+#   send_all          one weight sync on every rank, sent again when the server
+#                     failed it part way (`retries`), unless a node's server is gone
+#   NodeServer        an actor that owns the headless `vllm serve` of another node
+#   wait_until_ready  the trainers' weights filled, every node's server healthy
+#   init_ray          ray.init() with the driver's settings on every node (job_env),
+#                     SIGTERM still unwinding
+#   leave_ray         Ray left as we found it (the trainers' rendezvous directory too)
+#   cli               a program's failures as one `error:` line, not a traceback
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (SERVER_CALL_TIMEOUT_S)
+
+
+class PlacementError(RuntimeError):
+    """Ray cannot give every trainer rank its GPU on the nodes asked for."""
+
+
+class TrainerDied(RuntimeError):
+    """A trainer rank's process died (killed, out of memory, crashed)."""
+
+
+# A trainer rank is an object of any class, started as a Ray actor by
+# start_trainers, which runs these functions in it (Ray's __ray_call__) so
+# that the class needs no base class and no methods of ours.
+
+_store = None  # rank 0's: the store the ranks meet at
+_listener = None  # rank 0 on more nodes: the TCP socket its store listens on
+
+
+def open_rendezvous(host: str, world_size: int) -> str | int:
+    """Rank 0: open the store where the ranks meet; returns where the
+    others find it (for join_process_group).
+
+    One node (`host` 127.0.0.1): a torch FileStore, a file in a directory
+    of its own that tempfile.mkdtemp creates with mode 0700, so no other
+    user can read or write it, and nothing listens on a port that any
+    local user could connect to. Returns the file's path. Every rank
+    opens it, so the directory must stay while they run; it goes with
+    them (leave_ray, or remove_rendezvous).
+
+    More nodes (`host` rank 0's address, which the other nodes reach): a
+    TCPStore on a port the kernel picks; returns the port. Torch lets us
+    choose only where it listens, not who connects: it has no
+    authentication or encryption, so anyone who reaches that address can
+    read and write its keys. We bind the socket ourselves, on that one
+    address (torch's TCPStore alone listens on every interface); the job
+    needs a network you trust, as any multi-node torch.distributed job
+    does. (A port picked earlier and closed could be taken meanwhile.)"""
+    global _store, _listener
+    if host == "127.0.0.1":
+        folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # if this rank ends normally
+        path = folder / "store"
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # ours, before torch opens it
+        _store = file_store(path, world_size)
+        return str(path)
+    _listener = socket.create_server((host, 0))
+    port = _listener.getsockname()[1]
+    _store = dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=_listener.fileno(),
+                           wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    return port
+
+
+def join_process_group(rank: int, world_size: int, host: str, where: str | int) -> None:
+    """Join the process group at what rank 0's open_rendezvous returned:
+    the store's file (one node) or its port on `host`. On a GPU (Ray made
+    this rank's the only one visible) CUDA tensors (FSDP2) go over NCCL, the
+    rest over gloo: vLLM's IPC engine syncs every chunk with
+    all_gather_object + barrier on this group, which then wait on the host
+    instead of spinning an NCCL kernel on the GPU that the colocated engine
+    is copying on. (No device_id: it would bind the barrier to NCCL.)"""
+    if rank == 0:
+        store = _store
+    elif isinstance(where, str):
+        store = file_store(where, world_size)
+    else:
+        store = dist.TCPStore(host, where, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    if host != "127.0.0.1":  # more than one node: gloo on the interface the other nodes reach
+        os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", store=store,
+                            rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+
+
+def placement() -> dict:
+    """Which GPU, on which node, Ray gave this rank (called in it, after join_process_group)."""
+    info = {"rank": dist.get_rank(), "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
+    return info
+
+
+def placements(trainers: list) -> list[dict]:
+    """placement() of every trainer rank."""
+    return ray_get_all([t.__ray_call__.remote(_in_rank, placement) for t in trainers])
+
+
+def _in_rank(_trainer, fn, *args):
+    """What __ray_call__ runs in a rank: `fn(*args)`, without the trainer object."""
+    return fn(*args)
+
+
+def file_store(path: str | os.PathLike, world_size: int) -> dist.FileStore:
+    """Torch's FileStore at `path` for `world_size` ranks, with the collectives' timeout.
+    (It opens the file again for every operation: its directory must outlive the ranks.)"""
+    store = dist.FileStore(str(path), world_size)
+    store.set_timeout(COLLECTIVE_TIMEOUT)
+    return store
+
+
+_rendezvous_dirs: dict[str, Path] = {}  # placement group id -> its trainers' one-node store's directory
+
+
+def remove_rendezvous(pg) -> None:
+    """Remove the directory of the one-node store that `pg`'s trainers met
+    at (call it when they are gone, or going: they open it on every use)."""
+    if (where := _rendezvous_dirs.pop(pg.id.hex(), None)) is not None:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@atexit.register
+def _remove_rendezvous_left() -> None:
+    """At this process's exit, what remove_rendezvous was not called for:
+    Ray stops a job's trainers with its driver."""
+    for where in _rendezvous_dirs.values():
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpus_per_trainer: float = 1,
+                   placement_timeout_s: float = 60, trainer_args: tuple = ()) -> tuple[list, object]:  # fmt: skip
+    """Reserve one GPU per trainer rank, the same number on each of
+    `num_nodes` nodes, the first of them this one (where vLLM's API server
+    and trainer rank 0 run); start the ranks in node order, each an actor of
+    `trainer_cls` (any class, or one that is a Ray actor already:
+    `@ray.remote`), built with `trainer_args`; and join them in one
+    torch.distributed process group (dist.get_rank() in each is its rank).
+    Returns (trainers, placement group). Raises PlacementError if Ray cannot
+    place them in time."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    have = ray.cluster_resources().get("GPU", 0)
+    if gpus_per_trainer and have < num_trainers * gpus_per_trainer:
+        raise PlacementError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
+    per_node = num_trainers // num_nodes
+    here = ray.get_runtime_context().get_node_id()
+    here_gpus = next(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == here)
+    if here_gpus < per_node * gpus_per_trainer:
+        raise PlacementError(f"this node has {here_gpus:g} GPUs in Ray, and needs {per_node * gpus_per_trainer:g}: "
+                             "run the script on a GPU node (it runs vLLM's API server and trainer rank 0)")  # fmt: skip
+    # One bundle per node. CUDA IPC only works between processes on one machine, so every
+    # trainer rank shares its node with the engine on its GPU: STRICT_PACK puts one node's
+    # ranks together, STRICT_SPREAD the nodes apart; the first node is this one.
+    bundle = {"CPU": per_node, **({"GPU": per_node * gpus_per_trainer} if gpus_per_trainer else {})}
+    pg = placement_group([bundle] * num_nodes, strategy="STRICT_SPREAD" if num_nodes > 1 else "STRICT_PACK",
+                         bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (num_nodes - 1))  # fmt: skip
+    if not pg.wait(timeout_seconds=placement_timeout_s):
+        ray.util.remove_placement_group(pg)
+        raise PlacementError(
+            f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, the first "
+            f"one this node) within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
+        )
+    actor = trainer_cls if isinstance(trainer_cls, ray.actor.ActorClass) else ray.remote(trainer_cls)
+    try:
+        trainers = [
+            actor.options(num_cpus=1, num_gpus=gpus_per_trainer, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=r // per_node)).remote(*trainer_args)
+            for r in range(num_trainers)
+        ]  # fmt: skip
+        # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
+        host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
+        where = ray_get_all([trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers)])[0]
+        if isinstance(where, str):  # one node, this one: the store's file, in a directory of its own
+            _rendezvous_dirs[pg.id.hex()] = Path(where).parent
+        ray_get_all([t.__ray_call__.remote(_in_rank, join_process_group, r, num_trainers, host, where)
+                     for r, t in enumerate(trainers)])  # fmt: skip
+    except BaseException:  # a rank that did not start, or Ctrl-C: the caller never gets the group to remove
+        ray.util.remove_placement_group(pg)  # and its trainers with it
+        remove_rendezvous(pg)
+        raise
+    return trainers, pg
+
+
+def init_ray() -> None:
+    """ray.init() for the job: a running cluster if there is one (RAY_ADDRESS,
+    `ray start`), else a local Ray; every node's processes get the driver's
+    settings (job_env). Then SIGTERM and SIGHUP unwind again
+    (unwind_on_hangups): Ray's own handler would abort the cleanup."""
+    ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
+    unwind_on_hangups()
+
+
+def job_env() -> dict[str, str]:
+    """The driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for
+    ray.init(runtime_env=...): Ray's workers get the environment of the Ray
+    node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
+    `HF_HUB_OFFLINE` exported where the script runs would not reach the other
+    nodes' trainers and servers. Not VLLM_HOST_IP (each node's own address),
+    nor secrets (`HF_TOKEN`, `VLLM_API_KEY`: Ray keeps a job's runtime env
+    where its dashboard and job list show it). Interface names
+    (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`) set here hold on every node."""
+    prefixes, secret = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_"), ("TOKEN", "KEY", "SECRET", "PASSWORD")
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(prefixes) and k != "VLLM_HOST_IP" and not any(s in k for s in secret)}  # fmt: skip
+
+
+def gloo_interface_env(node_ip: str) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for a process that talks gloo to other nodes: the
+    network interface that holds this node's cluster address. Without it,
+    gloo binds the address the host's name resolves to, on many
+    distributions 127.0.1.1, which no other node reaches. A value the user
+    set wins."""
+    import psutil  # a Ray dependency
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    names = [name for name, addrs in psutil.net_if_addrs().items() if any(a.address == node_ip for a in addrs)]
+    return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
+
+
+def leave_ray(started_ray: bool, pg) -> None:
+    """Leave Ray as we found it: shut down if we started it (again is a no-op),
+    else our placement group removed, and the trainers with it; and their
+    one-node rendezvous directory."""
+    if started_ray:
+        ray.shutdown()
+    elif pg is not None:
+        ray.util.remove_placement_group(pg)
+    if pg is not None:
+        remove_rendezvous(pg)
+
+
+def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
+    """ray.get(refs), but raise as soon as any one fails: the others may be
+    blocked in a collective waiting for it. A ServerError (the server
+    refused or died) is raised as itself, prefixed by `who` raised it; a dead
+    actor (`who`'s process) as TrainerDied. `also_check()`, if given, runs
+    every 2 s while they run, and may raise to stop the wait."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=None if also_check is None else 2)
+        if not done:
+            also_check()
+            continue
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ServerError):
+                raise ServerError(f"{who}: {e.cause}") from None
+            raise
+        except ray.exceptions.RayActorError as e:
+            raise TrainerDied(f"{who}'s process died: {death_cause(e)}") from e
+    return ray.get(refs)
+
+
+def death_cause(error: Exception) -> str:
+    """The first line of Ray's report, and the error that killed the actor if
+    it names one (e.g. CUDA out of memory in the constructor)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
+    return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
+
+
+def send_all(trainers: list, sock: str, retries: int = 0, node_servers: list = ()) -> tuple[list, int]:
+    """send_weights() on every rank; returns what each rank reports and how
+    many times the send was retried. A send the server failed part way (an
+    HTTP error, a refused chunk, a timeout) is sent again from the start, up to
+    `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
+    rank (TrainerDied) or a dead server is not retried: the first node's
+    server must answer, and every other node's (`node_servers`, from
+    start_node_servers) must still run; one that does not is named at the
+    first failed send, as raise_node_failure names it."""
+    first = why = None
+    for attempt in range(retries + 1):
+        sends = [t.send_weights.remote() for t in trainers]
+        try:
+            return ray_get_all(sends, also_check=_answering(sock)), attempt
+        except ServerError as e:
+            first = first or e
+            raise_node_failure(node_servers, seen_as=ServerError(
+                f"the send failed part way (not retried); vLLM holds a mix of old and new weights: {e}"))  # fmt: skip
+            if attempt == retries:
+                why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
+                break
+            if not health(sock):
+                why = "not retried: the server does not answer"
+                break
+            if len(ray.wait(sends, num_returns=len(sends), timeout=60)[0]) < len(sends):
+                why = "not retried: a trainer rank is still in the send"
+                break
+            print(f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
+                  f"(retry {attempt + 1} of {retries})", flush=True)  # fmt: skip
+    detail = why or (f"{attempt + 1} tries" if attempt else "")
+    raise ServerError(f"the send failed part way{f' ({detail})' if detail else ''}; "
+                              f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
+
+
+def _answering(sock: str):
+    """A check for ray_get_all that raises once the server has failed GET
+    /health twice in a row. A server whose engine died keeps its API server
+    up while it waits for open requests, such as the chunk in flight, which
+    then never return (until SERVER_CALL_TIMEOUT_S)."""
+    misses = [0]
+
+    def check() -> None:
+        misses[0] = 0 if health(sock) else misses[0] + 1
+        if misses[0] >= 2:
+            raise ServerError("the vLLM server stopped answering GET /health during the send (its engine died?)")
+
+    return check
+
+
+class NodeServer:
+    """A Ray actor that owns one node's headless `vllm serve` (the DP engines
+    of that node's GPUs; the API server runs on the first node). It lives in
+    the placement group's bundle of its node, so Ray starts it there and stops
+    it with the driver; and the server's watchdog stops the server when this
+    actor's process is gone, however it ended."""
+
+    def __init__(self, node_index: int) -> None:
+        self.node_index, self.server = node_index, None
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # private (0700), like the first node's
+
+    def start(self, model: str, serve_flags: list[str], log_path: str, env: dict,
+              launcher=DEFAULT_LAUNCHER) -> str:  # fmt: skip
+        """Start `vllm serve <model's local path> <serve_flags>`; returns where
+        this node is, for messages. `model`: the directory the driver
+        resolved (it must be at that path on this node too), or a preset's
+        name, built on this node."""
+        import models
+
+        try:
+            model_path = models.resolve_model(model, self.workdir)
+        except SystemExit as e:  # its one-line error, for this node
+            raise ServerError(f"{self.where()}: {e}") from None
+        env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
+        self.server = start_server([str(model_path), *serve_flags], socket_path=self.workdir / "vllm.sock",
+                                           log_path=log_path, env=env, launcher=launcher)  # fmt: skip
+        return self.where()
+
+    def pgid(self) -> int:
+        """The process group of this node's server (to tell its GPU memory from others')."""
+        return self.server.pgid
+
+    def where(self) -> str:
+        return f"node {self.node_index} ({ray.util.get_node_ip_address()}, Ray node {ray.get_runtime_context().get_node_id()[:8]})"
+
+    def failure(self) -> str | None:
+        """None while the server runs; else how it ended, with its log's end."""
+        if self.server is None or (code := self.server.proc.poll()) is None:
+            return None
+        return (f"the vLLM server on {self.where()} exited with code {code}; last lines of "
+                f"{self.server.log_path}:\n{log_tail(self.server, 15)}")  # fmt: skip
+
+    def stop(self) -> None:
+        if self.server is not None:
+            stop_server(self.server)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
+    with socket.create_server((host, 0)) as s:
+        return s.getsockname()[1]
+
+
+def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node: list[list[str]],
+                       launcher=DEFAULT_LAUNCHER) -> list:  # fmt: skip
+    """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
+    node's bundle starts `vllm serve <model> <flags>` there, its log at
+    `log_path` made absolute, with `.node<k>` before the suffix (on that
+    node's disk). `model`: the model's directory as the driver resolved it
+    (models.resolve_model), absolute, at the same path on every node; or a
+    preset's name (its directory on the driver's node is private, so each
+    node builds its own). Not `--model` as given: a relative path would
+    resolve against each actor's working directory, and a Hugging Face id
+    would be downloaded again on every node. Returns the actors, each
+    already starting its server."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
+    servers = [actor.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
+    try:
+        ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher)
+                     for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
+                    who="the Ray actor of a node's vLLM server")  # fmt: skip
+    except BaseException:
+        stop_node_servers(servers)  # those that did start
+        raise
+    return servers
+
+
+class NodeServerFailed(ServerError):
+    """The vLLM server of a node other than the first exited, or its NodeServer actor is lost."""
+
+
+def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> None:
+    """Raise a ServerError naming every node whose server has exited (or
+    whose NodeServer actor is lost or does not answer), and how; `seen_as`:
+    the error that made us look (raised as it is if it names them already,
+    from an earlier look). Else return."""
+    if isinstance(seen_as, NodeServerFailed):
+        raise seen_as
+    asked = [server.failure.remote() for server in node_servers]
+    answered = set(ray.wait(asked, num_returns=len(asked), timeout=60)[0])  # 60 s for all of them together
+    failures = []
+    for k, ref in enumerate(asked, start=1):
+        try:
+            failures.append(ray.get(ref) if ref in answered else
+                            f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")  # fmt: skip
+        except ray.exceptions.RayActorError as e:
+            failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
+    if failures := [f for f in failures if f]:
+        raise NodeServerFailed("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
+
+
+def wait_until_ready(server: Server, filling: list, timeout_s: float, node_servers: list = ()) -> float:
+    """Wait for the trainers' weights and for the server's health, printing
+    its progress; a failed rank, or a server that exits on any node, fails at
+    once. Returns when the last rank's weights were in, in seconds into the
+    server's start."""
+    while filling and server.proc.poll() is None:
+        done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
+        ray_get_all(done)
+        raise_node_failure(node_servers)
+        print_progress(server)
+    filled_after_s = time.monotonic() - server.started_at
+    if not filling:  # else the server exited first, and wait_until_healthy says how
+        print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
+    left = timeout_s - filled_after_s
+    server.healthy_after_s = wait_until_healthy(server, left, also_check=lambda: raise_node_failure(node_servers))
+    print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
+    return filled_after_s
+
+
+def stop_node_servers(node_servers: list) -> list:
+    """Stop every node's server and wait until its processes are gone; what
+    cannot be stopped this way (its node or actor lost) its watchdog stops.
+    Returns [] (nothing left to stop)."""
+    stops = [server.stop.remote() for server in node_servers]
+    for k, stop in enumerate(stops, start=1):
+        try:
+            ray.get(stop, timeout=60)
+        except Exception as e:  # keep going: the other nodes' servers still need stopping
+            print(f"[shutdown] node {k}'s vLLM server: {death_cause(e)}", flush=True)
+    return []
+
+
+def cli(main_fn) -> None:
+    """Run main_fn() and exit with its code; the failures we expect (a dead
+    rank or server, no room for the trainers) as one `error:` line, Ctrl-C as
+    one line too (the cleanup has run on the way out). Anything else keeps its
+    traceback."""
+    try:
+        sys.exit(main_fn())
+    except (PlacementError, TrainerDied, ServerError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("error: interrupted; the server and the trainers are stopped", file=sys.stderr)
+        sys.exit(130)
+
+# ===========================================================================
+# What a trainer rank sends: the tensors `save_pretrained` would write
+# ===========================================================================
+
+# What a trainer should send vLLM: the tensors `save_pretrained` would write.
+#
+# vLLM's loaders are written against checkpoints on disk, not against
+# transformers' in-memory modules, and transformers 5 keeps many models in a
+# different form in memory: Mixtral's `block_sparse_moe.experts.N.w1.weight`
+# files become one fused `mlp.experts.gate_up_proj`; DeepSeek-V3's
+# `mlp.gate.e_score_correction_bias` is a buffer, so `named_parameters()` never
+# yields it. Rather than a table per family, this module asks transformers
+# itself: `save_pretrained` takes `state_dict()` (parameters and persistent
+# buffers), drops tied copies, and runs `revert_weight_conversion`, the reverse
+# of the conversion `from_pretrained` applied. We do the same, one group of
+# tensors at a time, so a sharded trainer holds one FSDP module gathered at a time:
+#
+#     form = CheckpointForm(model, torch.bfloat16)  # once: names, shapes, groups (meta only)
+#     form.metadata                                 # [(name, shape, dtype)]
+#     for name, tensor in form: ...                 # every sync
+#
+# It works on the meta device and under FSDP2: each FSDP module's parameters
+# are gathered with one `unshard()` (one all-gather, not one per parameter) and
+# freed with `reshard()` once its tensors are sent; buffers are not sharded.
+#
+# Cost: `revert_weight_conversion` takes a whole state dict, and without a
+# `model._weight_conversions` (set by `from_pretrained`) it rebuilds the model's
+# conversion list (a walk over `named_modules()` plus a deepcopy) on every call.
+# We call it once per in-memory tensor group, so we attach that list once
+# (`_conversions`) the way `from_pretrained` does; what is left per call is
+# reversing a handful of regex transforms (tens of microseconds) plus the
+# conversion itself (for fused experts: one `chunk` per expert, and a copy of the
+# gate/up halves, which `Chunk` makes contiguous).
+#
+# The fast path (the direct loader copying a rank's own fused expert shard into
+# vLLM's `w13_weight`/`w2_weight`) needs more than vLLM accepting a name: the
+# in-memory tensor must already be in vLLM's layout. `fused_expert_tensors` says
+# which tensors are fused experts and in which layout (direct_loader_problem
+# uses it), and `expert_block_names` which vLLM expert layer each one belongs to
+# (tests/test_families.py checks both against vLLM's own models).
+
+# ---------------------------------------------------------------------------
+# Trainer side: the checkpoint form of a transformers model
+# ---------------------------------------------------------------------------
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` starts from, without copying anything:
+    parameters and persistent buffers under their `state_dict()` names, each
+    tied weight once (the name `named_parameters()` keeps, which is the tie's
+    source, e.g. `model.embed_tokens.weight`), minus `_keys_to_ignore_on_save`.
+    Values are the live (possibly DTensor or meta) tensors."""
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(prefix=prefix, recurse=False):
+            leaf = name.rpartition(".")[2]
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                out.setdefault(name, buf)
+    return {k: v for k, v in out.items() if k not in ignore}
+
+
+def _conversions(model: torch.nn.Module) -> None:
+    """Attach transformers' conversion list to `model` once, as
+    `from_pretrained` does (`revert_weight_conversion` would otherwise rebuild
+    it on every call: the same list, minus PrefixChange, which it drops for a
+    model not loaded from a checkpoint)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    if getattr(model, "_weight_conversions", None) is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+        model._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)] or None
+
+
+def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    _conversions(model)
+    return revert_weight_conversion(model, tensors)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
+    """In-memory names grouped so that each group reverts on its own: every
+    name alone, except names whose reversal writes the same checkpoint name
+    (a checkpoint tensor that `from_pretrained` split into several, such as a
+    fused qkv). Computed on meta tensors: no data is touched."""
+    state = state_tensors(model)
+    owners: dict[str, list[str]] = defaultdict(list)
+    for name, t in state.items():
+        for out in _revert(model, {name: _meta(t)}):
+            owners[out].append(name)
+    # union the names that share an output (a tiny union-find over names)
+    parent = {name: name for name in state}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            n = parent[n]
+        return n
+
+    for names in owners.values():
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in state:
+        groups[root(name)].append(name)
+    return list(groups.values())
+
+
+def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype | None):
+    """`dtype` for floating tensors, except those transformers keeps in fp32
+    whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. the
+    routers' e_score_correction_bias), which vLLM also holds in fp32."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor.dtype
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    if keep and re.search("|".join(re.escape(k) for k in keep), name):
+        return torch.float32
+    return dtype
+
+
+class CheckpointForm:
+    """The checkpoint form of `model`, worked out once from its structure
+    (meta tensors: no data touched) and produced on demand, one conversion
+    group at a time; under FSDP2 one all-gather per FSDP module (its
+    `unshard()`), not one per parameter:
+
+        form = CheckpointForm(model, torch.bfloat16)
+        form.metadata                   # [(checkpoint name, shape, dtype)], in order
+        for name, tensor in form: ...   # the same tensors, with their data
+        form.origins                    # each one's (module, attribute), if it is that tensor cast
+
+    `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
+    names to leave out (a caller sending those its own way). A group that
+    transformers' conversion leaves as it is (one tensor, same name and shape:
+    most of them) skips the conversion on every sync."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=()) -> None:
+        self._model, self._dtype = model, dtype
+        state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
+        self._groups, self._unchanged, self._owners, self._group_metadata = [], [], [], []
+        for group in conversion_groups(model):
+            if set(group) & excluded:
+                if not set(group) <= excluded:  # would drop a tensor nobody sends
+                    raise ValueError(f"{sorted(set(group) - excluded)} convert together with "
+                                     f"{sorted(set(group) & excluded)}, which are sent another way")  # fmt: skip
+                continue
+            meta = {n: _meta(state[n]) for n in group}
+            out = _revert(model, meta)
+            self._groups.append(group)
+            self._unchanged.append(list(out) == group and all(out[n] is meta[n] for n in group))
+            metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
+            self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
+            self._group_metadata.append(metadata)
+        # Where each tensor lives (module, attribute), found once: FSDP2 swaps the attribute
+        # for the unsharded parameter while its module is unsharded, so it is read on every sync.
+        self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                       for group in self._groups for n in group}  # fmt: skip
+        # Each tensor's origin where it is one model tensor, cast (its whole tensor under FSDP2):
+        # (module, attribute); None where a conversion makes it from others.
+        origins = [[self._where[name] for name, _, _ in metadata] if unchanged else [None] * len(metadata)
+                   for metadata, unchanged in zip(self._group_metadata, self._unchanged, strict=True)]  # fmt: skip
+        order = _gather_order(self._owners)
+        self._groups, self._unchanged, self._owners = ([x[i] for i in order] for x in
+                                                       (self._groups, self._unchanged, self._owners))  # fmt: skip
+        self.metadata = [m for i in order for m in self._group_metadata[i]]
+        self.origins = [o for i in order for o in origins[i]]
+
+    @torch.no_grad()
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        unsharded = None  # the FSDP2 module whose parameters are gathered now
+        try:
+            for group, unchanged, owner in zip(self._groups, self._unchanged, self._owners, strict=True):
+                if owner is not unsharded:
+                    if unsharded is not None:
+                        unsharded.reshard()
+                    if owner is not None:
+                        owner.unshard()  # one all-gather for all its parameters, in its compute dtype
+                    unsharded = owner
+                gathered = {n: _full(getattr(*self._where[n])).detach() for n in group}
+                if owner is not None and (wrong := {t.dtype for t in gathered.values()} - {self._dtype, torch.float32}):
+                    raise ValueError(f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
+                                     f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}")  # fmt: skip
+                for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
+                    # A copy of what FSDP gathered: reshard() frees its memory, and a
+                    # consumer may keep what it was given (vLLM's unpacked send does).
+                    yield name, t.to(_cast_dtype(self._model, name, t, self._dtype), copy=owner is not None)
+                del gathered
+        finally:  # also when the consumer stops early: the module's own (sharded) parameters back
+            if unsharded is not None:
+                unsharded.reshard()
+
+
+def _gather_order(owners: list) -> list[int]:
+    """The groups in an order that gathers each FSDP module once per sync:
+    each module's groups together, where its first group was (the root's
+    embeddings and lm_head, a layer's experts and its norms are apart in the
+    model's own order); a group no module gathers keeps its place."""
+    def module_of(i: int):
+        return id(owners[i]) if owners[i] is not None else ("alone", i)
+
+    first: dict = {}
+    for i in range(len(owners)):
+        first.setdefault(module_of(i), i)
+    return sorted(range(len(owners)), key=lambda i: (first[module_of(i)], i))
+
+
+def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype],
+                dtype: torch.dtype | None):  # fmt: skip
+    """The FSDP2 module whose unshard() gathers the parameters `names`
+    (`params`: the model's parameter names), if one module does and all are
+    sent cast to `dtype` (FSDP's gather in its compute dtype then gives the
+    same bits as gathering and casting); else None: each is then gathered on
+    its own with full_tensor()."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owners = set()
+    for name in names:
+        if name not in params:
+            continue  # a buffer: not sharded
+        module = name.rpartition(".")[0]
+        while not isinstance(model.get_submodule(module), FSDPModule):
+            if not module:
+                return None
+            module = module.rpartition(".")[0]
+        owners.add(module)
+    if len(owners) != 1 or dtype is None or dtypes != {dtype}:
+        return None
+    return model.get_submodule(owners.pop())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# ---------------------------------------------------------------------------
+# The in-memory fused expert tensors (what the direct loader copies as they are)
+# ---------------------------------------------------------------------------
+
+
+def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
+    """The in-memory parameters that hold all experts of a layer stacked on
+    dim 0 (name -> global shape and layout), i.e. those a rank holds a block
+    of experts of under FSDP2. Found through transformers' own marker: the
+    modules `use_experts_implementation` wraps carry `num_experts`,
+    `is_transposed` ([E, H, 2I] instead of [E, 2I, H]) and `is_concatenated`
+    (gate rows then up rows, rather than interleaved)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
+            continue
+        for name, p in module.named_parameters(prefix=prefix, recurse=False):
+            if p.dim() >= 2 and p.shape[0] == module.num_experts:
+                out[name] = {
+                    "shape": tuple(p.shape),
+                    "transposed": bool(module.is_transposed),
+                    "concatenated": bool(module.is_concatenated),
+                }
+    return out
+
+
+def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each fused expert tensor's in-memory name -> the name the direct loader
+    receives a rank's block of it under: its leaf name under the experts
+    module's CHECKPOINT name, which is the name vLLM gives its fused expert
+    layer. Mixtral: `model.layers.0.mlp.experts.gate_up_proj` ->
+    `model.layers.0.block_sparse_moe.experts.gate_up_proj` (the checkpoint has
+    `...block_sparse_moe.experts.<e>.w1.weight`, ...). The module's name is
+    the common prefix of its experts' checkpoint names, minus expert ids."""
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name in fused_expert_tensors(model):
+        by_module[name.rpartition(".")[0]].append(name)
+    out, params = {}, dict(model.named_parameters())
+    for names in by_module.values():
+        saved = [out_name for n in names for out_name in _revert(model, {n: _meta(params[n])})]
+        parts = os.path.commonprefix(saved).split(".")[:-1]  # whole components only
+        while parts and parts[-1].isdigit():
+            parts.pop()
+        out.update({n: ".".join([*parts, n.rpartition(".")[2]]) for n in names})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# A trainer rank's half of the sync
+# ---------------------------------------------------------------------------
+
+
+def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct") -> TrainerSource:
+    """What vLLM receives from a rank of `model` (FSDP2 over `world_size`
+    ranks, or whole on one), in bf16 whatever the master dtype: for the
+    direct loader, each rank's own experts and the rest whole
+    (LocalExpertSource); for vLLM's loader, the checkpoint form (BF16Source)."""
+    return LocalExpertSource(model, world_size) if loader == "direct" else BF16Source(model)
+
+
+def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids: list[str]):
+    """Whom rank 0 tells about each chunk: the direct loader (which first
+    checks that it holds the expert blocks `source` will send, and that each
+    trainer GPU has its engine) or vLLM's weight routes."""
+    if loader == "direct":
+        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks)
+    return weight_sync_client(sock)
+
+
+@dataclass
+class WeightSender:
+    """One trainer rank's side of the sync (weight_sender builds it)."""
+
+    client: FailAfterSend
+    engine: Any  # vLLM's IPC trainer engine
+
+    def send(self) -> None:
+        """One full sync; every rank calls it at once. A server error on
+        rank 0 is raised once every rank is through the send, so that the
+        send can be retried (send_all)."""
+        self.engine.send_weights()
+        self.client.raise_failure()
+
+
+def weight_sender(rank: int, client, source: TrainerSource, packed: bool = True,
+                  packed_buffer_size_bytes: int = 4 * 1024**3) -> WeightSender:  # fmt: skip
+    """vLLM's IPC trainer engine on this rank: it packs `source`'s tensors into
+    one reusable IPC buffer (of `packed_buffer_size_bytes`, which must hold
+    the largest tensor), and each DP engine reads its own GPU's; rank 0
+    calls `client` (sync_client) for each chunk."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+    client = FailAfterSend(client)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
+        client=client,
+        source=source,
+    )
+    return WeightSender(client, engine)
+
+
+class BF16Source(TrainerSource):
+    """What vLLM's own loader receives: every tensor as `save_pretrained`
+    would write it (CheckpointForm: each family's checkpoint
+    names, persistent buffers such as a router's correction bias included),
+    gathered one FSDP module at a time, in bf16 (fp32 where transformers keeps
+    a tensor in fp32). Names and shapes are worked out once, not per sync."""
+
+    def __init__(self, module: torch.nn.Module, exclude=()) -> None:
+        self._form = CheckpointForm(module, torch.bfloat16, exclude)
+        split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
+        self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
+        self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
+        # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
+        # model tensor cast (its whole under FSDP2), else None. Lets a check read the model instead.
+        self.origins = [None if meta[0] in split else (*origin, False) if origin else None
+                        for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
+                        for _ in split.get(meta[0], [meta])]  # fmt: skip
+
+    def param_metas(self) -> list[ParamMeta]:
+        return self._metas
+
+    def tensors(self):
+        for name, tensor in self._form:
+            if name in self._split:  # one expert at a time
+                yield from zip(self._split[name], tensor.unbind(0), strict=True)
+            else:
+                yield name, tensor
+
+
+class LocalExpertSource(BF16Source):
+    """What the direct loader receives from one rank: BF16Source's tensors,
+    except the fused expert tensors, of which each rank sends its own FSDP
+    shard without a gather, under the name of vLLM's expert layer
+    (expert_block_names). FSDP2 shards dim 0, so rank r holds
+    experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
+    gives the engine on rank r's GPU. Every rank yields the same names and
+    shapes, as vLLM's packed IPC producer requires."""
+
+    def __init__(self, module: torch.nn.Module, world_size: int) -> None:
+        if problem := direct_loader_problem(module, world_size):
+            raise ValueError(problem)
+        self._blocks = expert_block_names(module)  # in-memory name -> name sent
+        super().__init__(module, exclude=self._blocks)
+        self._params = dict(module.named_parameters())
+        self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
+                              for name, sent in self._blocks.items()}  # fmt: skip
+        self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
+        self.origins += [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True)
+                         for name in self._blocks]  # fmt: skip
+
+    def tensors(self):
+        yield from super().tensors()
+        for name, sent in self._blocks.items():
+            param = self._params[name]
+            yield sent, (param.to_local() if hasattr(param, "to_local") else param).to(torch.bfloat16)
+
+
+def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
+    """Why --weight-loader direct cannot sync this model over `world_size`
+    GPUs, or None. It sends what vLLM's loader gets (the checkpoint form),
+    except that each rank sends its own block of each fused expert tensor
+    (expert_block_names), which the server copies as it is into
+    its own experts. So each fused expert tensor must be one the server knows
+    (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
+    rows), with experts that split evenly over the GPUs."""
+    from direct_load import EXPERT_TENSORS
+
+    fix = "; pass --weight-loader vllm"
+    for name, layout in fused_expert_tensors(model).items():
+        if name.rpartition(".")[2] not in EXPERT_TENSORS:
+            return f"the direct loader copies fused {'/'.join(EXPERT_TENSORS)} experts only, not {name}{fix}"
+        if layout["transposed"] or not layout["concatenated"]:
+            return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
+        if layout["shape"][0] % world_size:
+            return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
+                    f"{world_size} GPUs as --weight-loader direct needs{fix}")  # fmt: skip
+    return None
