@@ -411,7 +411,7 @@ def prepare_exact_check(job) -> dict:
     answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
     colocated_sync.ray_get_all([t.set_exact_casts.remote({int(i): d for i, d in answer["casts"].items()})
-                           for t in job.trainers])  # fmt: skip
+                                for t in job.trainers])  # fmt: skip
     return answer
 
 
@@ -425,7 +425,7 @@ class ExactCheck:
     parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
     dp_engines: int
     problem: str | None = None  # the first engine's words: which parameters differ
-    trainer_seconds: float | None = None  # of `seconds`: the trainers' fingerprints, started, waited for and read back
+    trainer_seconds: float | None = None  # of `seconds`: both sides started, the trainers' sums read back
     engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
     wait_seconds: float | None = None  # what the check added to the round: its wait for the verdict after the gate
 
@@ -437,15 +437,29 @@ def start_exact_check(job) -> concurrent.futures.Future:
     compares what it holds with what its trainer rank sent. exact_check(job,
     started) waits for the verdict."""
     verdict: concurrent.futures.Future = concurrent.futures.Future()
+    _running_checks.add(verdict)
 
     def check() -> None:
         try:
             verdict.set_result(_exact_check(job))
         except BaseException as e:  # re-raised in the round, by exact_check
             verdict.set_exception(e)
+        finally:
+            _running_checks.discard(verdict)
 
     threading.Thread(target=check, name="exact-check", daemon=True).start()
     return verdict
+
+
+_running_checks: set[concurrent.futures.Future] = set()
+
+
+def settle_exact_checks(timeout_s: float = 30) -> None:
+    """Wait, up to `timeout_s`, for exact checks still running beside a
+    round that failed (or was interrupted) before taking their verdict: they
+    call the trainers and the server, and must be done before the job leaves
+    Ray (a Ray call after ray.shutdown() would start a new local Ray)."""
+    concurrent.futures.wait(list(_running_checks), timeout=timeout_s)
 
 
 def exact_check(job, started: concurrent.futures.Future | None = None) -> ExactCheck:
@@ -983,7 +997,8 @@ def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
 def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
     """For each rank, the process group of the vLLM server on its node (ranks
     go in node order), as `memory` takes them."""
-    per_node = [server.pgid, *colocated_sync.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
+    per_node = [server.pgid, *colocated_sync.ray_get_all([s.pgid.remote() for s in node_servers],
+                                                         who="a node's server actor")]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 

@@ -12,16 +12,20 @@ routes) and the pickled IPC handles they take would let any client that
 reaches them run code in the server.
 
 On the driver: one trainer rank per GPU (a Ray actor of your own class, in one
-process group), the server on the same GPUs, then each round:
+process group, with a send_weights() method that calls its WeightSender),
+the server on the same GPUs, then each round:
 
-    trainers, pg = start_trainers(MyTrainer, num_gpus)      # rank r on GPU r; then rank 0's placement()...
-    with serving([model_path, *serve_args(model_name, gpu_ids)], socket_path=private_dir / "vllm.sock") as server:
+    trainers, pg = start_trainers(MyTrainer, num_gpus, trainer_args=(...))
+    gpu_ids = [p["gpu_ids"][0] for p in placements(trainers)]   # pin the server to the trainers' GPUs
+    with serving([model_path, *serve_args(model_name, gpu_ids)], socket_path=private_dir / "vllm.sock",
+                 log_path="vllm-server.log") as server:
         wait_until_healthy(server, timeout_s=1200)
         sock = server.socket_path
-        ...every rank: WeightSender(rank, sock, weight_source(model, world_size), gpu_uuids)...
+        # in every rank, once: source = weight_source(model, world_size)
+        #                      sender = weight_sender(rank, sync_client(sock, "direct", source, gpu_uuids), source)
         freed = sleep_for_sync(sock, level=0, free_kv_cache=True)   # /sleep (+ /release_kv_cache_memory): train now
         wake_weights(sock, level=0)                                 # /wake_up?tags=weights (levels 1, 2)
-        send_all(trainers, sock, retries=1)                         # every rank's WeightSender.send()
+        send_all(trainers, sock, retries=1)                         # every rank's send_weights(): sender.send()
         # if freed: every rank's torch.cuda.empty_cache() first
         wake_to_serve(sock, kv_cache=freed)                         # /wake_up?tags=kv_cache&tags=scheduling
 
@@ -29,9 +33,10 @@ Public names:
   the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
   its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions, prompt_logprobs,
                    collective_rpc, weight_checker
-  the trainers     start_trainers, ray_get_all, send_all, init_ray, leave_ray, cli
-  a trainer rank   weight_source (BF16Source, LocalExpertSource), WeightSender
-  more nodes       NodeServer, start_node_servers, stop_node_servers, wait_until_ready, gloo_interface_env
+  the trainers     start_trainers, placements, ray_get_all, send_all, init_ray, leave_ray, cli
+  a trainer rank   weight_source (BF16Source, LocalExpertSource), sync_client, weight_sender (WeightSender)
+  more nodes       NodeServer (which needs models.py and model_families.py beside this file),
+                   start_node_servers, stop_node_servers, wait_until_ready, gloo_interface_env
 
 Any HTTP client reaches the server through the socket, e.g.
 `curl --unix-socket <socket> http://localhost/health`, or
@@ -782,8 +787,8 @@ class TrainerDied(RuntimeError):
 
 
 # A trainer rank is an object of any class, started as a Ray actor by
-# start_trainers, which runs these functions in it (Ray's __ray_call__) so
-# that the class needs no base class and no methods of ours.
+# start_trainers, which runs these functions in it (Ray's __ray_call__), so
+# that the class needs no base class; send_all calls its send_weights().
 
 _store = None  # rank 0's: the store the ranks meet at
 _listener = None  # rank 0 on more nodes: the TCP socket its store listens on

@@ -306,6 +306,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                     raise
                 finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
                     with colocated_sync.signals_ignored():
+                        checks.settle_exact_checks()  # a round's, if the round ended before its verdict
                         node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)
         finally:

@@ -48,7 +48,8 @@ def alone(folder: Path) -> dict:
 
 def test_the_table_is_there():
     assert [files for files, _ in ROWS][0] == LIFT
-    assert sorted(sum((files for files, needs in ROWS if not needs and files[0] in NOT_COPIED), [])) == sorted(NOT_COPIED)
+    not_copied = sum((files for files, needs in ROWS if not needs and files[0] in NOT_COPIED), [])
+    assert sorted(not_copied) == sorted(NOT_COPIED)
 
 
 def test_each_row_imports_beside_only_what_it_names(tmp_path):
@@ -56,8 +57,9 @@ def test_each_row_imports_beside_only_what_it_names(tmp_path):
     for k, (files, needs) in enumerate(r for r in ROWS if r[0][0] not in NOT_COPIED):
         folder = copied(tmp_path / f"row{k}", files + needs)
         code = "".join(f"import {f.removesuffix('.py')}\n" for f in files)
-        runs[", ".join(files)] = subprocess.Popen([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, '.')\n{code}"],
-                                                  cwd=folder, stderr=subprocess.PIPE, text=True, env=alone(folder))  # fmt: skip
+        code = f"import sys; sys.path.insert(0, '.')\n{code}"  # -I: no PYTHONPATH, no user site; this folder only
+        runs[", ".join(files)] = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=folder,
+                                                  stderr=subprocess.PIPE, text=True, env=alone(folder))  # fmt: skip
     failed = {row: run.communicate(timeout=240)[1][-1500:] for row, run in runs.items()}
     assert not {row: err for row, err in failed.items() if runs[row].returncode}, failed
 
@@ -69,8 +71,8 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     lines = sum(len((folder / f).read_text().splitlines()) for f in LIFT + needs)
     print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
     flags = cpu_serve_args(tiny_checkpoint)[1:]
-    run = subprocess.run([sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)],
-                         cwd=folder, env={**alone(folder), "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
+    argv = [sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)]
+    run = subprocess.run(argv, cwd=folder, env={**alone(folder), "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     out = run.stdout
     assert run.returncode == 0, (out + run.stderr)[-4000:]

@@ -531,3 +531,26 @@ def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainer
     trainers = fresh_cpu_trainers(trainer_cls=ray.remote(script.FSDPTrainer))
     placements = colocated_sync.placements(trainers)
     assert [p["rank"] for p in placements] == [0, 1]
+
+
+class SlowToFingerprint:
+    def start_sent_fingerprints(self) -> None:
+        time.sleep(2)
+
+
+def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leaves_ray(ray_cluster):
+    """The exact check runs in a thread beside the gate; if the round fails
+    before taking its verdict, the job's cleanup waits for it
+    (checks.settle_exact_checks) before it stops Ray under it."""
+    from types import SimpleNamespace
+
+    job = SimpleNamespace(trainers=[ray.remote(SlowToFingerprint).remote()], gpu_uuids=[""], dp_size=1,
+                          server=SimpleNamespace(socket_path="/nonexistent/vllm.sock"))  # fmt: skip
+    ray.get(job.trainers[0].__ray_ready__.remote())
+    started = checks.start_exact_check(job)
+    begin = time.monotonic()
+    checks.settle_exact_checks(timeout_s=30)
+    assert started.done() and time.monotonic() - begin > 1
+    with pytest.raises(colocated_sync.ServerError):  # no server there: the verdict is that error
+        checks.exact_check(job, started)
+    ray.kill(job.trainers[0])
