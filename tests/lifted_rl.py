@@ -55,24 +55,24 @@ class MyTrainer:
 
 
 def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
-    ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    try:
-        trainers, _ = colocated_sync.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
-        colocated_sync.ray_get_all([t.shard.remote() for t in trainers])
-        forms = colocated_sync.ray_get_all([t.source_form.remote() for t in trainers])
-        print("ranks", [p["rank"] for p in colocated_sync.placements(trainers)])
-        print("same names and shapes on every rank:", forms[0] == forms[1])
-        print("expert blocks:", json.dumps(forms[0][1], sort_keys=True))
-        alone, _ = colocated_sync.start_trainers(MyTrainer, 1, gpus_per_trainer=0, trainer_args=(model_dir,))
-        colocated_sync.ray_get_all([alone[0].shard.remote()])
-        socket_path = Path(tempfile.mkdtemp(prefix="lifted-")) / "vllm.sock"
+    socket_path = Path(tempfile.mkdtemp(prefix="lifted-")) / "vllm.sock"
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:  # the server starts while the trainers build their models, as in the script
         with colocated_sync.serving([model_dir, *serve_flags], socket_path=socket_path, log_path="server.log",
                                     launcher=tuple(launcher)) as server:  # fmt: skip
+            trainers, _ = colocated_sync.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
+            colocated_sync.ray_get_all([t.shard.remote() for t in trainers])
+            forms = colocated_sync.ray_get_all([t.source_form.remote() for t in trainers])
+            print("ranks", [p["rank"] for p in colocated_sync.placements(trainers)])
+            print("same names and shapes on every rank:", forms[0] == forms[1])
+            print("expert blocks:", json.dumps(forms[0][1], sort_keys=True))
             colocated_sync.wait_until_healthy(server, timeout_s=300)
             sock = str(server.socket_path)
-            # The server has one engine (its GPU id is "" on CPU): one rank per engine passes; two ranks
-            # each send half of the experts that engine holds whole, which it refuses before any send.
-            print("one rank:", colocated_sync.ray_get_all([alone[0].check_before_send.remote(sock, [""])])[0])
+            # The server has one engine (its GPU id is "" on CPU): one rank per engine (here the driver,
+            # unsharded) passes; two ranks each send half of the experts that engine holds whole, which it
+            # refuses before any send.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            print("one rank:", MyTrainer(model_dir).check_before_send(sock, [""]))
             two = colocated_sync.ray_get_all([t.check_before_send.remote(sock, ["", "GPU-1"]) for t in trainers])
             print("two ranks:", two[0].replace("\n", " ")[:300])
             print("health:", colocated_sync.health(sock))
