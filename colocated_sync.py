@@ -1530,9 +1530,10 @@ def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct
 
 
 def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids: list[str]):
-    """Whom rank 0 tells about each chunk: the direct loader (which first
-    checks that it holds the expert blocks `source` will send, and that each
-    trainer GPU has its engine) or vLLM's weight routes."""
+    """Whom rank 0 tells about each chunk: the direct loader or vLLM's weight
+    routes. The direct loader's client, when weight_sender builds vLLM's
+    engine, first has every engine check that it holds the expert blocks
+    `source` will send and that a trainer rank is on its GPU."""
     if loader == "direct":
         return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks)
     return weight_sync_client(sock)
