@@ -513,7 +513,7 @@ class RoundRecord:
     """One round, as it goes into the JSON (the field names are the keys)."""
 
     phases_s: dict[str, float]
-    send_breakdown_s: list[dict]  # per rank: Measured.send_weights
+    send_breakdown_s: list[dict]  # per rank: Measured.send_breakdown
     cycle_s: float  # the sync phases, without a train step
     bytes_sent: int  # the model's bf16 size, whichever loader moves it
     send_gb_per_s: float  # bytes_sent / send
@@ -587,12 +587,12 @@ def round_record(
     )
 
 
-def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: list[dict], before: LogprobGap,
+def judged_round(args, trainers: list, phases: dict[str, float], before: LogprobGap,
                  after: LogprobGap, send_retries: int, weights_updated: bool, exact: ExactCheck | None = None,
                  noise: LogprobGap | None = None, training: dict | None = None,
                  server_pgids: list | None = None, kernel_noise: KernelNoise | None = None) -> RoundRecord:  # fmt: skip
     """A round as the JSON records it, with the checks' verdicts (printed):
-    `phases` and `send_per_rank` as measured, the logprob gaps before and
+    `phases` as measured, each rank's send_breakdown, the logprob gaps before and
     after the sync (`noise`: the gap on identical weights, if this round
     measured it: its `before`), the exact check, and with --train `training`
     = {"reward_mean", "loss"} (loss None when no step was taken);
@@ -603,6 +603,7 @@ def judged_round(args, trainers: list, phases: dict[str, float], send_per_rank: 
     stepped = training is not None and training["loss"] is not None
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
     sync_bytes = ray.get(trainers[0].sync_bytes.remote())
+    send_per_rank = colocated_sync.ray_get_all([t.send_breakdown.remote() for t in trainers])
     record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers, server_pgids),
                           weights_updated)  # fmt: skip
     record.send_retries = send_retries
@@ -917,17 +918,21 @@ class Measured:
     def weight_sync_client(self, *args, **kwargs):
         return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
 
-    def send_weights(self) -> dict[str, float]:
-        """Where this rank's send went: `source` (producing the tensors: host
-        time, see TimedSource), `server_*` (waiting on the server, rank 0
-        only) and `engine_*` (the direct loader's own split of DP engine 0's
-        part of that), `total`; the rest is packing, the GPU's gathers and
-        the trainer ranks' handshakes."""
+    def send_weights(self) -> None:
+        """The trainer's send, timed (send_breakdown reads the result)."""
         self.send_seconds.clear()
         start = time.perf_counter()
         super().send_weights()
         self._synchronize()
-        return {**self.send_seconds, "total": time.perf_counter() - start}
+        self.send_seconds["total"] = time.perf_counter() - start
+
+    def send_breakdown(self) -> dict[str, float]:
+        """Where this rank's last send went: `source` (producing the tensors:
+        host time, see TimedSource), `server_*` (waiting on the server, rank 0
+        only) and `engine_*` (the direct loader's own split of DP engine 0's
+        part of that), `total`; the rest is packing, the GPU's gathers and
+        the trainer ranks' handshakes."""
+        return dict(self.send_seconds)
 
     def sync_bytes(self) -> dict[str, int]:
         """The model's bf16 bytes, and what one sync puts in each GPU's engine."""

@@ -371,7 +371,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     with timer.phase("wake_weights"):
         colocated_sync.wake_weights(sock, args.sleep_level)
     with timer.phase("send"):
-        send_per_rank, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
+        _, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
     with timer.phase("wake_kv"):
         if kv_cache_freed:
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
@@ -385,7 +385,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
     # If the previous sync was proven exact, vLLM held the trainer's weights
     # bit for bit when `before` was measured: that gap is the kernels' noise.
-    return checks.judged_round(args, trainers, timer.seconds, send_per_rank, before, after, retried,
+    return checks.judged_round(args, trainers, timer.seconds, before, after, retried,
                                weights_updated=first_sync or bool(samples), exact=exact,
                                noise=before if proven else None, training=training,
                                server_pgids=job.server_pgids, kernel_noise=job.kernel_noise)  # fmt: skip
