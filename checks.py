@@ -430,12 +430,15 @@ class ExactCheck:
     wait_seconds: float | None = None  # what the check added to the round: its wait for the verdict after the gate
 
 
+_running_checks: set[concurrent.futures.Future] = set()  # started, verdict not yet in (settle_exact_checks)
+
+
 def start_exact_check(job) -> concurrent.futures.Future:
     """After a sync: the exact check, in a thread of its own, beside what the
     round does next (the gate's requests). Every trainer rank and every DP
     engine start fingerprinting on CUDA streams of their own, then each engine
-    compares what it holds with what its trainer rank sent. exact_check(job,
-    started) waits for the verdict."""
+    compares what it holds with what its trainer rank sent. exact_check(started)
+    waits for the verdict."""
     verdict: concurrent.futures.Future = concurrent.futures.Future()
     _running_checks.add(verdict)
 
@@ -451,9 +454,6 @@ def start_exact_check(job) -> concurrent.futures.Future:
     return verdict
 
 
-_running_checks: set[concurrent.futures.Future] = set()
-
-
 def settle_exact_checks(timeout_s: float = 30) -> None:
     """Wait, up to `timeout_s`, for exact checks still running beside a
     round that failed (or was interrupted) before taking their verdict: they
@@ -462,11 +462,11 @@ def settle_exact_checks(timeout_s: float = 30) -> None:
     concurrent.futures.wait(list(_running_checks), timeout=timeout_s)
 
 
-def exact_check(job, started: concurrent.futures.Future | None = None) -> ExactCheck:
-    """The verdict of the exact check start_exact_check started, or of one run
-    now; `wait_seconds`: how long the round waited for it."""
+def exact_check(started: concurrent.futures.Future) -> ExactCheck:
+    """The verdict of the exact check start_exact_check started;
+    `wait_seconds`: how long the round waited for it."""
     waited = time.perf_counter()
-    result = started.result() if started is not None else _exact_check(job)
+    result = started.result()
     result.wait_seconds = time.perf_counter() - waited
     return result
 

@@ -224,9 +224,7 @@ class DirectLoadWorker:
         """Start fingerprinting what this engine holds, after a sync, on a CUDA
         stream of its own, beside whatever it serves next; exact_check waits
         for it (or, if this was not called, fingerprints then)."""
-        targets = getattr(self, "_exact_targets", None)
-        if targets is None:
-            raise RuntimeError("exact_check_prepare was not called")
+        targets = self._exact_targets_or_raise()
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
         names = checked_parameters(model, targets)
@@ -243,9 +241,7 @@ class DirectLoadWorker:
 
         start = time.perf_counter()
         started, self._exact_started = getattr(self, "_exact_started", None), None  # used once, or not at all
-        targets = getattr(self, "_exact_targets", None)
-        if targets is None:
-            raise RuntimeError("exact_check_prepare was not called")
+        targets = self._exact_targets_or_raise()
         model = self.model_runner.get_model()
         uuid = _gpu_uuid(next(model.parameters()).device)
         per_rank = json.loads(expected)
@@ -261,6 +257,12 @@ class DirectLoadWorker:
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip
         return {"dp_rank": dp_rank, "parameters": checked, "seconds": time.perf_counter() - start}
+
+    def _exact_targets_or_raise(self) -> list[list[str]]:
+        targets = getattr(self, "_exact_targets", None)
+        if targets is None:
+            raise RuntimeError("exact_check_prepare was not called")
+        return targets
 
     def _direct_session_or_raise(self) -> _Session:
         session = getattr(self, "_direct_session", None)

@@ -381,7 +381,7 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     # scores the same tokens as the trainer.
     exact_started = checks.start_exact_check(job) if args.tensor_parallel_size == 1 else None  # TP shards: not checked
     after = checks.job_logprob_gap(job, sequences)
-    exact = checks.exact_check(job, exact_started) if exact_started is not None else None
+    exact = checks.exact_check(exact_started) if exact_started is not None else None
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
     # If the previous sync was proven exact, vLLM held the trainer's weights
     # bit for bit when `before` was measured: that gap is the kernels' noise.

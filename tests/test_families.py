@@ -512,6 +512,9 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     sent = _sent(hf, loader)
     blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+    for call in (worker.exact_check_start, lambda: worker.exact_check("{}")):  # nothing to check against yet
+        with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
+            call()
     casts = {int(i): d for i, d in worker.exact_check_prepare(json.dumps(metas))["casts"].items()}
     expected = json.dumps({"": direct_load.exact_fingerprints(direct_load.as_held(sent, casts))})
     _sync(vllm_model, sent, loader)
