@@ -256,6 +256,14 @@ def architecture(model_path: str | os.PathLike) -> str:
     return AutoConfig.from_pretrained(model_path).architectures[0]
 
 
+def context_length(model_path: str | os.PathLike) -> int | None:
+    """The model's context length as its config states it (the text model's
+    max_position_embeddings), or None."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+
+
 def has_experts(model_path: str | os.PathLike) -> bool:
     """Whether the model has fused expert tensors (a MoE): vLLM refuses
     --enable-expert-parallel for a model without experts."""

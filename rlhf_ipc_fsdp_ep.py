@@ -75,9 +75,11 @@ def parser() -> argparse.ArgumentParser:
     add("--send-retries", type=int, default=1, help="direct loader: send again from the start, this many "
         "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")
-    add("--kv-cache-memory-bytes", type=int, help="passed to vllm serve: each GPU's KV cache, instead of what "
-        "--gpu-memory-utilization leaves (a cache sized for the batch is freed and mapped back faster; and vLLM "
-        "skips its memory profiling, so servers on one GPU can start side by side)")
+    add("--kv-cache-tokens", type=int, help="each engine's KV cache, in tokens (default: two sequences of "
+        "--max-model-len or the model's context; 0: what --gpu-memory-utilization leaves). Every sync resets "
+        "vLLM's prefix cache, a loop over the cache's blocks: a cache sized for the batch keeps that short")
+    add("--kv-cache-memory-bytes", type=int, help="passed to vllm serve: each GPU's KV cache in bytes, instead "
+        "of --kv-cache-tokens (vLLM skips its memory profiling then, so servers on one GPU can start side by side)")
     add("--sleep-level", type=int, choices=(0, 1, 2), default=0, help="what vLLM frees for the trainer: "
         "0: its KV cache at most (--free-kv-cache; the fastest: its weights stay on the GPU beside the "
         "trainer's and are overwritten in place); 1: the KV cache and the weights, copied to CPU; 2: the KV "
@@ -221,14 +223,26 @@ class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
 
 
 def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
-               experts: bool = True) -> list[str]:  # fmt: skip
-    """colocated_sync.serve_args from the flags, for one node's GPUs."""
+               experts: bool = True, context_len: int | None = None) -> list[str]:  # fmt: skip
+    """colocated_sync.serve_args from the flags, for one node's GPUs
+    (`context_len`: the model's, for the default KV cache)."""
     return colocated_sync.serve_args(
         args.model, gpu_ids, num_nodes=args.num_nodes, tensor_parallel_size=args.tensor_parallel_size,
         experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-        max_model_len=args.max_model_len, node=node, head=head,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
+        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, node=node, head=head,
     )
+
+
+def kv_cache_tokens(args: argparse.Namespace, context_len: int | None) -> int | None:
+    """--kv-cache-tokens, by default two sequences of the longest context
+    vLLM will serve: one must fit (vLLM checks), and the rollouts here are
+    short. None: vLLM sizes the cache (from --kv-cache-memory-bytes or
+    --gpu-memory-utilization)."""
+    if args.kv_cache_tokens is not None or args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_tokens or None
+    longest = args.max_model_len or context_len
+    return 2 * longest if longest else None
 
 
 @dataclass
@@ -278,7 +292,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             # The servers' workers import the direct loader (direct_load.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
             network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
-            flags = serve_plan(args, ranks, experts=models.has_experts(model_path))
+            flags = serve_plan(args, ranks, model_path)
             node_model = args.model if args.model in models.PRESETS else str(model_path)  # the path resolved here
             node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:])
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
@@ -316,13 +330,14 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
-def serve_plan(args: argparse.Namespace, placements: list[dict], experts: bool = True) -> list[list[str]]:
+def serve_plan(args: argparse.Namespace, placements: list[dict], model_path: Path) -> list[list[str]]:
     """serve_args() for each node, pinned to the GPUs of its trainer ranks
     (Ray placed them in node order); node 0's API and DP handshake on its address."""
     per_node = args.num_gpus // args.num_nodes
     gpus = [[p["gpu_ids"][0] for p in placements[k : k + per_node]] for k in range(0, args.num_gpus, per_node)]
     head = (placements[0]["node_ip"], free_port(placements[0]["node_ip"])) if args.num_nodes > 1 else None
-    return [serve_args(args, node_gpus, k, head, experts) for k, node_gpus in enumerate(gpus)]
+    experts, context_len = models.has_experts(model_path), models.context_length(model_path)
+    return [serve_args(args, node_gpus, k, head, experts, context_len) for k, node_gpus in enumerate(gpus)]
 
 
 def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:

@@ -36,7 +36,7 @@ def cpu_serve_args(model_dir, *extra):
         SERVED_NAME,
         "--enforce-eager",
         "--max-model-len",
-        "512",
+        str(CPU_MAX_MODEL_LEN),
         "--max-num-seqs",
         "8",
         "--weight-transfer-config",
@@ -45,6 +45,15 @@ def cpu_serve_args(model_dir, *extra):
         "direct_load.DirectLoadWorker",
         *extra,
     ]
+
+
+CPU_MAX_MODEL_LEN = 512  # cpu_serve_args' --max-model-len
+
+
+def kv_cache_flags(tokens: int) -> list[str]:
+    """What colocated_sync.serve_args adds for a KV cache of `tokens`."""
+    plain = colocated_sync.serve_args(SERVED_NAME, ["0"])
+    return colocated_sync.serve_args(SERVED_NAME, ["0"], kv_cache_tokens=tokens)[len(plain):]
 
 
 def private_socket_path():
@@ -87,8 +96,10 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def cpu_server(tiny_checkpoint, tmp_path_factory):
-    """One real vLLM server for the session, serving tiny_checkpoint's weights."""
-    server = start_cpu_server(tiny_checkpoint, tmp_path_factory.mktemp("server"))
+    """One real vLLM server for the session, serving tiny_checkpoint's weights,
+    its KV cache sized as the script sizes it (two sequences of its context)."""
+    server = start_cpu_server(tiny_checkpoint, tmp_path_factory.mktemp("server"),
+                              *kv_cache_flags(2 * CPU_MAX_MODEL_LEN))  # fmt: skip
     yield server
     colocated_sync.stop_server(server)
 

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--weight-loader", "nccl"], "invalid choice"),
         (["--soak-seconds", "-1"], "--soak-seconds must be at least 0"),
         (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes must be positive"),
+        (["--kv-cache-tokens", "-1"], "--kv-cache-tokens must be 0 or more"),
+        (["--kv-cache-tokens", "9", "--kv-cache-memory-bytes", "9"], "both size the KV cache: pass one"),
         (["--no-free-kv-cache", "--sleep-level", "2"], "--no-free-kv-cache needs --sleep-level 0"),
     ],
 )
@@ -219,6 +221,22 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     assert "--kv-cache-memory-bytes" not in flags
     sized = script.serve_args(script.parse_args(["--kv-cache-memory-bytes", "1000000"]), ["0"])
     assert sized[sized.index("--kv-cache-memory-bytes") + 1] == "1000000"
+
+
+def test_the_kv_cache_is_sized_for_two_sequences_of_the_context_by_default(tmp_path):
+    import models
+
+    def blocks(argv, context_len=2048):
+        flags = script.serve_args(script.parse_args(argv), ["0"], context_len=context_len)
+        return flags[flags.index("--num-gpu-blocks-override") + 1] if "--num-gpu-blocks-override" in flags else None
+
+    assert models.context_length(models.build_preset("tiny", tmp_path / "tiny")) == 2048
+    assert blocks([]) == str(2 * 2048 // 16)
+    assert blocks(["--max-model-len", "1000"]) == str(-(-2000 // 16))
+    assert blocks(["--kv-cache-tokens", "100000"]) == str(-(-100000 // 16))
+    assert blocks(["--kv-cache-tokens", "0"]) is None  # what --gpu-memory-utilization leaves
+    assert blocks(["--kv-cache-memory-bytes", "1000000"]) is None
+    assert blocks([], context_len=None) is None
 
 
 def test_only_a_model_with_experts_is_served_with_expert_parallelism(tmp_path):

@@ -20,6 +20,16 @@ def test_health_and_sleep_state(cpu_server):
     assert colocated_sync.is_sleeping(cpu_server.socket_path) is False
 
 
+def test_the_kv_cache_holds_the_tokens_asked_for_not_the_whole_share(cpu_server):
+    """serve_args(kv_cache_tokens=1024) gives vLLM a cache of at least that
+    many tokens (in whole blocks: 128 tokens each on CPU), not the 1 GiB of
+    ~2 M tokens this server's memory would hold."""
+    import re
+
+    tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", cpu_server.log_path.read_text())[1].replace(",", ""))
+    assert 1024 <= tokens <= 1024 * 128 // colocated_sync.KV_BLOCK_TOKENS, tokens
+
+
 def test_weight_sync_client_quotes_the_servers_errors(cpu_server):
     client = colocated_sync.weight_sync_client(cpu_server.socket_path)
     client.init_weight_transfer_engine({"packed": True})
