@@ -35,8 +35,7 @@ Public names:
                    collective_rpc, weight_checker
   the trainers     start_trainers, placements, ray_get_all, send_all, init_ray, leave_ray, cli
   a trainer rank   weight_source (BF16Source, LocalExpertSource), sync_client, weight_sender (WeightSender)
-  more nodes       NodeServer (which needs models.py and model_families.py beside this file),
-                   start_node_servers, stop_node_servers, wait_until_ready, gloo_interface_env
+  more nodes       NodeServer, start_node_servers, stop_node_servers, wait_until_ready, gloo_interface_env
 
 Any HTTP client reaches the server through the socket, e.g.
 `curl --unix-socket <socket> http://localhost/health`, or
@@ -1106,15 +1105,13 @@ class NodeServer:
         self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # private (0700), like the first node's
 
     def start(self, model: str, serve_flags: list[str], log_path: str, env: dict,
-              launcher=DEFAULT_LAUNCHER) -> str:  # fmt: skip
+              launcher=DEFAULT_LAUNCHER, resolve_model=None) -> str:  # fmt: skip
         """Start `vllm serve <model's local path> <serve_flags>`; returns where
         this node is, for messages. `model`: the directory the driver
-        resolved (it must be at that path on this node too), or a preset's
-        name, built on this node."""
-        import models
-
+        resolved (it must be at that path on this node too), or what
+        `resolve_model(model, a private directory)` turns into one here."""
         try:
-            model_path = models.resolve_model(model, self.workdir)
+            model_path = resolve_model(model, self.workdir) if resolve_model else Path(model)
         except SystemExit as e:  # its one-line error, for this node
             raise ServerError(f"{self.where()}: {e}") from None
         env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
@@ -1149,24 +1146,26 @@ def free_port(host: str) -> int:
 
 
 def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node: list[list[str]],
-                       launcher=DEFAULT_LAUNCHER) -> list:  # fmt: skip
+                       launcher=DEFAULT_LAUNCHER, resolve_model=None) -> list:  # fmt: skip
     """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
     node's bundle starts `vllm serve <model> <flags>` there, its log at
     `log_path` made absolute, with `.node<k>` before the suffix (on that
-    node's disk). `model`: the model's directory as the driver resolved it
-    (models.resolve_model), absolute, at the same path on every node; or a
-    preset's name (its directory on the driver's node is private, so each
-    node builds its own). Not `--model` as given: a relative path would
-    resolve against each actor's working directory, and a Hugging Face id
-    would be downloaded again on every node. Returns the actors, each
-    already starting its server."""
+    node's disk). `model`: the model's directory as the driver resolved it,
+    absolute, at the same path on every node; or what each node makes a
+    directory of with `resolve_model(model, a private directory)` (the
+    script's presets: the driver's is private, so each node builds its
+    own). Not a model as the user gave it: a relative path would resolve
+    against each actor's working directory, and a Hugging Face id would be
+    downloaded again on every node. Returns the actors, each already
+    starting its server."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
     servers = [actor.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
     try:
-        ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher)
+        ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher,
+                                         resolve_model)
                      for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
                     who="the Ray actor of a node's vLLM server")  # fmt: skip
     except BaseException:

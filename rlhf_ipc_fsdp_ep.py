@@ -294,7 +294,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
             flags = serve_plan(args, ranks, model_path)
             node_model = args.model if args.model in models.PRESETS else str(model_path)  # the path resolved here
-            node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:])
+            node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:],
+                                              resolve_model=models.resolve_model)  # fmt: skip
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with colocated_sync.serving(
                 [str(model_path), *flags[0]],

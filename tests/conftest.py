@@ -14,12 +14,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# One vLLM cache for the session, as a user has one (~/.cache/vllm): vLLM
+# inspects a model class in a subprocess that imports vLLM (~10 s on 2 cores)
+# unless this cache holds what it found for that class's source.
+VLLM_CACHE = tempfile.mkdtemp(prefix="vllm-cache-")
 os.environ.update(
     RAY_AUTH_MODE="disabled",
     VLLM_HOST_IP="127.0.0.1",
     HF_HUB_OFFLINE="1",
     VLLM_CPU_KVCACHE_SPACE="1",
     TOKENIZERS_PARALLELISM="false",
+    VLLM_CACHE_ROOT=VLLM_CACHE,
 )
 
 import colocated_sync  # noqa: E402
@@ -66,7 +71,7 @@ def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
         cpu_serve_args(model_dir, *extra),
         socket_path=private_socket_path(),
         log_path=tmp_path / "server.log",
-        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "PYTHONPATH": str(ROOT)},
+        env={"PYTHONPATH": str(ROOT)},
         launcher=CPU_LAUNCHER,
     )
     if wait:
@@ -94,6 +99,28 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_model_info_cached():
+    """What vLLM finds out about each preset's model class (its interfaces),
+    worked out here and written into VLLM_CACHE, where vLLM looks first. vLLM
+    itself does it in a subprocess, to keep CUDA out of the parent: ~10 s per
+    class and process on 2 cores, for every server and model the tests start;
+    here 2 s for all. A CPU workaround: on a GPU host vLLM's own way runs."""
+    from vllm.model_executor.models import registry
+
+    import models
+
+    for arch in sorted({config["architectures"][0] for config in models.PRESETS.values()}):
+        lazy = registry.ModelRegistry.models.get(arch)
+        try:
+            source = Path(registry.__file__).parent / f"{lazy.module_name.rsplit('.', 1)[-1]}.py"
+            module_hash = lazy._get_modelinfo_module_hash(source)
+            if lazy._load_modelinfo_from_cache(module_hash) is None:
+                lazy._save_modelinfo_to_cache(registry._ModelInfo.from_model_cls(lazy.load_model_cls()), module_hash)
+        except (AttributeError, OSError):  # another vLLM's registry: it inspects as it does
+            pass
+
+
 @pytest.fixture(scope="session")
 def cpu_server(tiny_checkpoint, tmp_path_factory):
     """One real vLLM server for the session, serving tiny_checkpoint's weights,
@@ -102,6 +129,7 @@ def cpu_server(tiny_checkpoint, tmp_path_factory):
                               *kv_cache_flags(2 * CPU_MAX_MODEL_LEN))  # fmt: skip
     yield server
     colocated_sync.stop_server(server)
+    assert colocated_sync.group_members(server.pgid) == []  # API server, engine core, worker: all gone
 
 
 @pytest.fixture(scope="session")
@@ -242,3 +270,9 @@ def fresh_cpu_trainers(ray_cluster):
         if group_id not in groups_before and group["state"] != "REMOVED":
             remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
     assert live(pids) == [], "trainer processes survived"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(VLLM_CACHE, ignore_errors=True)

@@ -149,20 +149,21 @@ def _save_tiny_checkpoint(path: Path) -> None:
     model.save_pretrained(path)
 
 
-def _model_node1_serves(argv: list[str]) -> str:
-    """What `vllm serve` on node 1 is started with in place of the model,
-    when the script (its colocated_job, trainers on CPU) runs with `argv`
+def _model_node1_serves(argv: list[str]) -> dict:
+    """What `vllm serve` on node 1 is started with in place of the model, and
+    the resolve_model passed for it (its name), when the script (its colocated_job, trainers on CPU) runs with `argv`
     from the current directory: the job stops once the node's server runs."""
     _save_tiny_checkpoint(Path("ckpt"))
     start_trainers, start_node_servers = script.start_trainers, script.start_node_servers
     originals = {name: getattr(script, name) for name in ("start_trainers", "start_node_servers", "MeasuredTrainer")}
-    served = []
+    served, resolvers = [], []
 
     def on_cpu(*args, **kwargs):
         return start_trainers(*args, **kwargs, gpus_per_trainer=1)
 
-    def and_stop(pg, model, log_path, env, flags_per_node):
-        servers = start_node_servers(pg, model, log_path, env, flags_per_node, launcher=SLEEPS)
+    def and_stop(pg, model, log_path, env, flags_per_node, **kwargs):
+        resolvers.append(getattr(kwargs.get("resolve_model"), "__qualname__", None))
+        servers = start_node_servers(pg, model, log_path, env, flags_per_node, launcher=SLEEPS, **kwargs)
         cmd = ray.get(servers[0].__ray_call__.remote(lambda node: list(node.server.proc.args)))
         served.append(cmd[cmd.index("serve") + 1])  # the watchdog's argv: `... -- <launcher> serve <model> ...`
         colocated_sync.stop_node_servers(servers)
@@ -176,11 +177,11 @@ def _model_node1_serves(argv: list[str]) -> str:
     except _Stop:
         pass
     except Exception as e:  # node 1's server did not start
-        return f"{type(e).__name__}: {e}"
+        return {"serves": f"{type(e).__name__}: {e}", "resolve_model": None}
     finally:
         for name, original in originals.items():
             setattr(script, name, original)
-    return served[0] if served else "not started"
+    return {"serves": served[0] if served else "not started", "resolve_model": resolvers[0] if resolvers else None}
 
 
 def main(out_path: str, log_dir: str) -> None:
@@ -222,8 +223,13 @@ def main(out_path: str, log_dir: str) -> None:
 
         # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
         os.chdir(log_dir)  # a relative --server-log: the node's log lands here, not in its actor's cwd
-        running = colocated_sync.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS)
+        running = colocated_sync.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS,
+                                                    resolve_model=models.resolve_model)  # fmt: skip
         pid = ray.get(running[0].__ray_call__.remote(_server_pid))
+        # A preset, through resolve_model: node 1 serves a directory it built (the driver's is private to it).
+        node1_model = ray.get(running[0].__ray_call__.remote(lambda node: node.server.proc.args))
+        node1_model = node1_model[node1_model.index("serve") + 1]
+        seen["node1_preset_config"] = (Path(node1_model) / "config.json").is_file() and node1_model
         seen["running_failure"] = ray.get(running[0].failure.remote())
         time.sleep(1)
         seen["node1_log"] = (Path(log_dir) / "server.node1.log").read_text()
@@ -257,9 +263,11 @@ def main(out_path: str, log_dir: str) -> None:
 
         # The script given a relative path: node 1's server gets the directory the driver resolved.
         ray.util.remove_placement_group(pg)
-        seen["node1_serves"] = _model_node1_serves(["--model", "ckpt", "--num-gpus", "2", "--num-nodes", "2",
-                                                    "--server-log", "job.log"])  # fmt: skip
+        node1 = _model_node1_serves(["--model", "ckpt", "--num-gpus", "2", "--num-nodes", "2",
+                                     "--server-log", "job.log"])  # fmt: skip
+        seen["node1_serves"], seen["node1_resolver"] = node1["serves"], node1["resolve_model"]
         seen["ckpt"] = str(Path(log_dir, "ckpt").resolve())
+
     finally:
         with open(out_path, "w") as f:
             json.dump(seen, f, indent=1)

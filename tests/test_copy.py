@@ -72,7 +72,7 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
     flags = cpu_serve_args(tiny_checkpoint)[1:]
     argv = [sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)]
-    run = subprocess.run(argv, cwd=folder, env={**alone(folder), "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
+    run = subprocess.run(argv, cwd=folder, env=alone(folder),
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     out = run.stdout
     assert run.returncode == 0, (out + run.stderr)[-4000:]

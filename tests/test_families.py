@@ -67,7 +67,6 @@ def vllm_models(tmp_path_factory):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
     root = tmp_path_factory.mktemp("configs")
     models: dict[str, torch.nn.Module] = {}
 

@@ -1,8 +1,11 @@
 """The failure cases that run without a GPU: the real CPU vLLM server
 refuses or dies in the middle of a send, while the other trainer rank waits
 in a collective (as ranks do between chunks). The driver must hear of it at
-once, say what happened, and leave nothing running."""
+once, say what happened, and leave nothing running. (Also, on the
+dummy-weight server whose engine a test here kills: vLLM's weight checker.)"""
 
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -59,13 +62,59 @@ def test_a_refused_chunk_stops_the_send_at_once(fresh_cpu_trainers, cpu_server):
     assert "direct_load_start was not called" in message  # the server's own words
 
 
-def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, tmp_path):
+@pytest.fixture(scope="module")
+def dummy_server(tmp_path_factory):
+    """One server with dummy weights, and what its start printed, for the two
+    tests below: the first reads its weights, the second kills its engine."""
+    folder = tmp_path_factory.mktemp("dummy")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        server = start_cpu_server(models.build_preset("tiny", folder / "tiny"), folder, "--load-format", "dummy")
+    yield server, printed.getvalue()
+    colocated_sync.stop_server(server, grace_s=2)
+
+
+def test_weight_checker_on_a_dummy_weight_server(dummy_server):
+    """/weight_checker (used by --check-coverage) and the direct loader's fingerprints."""
+    server, printed = dummy_server
+    # While it started, its progress was printed from its log: each milestone once, in order.
+    progress = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("[server]")]
+    labels = [label for _, label in colocated_sync.START_MILESTONES]
+    assert {"engines starting", "engines ready", "API server listening"} <= set(progress), progress
+    assert progress == sorted(set(progress), key=labels.index), progress
+    dummy = colocated_sync.weight_checker(server.socket_path, "checksum")["checksums"]
+    assert dummy and all(key.startswith("dp0:") for key in dummy)
+    assert colocated_sync.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
+    # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
+    (stored,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
+    assert stored == {"dp_rank": 0, "parameters": 21}
+    (same,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    assert same["differ"] == []
+    colocated_sync.weight_checker(server.socket_path, "reset")
+    with pytest.raises(colocated_sync.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
+        colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    zeros = colocated_sync.weight_checker(server.socket_path, "checksum")["checksums"]
+    assert set(zeros) == set(dummy)
+    changed = set(colocated_sync.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
+    # Seen on CPU: reset leaves the attention and router linears' checksums as
+    # they were (CPU-specific weight handling), so only these are asserted here;
+    # --check-coverage itself needs a GPU.
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.experts.routed_experts.w13_weight",
+        "lm_head.weight",
+    ):
+        assert f"dp0:pp0:pcp0:tp0:{name}" in changed, sorted(changed)
+
+    assert len(colocated_sync.group_members(server.pgid)) >= 2  # API server + engine core at least
+
+
+def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, dummy_server):
     """The engine core dies while a call is in flight: vLLM's API server stays
     up, waiting for that request, which never returns (until the 300 s call
     timeout). The send must end within seconds, because the server stops
     answering /health, and name it."""
-    model = models.build_preset("tiny", tmp_path / "tiny")
-    server = start_cpu_server(model, tmp_path, "--load-format", "dummy")
+    server, _ = dummy_server
 
     def kill_the_engine_core():
         for pid in colocated_sync.group_members(server.pgid):

@@ -108,3 +108,10 @@ def test_the_other_nodes_serve_the_model_directory_the_driver_resolved(seen):
     given the absolute path, not `ckpt` (its actor's directory is another)."""
     assert seen["node1_serves"] == seen["ckpt"]
     assert seen["ckpt"].startswith("/")
+
+
+def test_the_other_nodes_build_a_preset_of_their_own(seen):
+    """A preset's name and resolve_model: node 1's server gets a directory with
+    the preset's config, built there; and the script passes that resolver."""
+    assert seen["node1_preset_config"] and seen["node1_preset_config"] != "tiny"
+    assert seen["node1_resolver"] == "resolve_model"

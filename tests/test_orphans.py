@@ -74,7 +74,7 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
         server = colocated_sync.start_server(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
-            env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
+            env={{"PYTHONPATH": {str(TESTS.parent)!r}}},
         )
         print("pgid", server.pgid, flush=True)
         colocated_sync.wait_until_healthy(server, timeout_s=240)
@@ -250,7 +250,7 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         with colocated_sync.hangups_unwind(), colocated_sync.serving(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
-            env={{"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "PYTHONPATH": {str(TESTS.parent)!r}}},
+            env={{"PYTHONPATH": {str(TESTS.parent)!r}}},
         ) as server:
             colocated_sync.wait_until_healthy(server, timeout_s=240)
             print("pgid", server.pgid, flush=True)
