@@ -16,21 +16,24 @@ sys.path.insert(0, str(ROOT))
 
 # One vLLM cache for the session, as a user has one (~/.cache/vllm): vLLM
 # inspects a model class in a subprocess that imports vLLM (~10 s on 2 cores)
-# unless this cache holds what it found for that class's source.
-VLLM_CACHE = tempfile.mkdtemp(prefix="vllm-cache-")
+# unless this cache holds what it found for that class's source. The test
+# drivers that import this file in subprocesses inherit the session's.
+MADE_VLLM_CACHE = "VLLM_CACHE_ROOT" not in os.environ
+if MADE_VLLM_CACHE:
+    os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
 os.environ.update(
     RAY_AUTH_MODE="disabled",
     VLLM_HOST_IP="127.0.0.1",
     HF_HUB_OFFLINE="1",
     VLLM_CPU_KVCACHE_SPACE="1",
     TOKENIZERS_PARALLELISM="false",
-    VLLM_CACHE_ROOT=VLLM_CACHE,
 )
 
 import colocated_sync  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
 SERVED_NAME = "tiny"
+CPU_MAX_MODEL_LEN = 512  # cpu_serve_args' --max-model-len
 
 
 def cpu_serve_args(model_dir, *extra):
@@ -50,9 +53,6 @@ def cpu_serve_args(model_dir, *extra):
         "direct_load.DirectLoadWorker",
         *extra,
     ]
-
-
-CPU_MAX_MODEL_LEN = 512  # cpu_serve_args' --max-model-len
 
 
 def kv_cache_flags(tokens: int) -> list[str]:
@@ -102,7 +102,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def vllm_model_info_cached():
     """What vLLM finds out about each preset's model class (its interfaces),
-    worked out here and written into VLLM_CACHE, where vLLM looks first. vLLM
+    worked out here and written into the session's vLLM cache, where vLLM looks first. vLLM
     itself does it in a subprocess, to keep CUDA out of the parent: ~10 s per
     class and process on 2 cores, for every server and model the tests start;
     here 2 s for all. A CPU workaround: on a GPU host vLLM's own way runs."""
@@ -275,4 +275,5 @@ def fresh_cpu_trainers(ray_cluster):
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
-    shutil.rmtree(VLLM_CACHE, ignore_errors=True)
+    if MADE_VLLM_CACHE:
+        shutil.rmtree(os.environ["VLLM_CACHE_ROOT"], ignore_errors=True)

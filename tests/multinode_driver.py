@@ -151,8 +151,9 @@ def _save_tiny_checkpoint(path: Path) -> None:
 
 def _model_node1_serves(argv: list[str]) -> dict:
     """What `vllm serve` on node 1 is started with in place of the model, and
-    the resolve_model passed for it (its name), when the script (its colocated_job, trainers on CPU) runs with `argv`
-    from the current directory: the job stops once the node's server runs."""
+    the resolve_model passed for it (its name), when the script (its
+    colocated_job, trainers on CPU) runs with `argv` from the current
+    directory: the job stops once the node's server runs."""
     _save_tiny_checkpoint(Path("ckpt"))
     start_trainers, start_node_servers = script.start_trainers, script.start_node_servers
     originals = {name: getattr(script, name) for name in ("start_trainers", "start_node_servers", "MeasuredTrainer")}
@@ -267,7 +268,6 @@ def main(out_path: str, log_dir: str) -> None:
                                      "--server-log", "job.log"])  # fmt: skip
         seen["node1_serves"], seen["node1_resolver"] = node1["serves"], node1["resolve_model"]
         seen["ckpt"] = str(Path(log_dir, "ckpt").resolve())
-
     finally:
         with open(out_path, "w") as f:
             json.dump(seen, f, indent=1)
