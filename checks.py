@@ -751,6 +751,7 @@ def run_facts(args, job) -> dict:
         "server_start_s": job.server.healthy_after_s,
         "weights_in_after_s": job.weights_in_after_s,  # seconds into the server's start (they overlap)
         "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
+        "experts_in_place": job.experts_in_place,  # direct loader: the engines copied them from the trainers' memory
     }
 
 

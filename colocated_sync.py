@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import itertools
 import json
 import os
 import re
@@ -691,13 +692,17 @@ class DirectLoadClient:
     rank will send) is checked against every engine when vLLM's IPC engine is
     built, so a layout the server cannot take fails before any send."""
 
-    def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple]) -> None:
+    def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple],
+                 experts_in_place: ExpertsInPlace | None = None) -> None:  # fmt: skip
         if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
             raise ValueError(f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader "
                              "needs one rank per GPU")  # fmt: skip
         self.sock = sock
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
+        self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
+        if experts_in_place is not None:
+            experts_in_place.handed_over = True  # so weight_sender leaves the blocks out of the packed buffer
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if not init_info.get("packed"):
@@ -706,21 +711,30 @@ class DirectLoadClient:
         collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
 
     def start_weight_update(self) -> None:
-        collective_rpc(self.sock, "direct_load_start")
+        """Start the engines' direct load; with experts in place, every engine
+        copies its trainer rank's expert blocks from the trainer's memory now."""
+        handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
+        payload = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles}
+        collective_rpc(self.sock, "direct_load_start", _pickled(payload) if handles else "")
 
     def update_weights(self, update_info: dict) -> dict:
         """One chunk; returns what the first DP engine reports of it."""
-        import base64
-        import pickle
-
         update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids}
-        return collective_rpc(self.sock, "direct_load_chunk", base64.b64encode(pickle.dumps(update)).decode())[0]
+        return collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         collective_rpc(self.sock, "direct_load_finish")
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass
+
+
+def _pickled(value) -> str:
+    """`value` as the direct loader takes it: pickled (CUDA IPC handles), in base64."""
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(value)).decode()
 
 
 class FailAfterSend:
@@ -1548,7 +1562,8 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
     engine, first has every engine check that it holds the expert blocks
     `source` will send and that a trainer rank is on its GPU."""
     if loader == "direct":
-        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks)
+        in_place = getattr(source, "experts_in_place", None)
+        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place)
     return weight_sync_client(sock)
 
 
@@ -1558,11 +1573,14 @@ class WeightSender:
 
     client: FailAfterSend
     engine: Any  # vLLM's IPC trainer engine
+    experts_in_place: ExpertsInPlace | None = None
 
     def send(self) -> None:
         """One full sync; every rank calls it at once. A server error on
         rank 0 is raised once every rank is through the send, so that the
         send can be retried (send_all)."""
+        if self.experts_in_place is not None:
+            self.experts_in_place.gather()  # rank 0's client hands every rank's handles to the engines
         self.engine.send_weights()
         self.client.raise_failure()
 
@@ -1572,17 +1590,85 @@ def weight_sender(rank: int, client, source: TrainerSource, packed: bool = True,
     """vLLM's IPC trainer engine on this rank: it packs `source`'s tensors into
     one reusable IPC buffer (of `packed_buffer_size_bytes`, which must hold
     the largest tensor), and each DP engine reads its own GPU's; rank 0
-    calls `client` (sync_client) for each chunk."""
+    calls `client` (sync_client) for each chunk. The expert blocks a source
+    has in place (LocalExpertSource of a bf16 trainer: the last it yields)
+    skip the buffer: the engines copy them from the trainer's memory."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
     client = FailAfterSend(client)
+    in_place = getattr(source, "experts_in_place", None)
+    in_place = in_place if in_place is not None and in_place.handed_over else None  # a DirectLoadClient sends them
+    packed_part = PackedPart(source, len(source.metadata) - len(in_place.names)) if in_place else source
     engine = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
         client=client,
-        source=source,
+        source=packed_part,
     )
-    return WeightSender(client, engine)
+    return WeightSender(client, engine, in_place)
+
+
+class PackedPart(TrainerSource):
+    """The first `count` tensors of `source` (what goes through the packed buffer)."""
+
+    def __init__(self, source: TrainerSource, count: int) -> None:
+        self._source, self._count = source, count
+
+    def param_metas(self) -> list[ParamMeta]:
+        return list(self._source.metadata[: self._count])
+
+    def tensors(self):
+        tensors = self._source.tensors()
+        try:
+            yield from itertools.islice(tensors, self._count)
+        finally:
+            tensors.close()  # the rest is not produced (a CheckpointForm reshards what it gathered)
+
+
+class ExpertsInPlace:
+    """A rank's own expert blocks (LocalExpertSource), for the engine on its
+    GPU to copy straight from the trainer's memory: each block's CUDA IPC
+    handle, exported once while the block stays where it is (FSDP2 keeps a
+    shard's storage; an optimizer steps it in place), gathered to rank 0 for
+    every send after the rank's GPU is synchronized, so the engine reads the
+    last step's values. One copy per expert weight, and no chunk of the
+    packed buffer for them. Only for blocks the trainer holds as vLLM
+    does (bf16, contiguous, on its GPU); fp32 masters go through the packed
+    buffer, cast."""
+
+    def __init__(self, blocks: dict[str, torch.nn.Parameter]) -> None:
+        self.names = list(blocks)  # the names they are sent under, in send order
+        self.handed_over = False  # a DirectLoadClient hands the handles to the engines (sync_client)
+        self._params = list(blocks.values())
+        self._exported: tuple[list, list] | None = None  # (where the blocks were, their handles)
+        self.gathered: dict[str, list] | None = None  # every rank's handles by GPU (rank 0 uses them)
+
+    @staticmethod
+    def possible(blocks: dict[str, torch.nn.Parameter]) -> bool:
+        local = [_local(p) for p in blocks.values()]
+        return bool(local) and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in local)
+
+    def gather(self) -> None:
+        """Every rank at once: its GPU synchronized, its handles (exported
+        again only if a block moved) to every rank."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        local = [_local(p) for p in self._params]
+        where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
+        if self._exported is None or self._exported[0] != where:
+            self._exported = (where, [(n, reduce_tensor(t)[1]) for n, t in zip(self.names, local, strict=True)])
+        torch.cuda.synchronize()  # the step's last writes, before rank 0 tells the engines to read
+        mine = {str(torch.cuda.get_device_properties(local[0].device).uuid): self._exported[1]}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            mine = {uuid: handles for rank in every for uuid, handles in rank.items()}
+        self.gathered = mine
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage on this rank (its FSDP2 shard), detached."""
+    return (param.to_local() if hasattr(param, "to_local") else param).detach()
 
 
 class BF16Source(TrainerSource):
@@ -1634,12 +1720,13 @@ class LocalExpertSource(BF16Source):
         self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
         self.origins += [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True)
                          for name in self._blocks]  # fmt: skip
+        own = {sent: self._params[name] for name, sent in self._blocks.items()}
+        self.experts_in_place = ExpertsInPlace(own) if ExpertsInPlace.possible(own) else None
 
     def tensors(self):
         yield from super().tensors()
-        for name, sent in self._blocks.items():
-            param = self._params[name]
-            yield sent, (param.to_local() if hasattr(param, "to_local") else param).to(torch.bfloat16)
+        for name, sent in self._blocks.items():  # last (weight_sender sends them in place if it can)
+            yield sent, _local(self._params[name]).to(torch.bfloat16)
 
 
 def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:

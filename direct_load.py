@@ -20,7 +20,10 @@ engine, but:
   * a fused expert block arrives under `<vLLM expert layer>.gate_up_proj` or
     `.down_proj` (the trainer names it after the checkpoint's expert module,
     which is the name vLLM gives the layer, whatever the family) and is one
-    copy into `w13_weight` / `w2_weight`;
+    copy into `w13_weight` / `w2_weight`; from a trainer that holds its
+    experts in bf16, straight from the trainer's own memory (a CUDA IPC
+    handle per block, opened once: `direct_load_start`), not through the
+    packed buffer, so each expert weight is copied once per sync;
   * every other tensor arrives in checkpoint form (names, persistent buffers
     such as a router's correction bias) and goes through the model's own
     `load_weights` (which stacks q/k/v and so on) into the live parameters;
@@ -76,15 +79,51 @@ class _Session:
 class DirectLoadWorker:
     """Mixed into vLLM's worker class; every method runs on every engine."""
 
-    def direct_load_start(self) -> None:
+    def direct_load_start(self, in_place: str = "") -> dict:
+        """Start a sync. `in_place` (optional, base64 pickle): {"trainer_gpu_uuids": [...], "blocks":
+        {GPU uuid: [(expert block name, CUDA IPC handle), ...]}}, handles of the trainer ranks' own
+        storage of their expert blocks (ExpertsInPlace on the trainer, which has synchronized its GPU):
+        this engine copies the block of the rank on its GPU straight from there, one copy each. The
+        storage stays where it is between syncs, so each handle is opened once and kept."""
         from vllm.distributed.weight_transfer.packed_tensor import PackedBufferImporter
 
+        start = time.perf_counter()
         if getattr(self, "_weight_update_active", False):
             raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
         if (unfinished := getattr(self, "_direct_session", None)) is not None:
             unfinished.importer.close()  # a send that failed part way: start afresh
-        self._direct_session = _session(self.model_runner.get_model(), PackedBufferImporter())
+        model = self.model_runner.get_model()
+        if getattr(self, "_direct_layout", (None,))[0] is not model:  # where everything is: found once
+            self._direct_layout = (model, _expert_layers(model), _param_owners(model))
+        session = self._direct_session = _session(*self._direct_layout, PackedBufferImporter())
         self._exact_started = None  # fingerprints of what the engine held before this sync: no longer of use
+        if not in_place:
+            return {"tensors": 0, "bytes": 0}
+        update = _unpickle(in_place)
+        blocks = update["blocks"].get(session.gpu_uuid) or _no_trainer_rank(session.gpu_uuid, list(update["blocks"]))
+        tensors = self._trainer_storage(blocks, session.device)
+        _load(session, tensors, update["trainer_gpu_uuids"].index(session.gpu_uuid), self.vllm_config)
+        session.tensors += len(tensors)
+        session.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+        session.seconds["experts_in_place"] = time.perf_counter() - start  # (the copies are launched; finish waits)
+        return {"tensors": len(tensors), "bytes": session.bytes}
+
+    def _trainer_storage(self, blocks: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """The trainer's tensors behind `blocks`' CUDA IPC handles, each opened
+        once and kept while the trainer sends the same handle (a handle the
+        trainer no longer sends is closed: its tensor moved)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        opened, kept = getattr(self, "_opened_storage", {}), {}
+        out = []
+        for name, handle in blocks:
+            args = list(handle)
+            args[6] = device.index  # the device index as this process numbers it
+            key = tuple(args)
+            kept[key] = opened[key] if key in opened else rebuild_cuda_tensor(*args)
+            out.append((name, kept[key]))
+        self._opened_storage = kept
+        return out
 
     def direct_load_check(self, expected: str) -> dict:
         """Before any send: raise, naming the cause, unless this engine holds,
@@ -271,22 +310,18 @@ class DirectLoadWorker:
         return session
 
 
-def _session(model: torch.nn.Module, importer) -> _Session:
+def _session(model: torch.nn.Module, expert_layers: dict, param_owner: dict, importer) -> _Session:
     """A direct load's state on one engine: where every parameter and fused
     expert layer is, and the IPC importer its chunks are read through."""
     device = next(model.parameters()).device
-    return _Session(
-        model=model,
-        device=device,
-        gpu_uuid=_gpu_uuid(device),
-        expert_layers=_expert_layers(model),
-        param_owner={
-            f"{prefix}.{name}" if prefix else name: module
-            for prefix, module in model.named_modules()
-            for name, _ in module.named_parameters(recurse=False)
-        },
-        importer=importer,
-    )
+    return _Session(model=model, device=device, gpu_uuid=_gpu_uuid(device), expert_layers=expert_layers,
+                    param_owner=param_owner, importer=importer)  # fmt: skip
+
+
+def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Each parameter's name -> the module that holds it."""
+    return {f"{prefix}.{name}" if prefix else name: module for prefix, module in model.named_modules()
+            for name, _ in module.named_parameters(recurse=False)}  # fmt: skip
 
 
 def _finish(session: _Session, vllm_config) -> None:

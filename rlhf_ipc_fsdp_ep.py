@@ -195,11 +195,13 @@ class FSDPTrainer:
         return colocated_sync.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int,
-                              trainer_gpu_uuids: list[str]) -> None:  # fmt: skip
-        """Build vLLM's IPC trainer engine on this rank."""
+                              trainer_gpu_uuids: list[str]) -> bool:  # fmt: skip
+        """Build vLLM's IPC trainer engine on this rank; True if the engines
+        will copy its expert blocks straight from its memory (ExpertsInPlace)."""
         source = self.weight_source(loader)
         client = self.weight_sync_client(sock, loader, source, trainer_gpu_uuids)
         self.sender = colocated_sync.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
+        return self.sender.experts_in_place is not None
 
     def send_weights(self) -> None:
         """One full sync; every rank takes part (a server error: raised once all are through, for a retry)."""
@@ -263,6 +265,7 @@ class Job:
     node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
     server_pgids: list = field(default_factory=list)  # per rank, the process group of its node's vLLM server
     kernel_noise: checks.KernelNoise | None = None  # the gate's basis, measured before the first sync
+    experts_in_place: bool | None = None  # the last setup's: did the engines read the experts from the trainers
 
 
 @contextmanager
@@ -358,8 +361,12 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
 def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, loader: str) -> None:
     """Every trainer rank builds vLLM's IPC trainer engine for `loader`."""
     sock = job.server.socket_path
-    ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
-                                                job.gpu_uuids) for t in job.trainers])  # fmt: skip
+    in_place = ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
+                                                           job.gpu_uuids) for t in job.trainers])  # fmt: skip
+    job.experts_in_place = all(in_place)
+    if loader == "direct":
+        how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
+        print(f"[sync] expert blocks: {how}", flush=True)
     # Only the direct loader's sends are retried: after a failed chunk, vLLM
     # 0.32's own route leaves its layer-wise reload half done, and a second
     # send would load on top of it.

@@ -10,9 +10,8 @@ _copy_local_experts = direct_load._copy_local_experts
 
 
 class StaleBlockWorker(DirectLoadWorker):
-    def direct_load_start(self) -> None:
+    def direct_load_start(self, in_place: str = "") -> dict:
         self._syncs = getattr(self, "_syncs", 0) + 1
-        super().direct_load_start()
         stale = self._syncs >= 2 and self.vllm_config.parallel_config.data_parallel_rank == 0
         skipped = []
 
@@ -24,3 +23,4 @@ class StaleBlockWorker(DirectLoadWorker):
             _copy_local_experts(experts, name, *args)
 
         direct_load._copy_local_experts = copy
+        return super().direct_load_start(in_place)  # (which copies the experts held in place)

@@ -49,6 +49,15 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
         client.update_weights({**chunk, "tensor_sizes": []})
     with pytest.raises(ValueError, match="packed"):
         client.init_weight_transfer_engine({"packed": False})
+    # Expert blocks in place: the start hands every engine the handles, and one with no trainer rank on
+    # its GPU among them refuses.
+    in_place = colocated_sync.ExpertsInPlace({})
+    in_place.gathered = {"GPU-elsewhere": []}
+    client = colocated_sync.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {}, in_place)
+    assert in_place.handed_over  # so weight_sender leaves the blocks out of the packed buffer
+    with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
+        client.start_weight_update()
+    client.finish_weight_update()
 
 
 def test_the_expert_blocks_are_checked_before_any_send(cpu_server):

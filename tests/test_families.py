@@ -403,7 +403,9 @@ def _sync(vllm_model, sent, loader: str) -> None:
     # Not direct_load._finish: vLLM's CPU MoE kernels re-lay out the fused
     # experts after loading (the GPU's Triton kernels keep them as loaded;
     # the GPU runs check the whole route).
-    direct_load._load(direct_load._session(vllm_model, importer=None), sent, 0, vllm_model.test_vllm_config)
+    session = direct_load._session(vllm_model, direct_load._expert_layers(vllm_model),
+                                   direct_load._param_owners(vllm_model), importer=None)
+    direct_load._load(session, sent, 0, vllm_model.test_vllm_config)
 
 
 @pytest.mark.parametrize("loader", ["vllm", "direct"])

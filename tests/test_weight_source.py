@@ -14,6 +14,7 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
     from vllm.distributed.weight_transfer.base import WeightSource
 
     import checks
+    import colocated_sync
     import direct_load
 
     trainer.build_model(str(ckpt))
@@ -38,6 +39,15 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         first, *others = passes.values()
         for other in others:
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, other, strict=True))
+        if loader == "direct":  # what weight_sender packs when the expert blocks go in place: all else
+            blocks = list(source.expert_blocks)
+            assert names[-len(blocks):] == blocks  # the blocks come last
+            part = colocated_sync.PackedPart(source, len(names) - len(blocks))
+            packed = list(part.iter_full() if "iter_full" in vars(WeightSource) else iter(part))
+            assert [n for n, _ in packed] == [m.name for m in part.metadata] == names[: -len(blocks)]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(packed, first, strict=False))
+            assert all(hasattr(p, "to_local") for p in trainer.model.parameters())  # what it gathered: resharded
+            assert source.experts_in_place is None  # CPU tensors (on a GPU, a bf16 trainer's go in place)
         # The exact check's half on the trainer, for the last pass: each tensor's fingerprint (in the
         # dtype vLLM holds it in, where that differs), most of them from the model's own shards.
         trainer.set_exact_casts({0: "float32"})
