@@ -104,6 +104,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         "weight_loader": loader,
         "sleep_level": sleep_level,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
+        "experts_in_place": job.experts_in_place if loader == "direct" else None,
         "coverage": coverage,
         "rounds": [with_floor(r.to_json(), device_copy_gb_per_s) for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
