@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy])
         result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).
-        result["device_copy_gb_per_s"] = script.ray_get_all([t.device_copy_gb_per_s.remote() for t in job.trainers])
+        result["device_copy_gb_per_s"] = script.ray_get_all([t.__ray_call__.remote(checks.device_copy_gb_per_s)
+                                                             for t in job.trainers])  # fmt: skip
         print(f"[floor] device copy rate per GPU: {', '.join(f'{r:.0f}' for r in result['device_copy_gb_per_s'])} GB/s",
               flush=True)  # fmt: skip
         result["variants"] = []

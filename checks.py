@@ -23,7 +23,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-import direct_load
+import exact_check_engine
 import colocated_sync
 import models
 from vllm_compat import TrainerSource
@@ -209,7 +209,8 @@ def kernel_noise(trainers: list, sequences: list[list[int]]) -> KernelNoise | No
     """KernelNoise on `sequences` (one extra forward, through the other
     attention implementation), printed; None where the model has only one."""
     reference = trainer_logprobs(trainers, sequences)
-    other = colocated_sync.ray_get_all([t.other_attention_logprobs.remote(sequences) for t in trainers])[0]
+    refs = [t.__ray_call__.remote(other_attention_logprobs, sequences) for t in trainers]
+    other = colocated_sync.ray_get_all(refs)[0]
     if other is None:
         print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
         return None
@@ -408,20 +409,19 @@ def coverage(sock: str, zeros: dict[str, str]) -> dict:
 def prepare_exact_check(job) -> dict:
     """Tell every engine what the trainers' current weight source sends, so
     it learns which of its parameters each tensor is written into
-    (direct_load.exact_check_prepare). After setting up a loader's transfer,
-    before a full sync: it leaves zeros where it probes."""
-    sent = colocated_sync.ray_get_all([job.trainers[0].sent_metadata.remote()])[0]
+    (ExactCheckWorker.exact_check_prepare, exact_check_engine.py). After setting up
+    a loader's transfer, before a full sync: it leaves zeros where it probes."""
+    sent = in_ranks(job.trainers[:1], "sent_metadata")[0]
     answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
-    colocated_sync.ray_get_all([t.set_exact_casts.remote({int(i): d for i, d in answer["casts"].items()})
-                                for t in job.trainers])  # fmt: skip
+    in_ranks(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()})
     return answer
 
 
 @dataclass
 class ExactCheck:
     """Whether every DP engine holds exactly what the trainer rank on its GPU
-    sent (direct_load.exact_check), per vLLM parameter."""
+    sent (ExactCheckWorker.exact_check, exact_check_engine.py), per vLLM parameter."""
 
     passed: bool
     seconds: float  # from the start to the verdict: both sides' fingerprints and the comparison (beside the gate)
@@ -479,9 +479,9 @@ def _exact_check(job) -> ExactCheck:
     shards, where a tensor is one model tensor); each DP engine compares that
     with what it holds, per parameter, on its GPU."""
     start = time.perf_counter()
-    colocated_sync.ray_get_all([t.start_sent_fingerprints.remote() for t in job.trainers])
+    in_ranks(job.trainers, "start_sent_fingerprints")
     colocated_sync.collective_rpc(job.server.socket_path, "exact_check_start")
-    sums = rank_fingerprints(colocated_sync.ray_get_all([t.sent_fingerprints.remote() for t in job.trainers]))
+    sums = rank_fingerprints(in_ranks(job.trainers, "sent_fingerprints"))
     trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
@@ -605,8 +605,8 @@ def judged_round(args, trainers: list, phases: dict[str, float], before: Logprob
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
-    sync_bytes = ray.get(trainers[0].sync_bytes.remote())
-    send_per_rank = colocated_sync.ray_get_all([t.send_breakdown.remote() for t in trainers])
+    sync_bytes = in_ranks(trainers[:1], "sync_bytes")[0]
+    send_per_rank = in_ranks(trainers, "send_breakdown")
     record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers, server_pgids),
                           weights_updated)  # fmt: skip
     record.send_retries = send_retries
@@ -620,7 +620,7 @@ def judged_round(args, trainers: list, phases: dict[str, float], before: Logprob
         if training["loss"] is None:
             record.step_skipped = "every sample had the same reward: a step would change nothing"
         else:
-            record.unchanged_by_step = ray.get(trainers[0].unchanged_by_last_step.remote())
+            record.unchanged_by_step = in_ranks(trainers[:1], "unchanged_by_last_step")[0]
     print_round(record, tolerances)
     return record
 
@@ -853,43 +853,53 @@ class PhaseTimer:
 
 
 # ---------------------------------------------------------------------------
-# Measured: the trainer, timed and inspected from outside its code
+# Measurement: the trainer, timed and inspected from outside its code
 # ---------------------------------------------------------------------------
+#
+# The script's trainer is FSDPTrainer as a user writes one. `measure` wraps,
+# in every rank, what a sync goes through: the sender's weight source (timed,
+# fingerprinted for the exact check) and its client (timed), the send itself
+# (timed), and the optimizer (which parameters a step left as they were). The
+# driver reads the results with `in_ranks`. The functions after
+# RankMeasurement run in a rank through `__ray_call__`, on any trainer with a
+# `model` and a `device`.
 
 
-class Measured:
-    """Mix in before the trainer class (`class MeasuredTrainer(Measured,
-    FSDPTrainer)`): the same trainer, whose sends report where their time
-    went, whose memory can be read, and whose training steps list the
-    parameters they left unchanged."""
+def measure(trainers: list) -> None:
+    """On every rank, once setup_weight_transfer has built its sender
+    (`trainer.sender`): RankMeasurement. Again after each new setup."""
+    colocated_sync.ray_get_all([t.__ray_call__.remote(_start_measuring) for t in trainers])
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+
+def _start_measuring(trainer) -> None:
+    trainer.measurement = RankMeasurement(trainer)
+
+
+def in_ranks(trainers: list, method: str, *args) -> list:
+    """RankMeasurement.<method>(*args) on every rank of `trainers`."""
+    return colocated_sync.ray_get_all([t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers])
+
+
+def _measurement_call(trainer, method: str, *args):
+    return getattr(trainer.measurement, method)(*args)
+
+
+class RankMeasurement:
+    """One rank's sends and steps, measured (measure): its WeightSender built
+    again around a timed, fingerprinted source and a timed client, its sends
+    timed (TimedSender), its optimizer's steps watched (StepWatch)."""
+
+    def __init__(self, trainer) -> None:
+        sender, self.device, self.model = trainer.sender, trainer.device, trainer.model
         self.send_seconds: dict[str, float] = {}
-        self.bytes_per_gpu = 0
-        self.unchanged_by_step: list[str] = []
-
-    def weight_source(self, loader: str):
-        source = super().weight_source(loader)
-        self.bytes_per_gpu = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata)
-        self.sent_source = source  # for the exact check: what this rank sends
-        self.fingerprinted = FingerprintedSource(TimedSource(source, self.send_seconds))
-        return self.fingerprinted
-
-    def other_attention_logprobs(self, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:
-        """token_logprobs through the other attention implementation (eager
-        for SDPA or flash, SDPA for eager): a second correct bf16 forward of
-        the same weights, for KernelNoise. None if the model refuses it."""
-        current = self.model.config._attn_implementation
-        other = "sdpa" if current == "eager" else "eager"
-        try:
-            self.model.set_attn_implementation(other)
-        except (ValueError, ImportError):
-            return None
-        try:
-            return f"{current} vs {other}", self.token_logprobs(sequences)
-        finally:
-            self.model.set_attn_implementation(current)
+        self.sent_source = sender.source  # for the exact check: what this rank sends
+        self.fingerprinted = FingerprintedSource(TimedSource(sender.source, self.send_seconds))
+        measured = colocated_sync.weight_sender(sender.rank, TimedClient(sender.client.client, self.send_seconds),
+                                                self.fingerprinted, sender.packed, sender.packed_buffer_size_bytes)
+        trainer.sender = TimedSender(measured, self.send_seconds, self.device)
+        if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
+            trainer.optimizer = StepWatch(trainer.optimizer, trainer.model, self.device)
+        self.optimizer = getattr(trainer, "optimizer", None)
 
     def sent_metadata(self) -> list[list]:
         """[name, dtype, shape, is an expert block] of every tensor this rank
@@ -903,9 +913,9 @@ class Measured:
         self.fingerprinted.start()
 
     def sent_fingerprints(self) -> dict:
-        """direct_load.exact_fingerprint of every tensor this rank sent in its
-        last send, in send order, on its GPU, from its own model where it can
-        (FingerprintedSource.fingerprints; rank_fingerprints adds the shards up)."""
+        """exact_check_engine.exact_fingerprint of every tensor this rank sent
+        in its last send, in send order, on its GPU, from its own model where
+        it can (FingerprintedSource.fingerprints; rank_fingerprints adds the shards up)."""
         return self.fingerprinted.fingerprints()
 
     def set_exact_casts(self, casts: dict[int, str]) -> None:
@@ -916,19 +926,8 @@ class Measured:
         self.fingerprinted.casts = casts
         kinds = {(casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
                  for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())}  # fmt: skip
-        direct_load.exact_fingerprints(torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device)
-                                       for dtype, width in kinds)  # fmt: skip
-
-    def weight_sync_client(self, *args, **kwargs):
-        return TimedClient(super().weight_sync_client(*args, **kwargs), self.send_seconds)
-
-    def send_weights(self) -> None:
-        """The trainer's send, timed (send_breakdown reads the result)."""
-        self.send_seconds.clear()
-        start = time.perf_counter()
-        super().send_weights()
-        self._synchronize()
-        self.send_seconds["total"] = time.perf_counter() - start
+        exact_check_engine.exact_fingerprints(torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device)
+                                              for dtype, width in kinds)  # fmt: skip
 
     def send_breakdown(self) -> dict[str, float]:
         """Where this rank's last send went: `source` (producing the tensors:
@@ -939,68 +938,132 @@ class Measured:
         return dict(self.send_seconds)
 
     def sync_bytes(self) -> dict[str, int]:
-        """The model's bf16 bytes, and what one sync puts in each GPU's engine."""
-        model = sum(p.numel() * torch.bfloat16.itemsize for p in self.model.parameters())
-        return {"model": model, "per_gpu": self.bytes_per_gpu}
-
-    def memory_gib(self, server_pgid: int | None = None) -> GPUMemory:
-        """This GPU now, and the trainer's peak since the last reading;
-        `server_pgid`: the process group of the vLLM server on this node."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        mine, server = nvml_gpu_memory(str(torch.cuda.get_device_properties(self.device).uuid), server_pgid)
-        return GPUMemory(
-            trainer_peak_allocated=peak / GiB,
-            trainer_reserved=torch.cuda.memory_reserved(self.device) / GiB,
-            server_used=server / GiB,
-            device_used=(total - free) / GiB,
-            job_used=(mine + server) / GiB if server_pgid is not None else math.nan,
-        )
-
-    def train_step(self, samples: list[dict]) -> float:
-        # Compare shards with shards: after a forward, FSDP2 may hold the
-        # root's own parameters unsharded (other tensors than after the step).
-        self.model.reshard()
-        before = parameter_fingerprints(self.model)
-        loss = super().train_step(samples)
-        after = parameter_fingerprints(self.model)
-        changed = torch.tensor([a != b for a, b in zip(after, before, strict=True)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # changed on any rank's shard
-        names = [name for name, _ in self.model.named_parameters()]
-        self.unchanged_by_step = [n for n, c in zip(names, changed.tolist(), strict=True) if not c]
-        return loss
+        return sync_bytes(self.model, self.sent_source)
 
     def unchanged_by_last_step(self) -> list[str]:
-        return self.unchanged_by_step
+        """The parameters the last optimizer step left exactly as they were."""
+        return self.optimizer.unchanged if isinstance(self.optimizer, StepWatch) else []
 
-    def device_copy_gb_per_s(self, size_bytes: int = 512 * 1024**2, repeats: int = 10) -> float:
-        """This rank's device's copy rate: GB of one buffer copied into
-        another per second (each byte read once and written once), the rate a
-        sync that writes each weight once cannot beat (benchmark.with_floor)."""
-        source = torch.empty(size_bytes, dtype=torch.uint8, device=self.device)
-        target = torch.empty_like(source)
-        target.copy_(source)  # (the first copy pays for the kernel's start)
-        self._synchronize()
+
+def sync_bytes(model: torch.nn.Module, source) -> dict[str, int]:
+    """The model's bf16 bytes, and what one sync puts in each GPU's engine (`source`: a rank's)."""
+    return {"model": sum(p.numel() * torch.bfloat16.itemsize for p in model.parameters()),
+            "per_gpu": sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata)}  # fmt: skip
+
+
+class TimedSender:
+    """A WeightSender whose send() adds its whole time to `seconds["total"]`,
+    the device synchronised (what send_breakdown reads), after clearing the
+    last send's numbers."""
+
+    def __init__(self, sender, seconds: dict[str, float], device: torch.device) -> None:
+        self._sender, self._seconds, self._device = sender, seconds, device
+
+    def send(self) -> None:
+        self._seconds.clear()
         start = time.perf_counter()
-        for _ in range(repeats):
-            target.copy_(source)
-        self._synchronize()
-        return repeats * size_bytes / (time.perf_counter() - start) / 1e9
+        self._sender.send()
+        _synchronize(self._device)
+        self._seconds["total"] = time.perf_counter() - start
 
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._sender, name)
 
 
-def parameter_fingerprints(model: torch.nn.Module) -> list[list[int]]:
+class StepWatch:
+    """An optimizer whose step() also records which parameters it left
+    exactly as they were on every rank's shard (`unchanged`): a step that
+    cannot reach a parameter (no gradient, a frozen weight) would otherwise
+    pass unseen. It compares shards with shards: the optimizer's own
+    parameters, each rank's FSDP2 shard."""
+
+    def __init__(self, optimizer, model: torch.nn.Module, device: torch.device) -> None:
+        self._optimizer, self._device = optimizer, device
+        if hasattr(model, "reshard"):  # after a forward, FSDP2 may hold the root's own parameters unsharded
+            model.reshard()
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._names = [names.get(id(p), f"(optimizer parameter {i})") for i, p in enumerate(self._params)]
+        self.unchanged: list[str] = []
+
+    def step(self, *args, **kwargs):
+        before = parameter_fingerprints(self._params)
+        result = self._optimizer.step(*args, **kwargs)
+        after = parameter_fingerprints(self._params)
+        changed = torch.tensor([a != b for a, b in zip(after, before, strict=True)], dtype=torch.int32,
+                               device=self._device)  # fmt: skip
+        if dist.is_initialized():
+            dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # changed on any rank's shard
+        self.unchanged = [n for n, c in zip(self._names, changed.tolist(), strict=True) if not c]
+        return result
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+
+def parameter_fingerprints(params) -> list[list[int]]:
     """The exact fingerprint of each parameter's local shard (its elements'
     bits by position), so any change to any element shows. (A plain sum of
     the bits did not: an AdamW step can move a norm's few elements by amounts
     that cancel.)"""
-    return direct_load.exact_fingerprints(
-        p.to_local() if hasattr(p, "to_local") else p for _, p in model.named_parameters()
+    return exact_check_engine.exact_fingerprints(p.to_local() if hasattr(p, "to_local") else p for p in params)
+
+
+def other_attention_logprobs(trainer, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:
+    """In a rank: token_logprobs through the other attention implementation
+    (eager for SDPA or flash, SDPA for eager): a second correct bf16 forward
+    of the same weights, for KernelNoise. None if the model refuses it."""
+    current = trainer.model.config._attn_implementation
+    other = "sdpa" if current == "eager" else "eager"
+    try:
+        trainer.model.set_attn_implementation(other)
+    except (ValueError, ImportError):
+        return None
+    try:
+        return f"{current} vs {other}", trainer.token_logprobs(sequences)
+    finally:
+        trainer.model.set_attn_implementation(current)
+
+
+def memory_gib(trainer, server_pgid: int | None = None) -> GPUMemory:
+    """In a rank: its GPU now, and the trainer's peak since the last reading;
+    `server_pgid`: the process group of the vLLM server on this node."""
+    device = trainer.device
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    mine, server = nvml_gpu_memory(str(torch.cuda.get_device_properties(device).uuid), server_pgid)
+    return GPUMemory(
+        trainer_peak_allocated=peak / GiB,
+        trainer_reserved=torch.cuda.memory_reserved(device) / GiB,
+        server_used=server / GiB,
+        device_used=(total - free) / GiB,
+        job_used=(mine + server) / GiB if server_pgid is not None else math.nan,
     )
+
+
+def device_copy_gb_per_s(trainer, size_bytes: int = 512 * 1024**2, repeats: int = 10) -> float:
+    """In a rank: its device's copy rate, GB of one buffer copied into
+    another per second (each byte read once and written once), the rate a
+    sync that writes each weight once cannot beat (benchmark.with_floor)."""
+    source = torch.empty(size_bytes, dtype=torch.uint8, device=trainer.device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # (the first copy pays for the kernel's start)
+    _synchronize(trainer.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source)
+    _synchronize(trainer.device)
+    return repeats * size_bytes / (time.perf_counter() - start) / 1e9
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
@@ -1013,7 +1076,8 @@ def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: 
 
 def memory(trainers: list, server_pgids: list | None = None) -> list[GPUMemory]:
     """Each rank's GPU (`server_pgids`: per rank, its node's server's process group)."""
-    return ray.get([t.memory_gib.remote(server_pgids[r] if server_pgids else None) for r, t in enumerate(trainers)])
+    return ray.get([t.__ray_call__.remote(memory_gib, server_pgids[r] if server_pgids else None)
+                    for r, t in enumerate(trainers)])  # fmt: skip
 
 
 def nvml_gpu_memory(gpu_uuid: str, server_pgid: int | None = None) -> tuple[float, float]:
@@ -1072,13 +1136,13 @@ class SourceWrapper(TrainerSource):
 
 
 class FingerprintedSource(SourceWrapper):
-    """The exact check's half on the trainer: the fingerprint (direct_load's,
+    """The exact check's half on the trainer: the fingerprint (exact_check's,
     on the tensor's device, cast first to the dtype vLLM holds it in where
     `casts` says so) of every tensor a send takes. A tensor that is one model
     tensor cast (the source's `origins`: most of them) is fingerprinted after
     the send from the model itself, each rank its own FSDP shard where the
     shards add up to it (`partial`), from the second send on every kernel from
-    one CUDA graph (direct_load.HeldFingerprints; eagerly where --train's fp32
+    one CUDA graph (exact_check_engine.HeldFingerprints; eagerly where --train's fp32
     masters are cast first): nothing is added to the send, and what is
     proved reaches back to the trainer's own parameters. The rest (a
     conversion's output) is fingerprinted as the send takes it, the kernels
@@ -1089,7 +1153,7 @@ class FingerprintedSource(SourceWrapper):
         self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
         self._sums: dict[int, torch.Tensor] = {}  # index -> sums taken in the send
         self._from_model: dict[int, tuple] | None = None  # index -> (module, attribute, a rank's own block)
-        self._held = direct_load.HeldFingerprints()
+        self._held = exact_check_engine.HeldFingerprints()
         self._started = None  # what waits for the fingerprints start() launched
         self._partial: list[int] = []
 
@@ -1100,8 +1164,8 @@ class FingerprintedSource(SourceWrapper):
         self._sums, self._started = {}, None  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
-                held = direct_load.held_as(tensor, self.casts.get(index))
-                self._sums[index] = direct_load.exact_fingerprint_sums([held])[0]
+                held = exact_check_engine.held_as(tensor, self.casts.get(index))
+                self._sums[index] = exact_check_engine.exact_fingerprint_sums([held])[0]
             yield name, tensor
 
     def start(self) -> None:
@@ -1167,8 +1231,8 @@ def rank_fingerprints(reports: list[dict]) -> list[list[list[int]]]:
     FingerprintedSource.fingerprints(): where a rank fingerprinted its shard
     of a tensor every rank sends whole, the sum of all ranks' shards."""
     partial = set(reports[0]["partial"]) if reports else set()
-    whole = {i: [sum(column) % direct_load.FINGERPRINT_MODULUS for column in zip(*(r["sums"][i] for r in reports))]
-             for i in partial}  # fmt: skip
+    modulus = exact_check_engine.FINGERPRINT_MODULUS
+    whole = {i: [sum(column) % modulus for column in zip(*(r["sums"][i] for r in reports))] for i in partial}
     return [[whole.get(i, sums) for i, sums in enumerate(r["sums"])] for r in reports]
 
 

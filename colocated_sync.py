@@ -749,21 +749,21 @@ class FailAfterSend:
     send is over. Only the direct loader's sends are retried (send_all)."""
 
     def __init__(self, client) -> None:
-        self._client, self._failure = client, None
+        self.client, self._failure = client, None  # (the client it wraps)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._client.init_weight_transfer_engine(init_info)  # at setup, not in a send: raise now
+        self.client.init_weight_transfer_engine(init_info)  # at setup, not in a send: raise now
 
     def start_weight_update(self) -> None:
         self._failure = None
-        self._call(self._client.start_weight_update)
+        self._call(self.client.start_weight_update)
 
     def update_weights(self, update_info: dict) -> None:
         if self._failure is None:
-            self._call(self._client.update_weights, update_info)
+            self._call(self.client.update_weights, update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call(self._client.finish_weight_update, weight_version)
+        self._call(self.client.finish_weight_update, weight_version)
 
     def raise_failure(self) -> None:
         failure, self._failure = self._failure, None
@@ -771,7 +771,7 @@ class FailAfterSend:
             raise failure
 
     def __getattr__(self, name: str):  # anything else vLLM may call
-        return getattr(self._client, name)
+        return getattr(self.client, name)
 
     def _call(self, method, *args) -> None:
         try:
@@ -1569,11 +1569,16 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
 
 @dataclass
 class WeightSender:
-    """One trainer rank's side of the sync (weight_sender builds it)."""
+    """One trainer rank's side of the sync (weight_sender builds it, and
+    keeps its arguments: another can be built around the same source)."""
 
     client: FailAfterSend
     engine: Any  # vLLM's IPC trainer engine
-    experts_in_place: ExpertsInPlace | None = None
+    experts_in_place: ExpertsInPlace | None
+    source: TrainerSource  # all it sends: the packed part, then the blocks in place
+    rank: int
+    packed: bool
+    packed_buffer_size_bytes: int
 
     def send(self) -> None:
         """One full sync; every rank calls it at once. A server error on
@@ -1605,7 +1610,7 @@ def weight_sender(rank: int, client, source: TrainerSource, packed: bool = True,
         client=client,
         source=packed_part,
     )
-    return WeightSender(client, engine, in_place)
+    return WeightSender(client, engine, in_place, source, rank, packed, packed_buffer_size_bytes)
 
 
 class PackedPart(TrainerSource):

@@ -216,9 +216,9 @@ class FSDPTrainer:
             torch.cuda.empty_cache()
 
 
-class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
-    """The trainer main() runs: FSDPTrainer with the toy RL step (toy_rl.py),
-    timed and inspected from outside (checks.Measured)."""
+class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
+    """The trainer main() runs: FSDPTrainer with the toy RL step (toy_rl.py).
+    (checks.measure times and inspects its sends and steps from outside.)"""
 
 
 # --- The server and the job -----------------------------------------------------------------------
@@ -227,12 +227,14 @@ class MeasuredTrainer(checks.Measured, toy_rl.PolicyGradientStep, FSDPTrainer):
 def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
                experts: bool = True, context_len: int | None = None) -> list[str]:  # fmt: skip
     """colocated_sync.serve_args from the flags, for one node's GPUs
-    (`context_len`: the model's, for the default KV cache)."""
+    (`context_len`: the model's, for the default KV cache), with the exact
+    check's worker extension (exact_check_engine.py) in place of the direct loader's."""
     return colocated_sync.serve_args(
         args.model, gpu_ids, num_nodes=args.num_nodes, tensor_parallel_size=args.tensor_parallel_size,
         experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
         enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, node=node, head=head,
+        worker_extension="exact_check_engine.ExactCheckWorker",  # the direct loader, and the exact check's engine half
     )
 
 
@@ -271,7 +273,7 @@ class Job:
 @contextmanager
 def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, trainer_cls: type | None = None):
     """Reserve the GPUs, start a trainer rank on each (`trainer_cls`, any
-    class with FSDPTrainer's methods, or such a Ray actor; the script's MeasuredTrainer by default) with the model sharded
+    class with FSDPTrainer's methods, or such a Ray actor; the script's RLTrainer by default) with the model sharded
     over them, start `vllm serve` on the same GPUs (on more nodes: through a
     NodeServer actor on each other node). On the way out (error, Ctrl-C,
     SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
@@ -285,14 +287,14 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             if started_ray:
                 init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
-            trainers, pg = start_trainers(trainer_cls or MeasuredTrainer, args.num_gpus, args.num_nodes,
+            trainers, pg = start_trainers(trainer_cls or RLTrainer, args.num_gpus, args.num_nodes,
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip
             ranks = placements(trainers)
             checks.show_layout(ranks, args.num_nodes)
             if problem := checks.placement_problem(ranks):
                 raise SystemExit(f"error: {problem}")
             filling = build_models(trainers, args, model_path)
-            # The servers' workers import the direct loader (direct_load.py) from here.
+            # The servers' workers import the direct loader and the exact check (exact_check_engine.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
             network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
             flags = serve_plan(args, ranks, model_path)
@@ -364,6 +366,7 @@ def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, load
     in_place = ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
                                                            job.gpu_uuids) for t in job.trainers])  # fmt: skip
     job.experts_in_place = all(in_place)
+    checks.measure(job.trainers)  # every send timed and fingerprinted, every step watched, from outside
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
         print(f"[sync] expert blocks: {how}", flush=True)

@@ -1,7 +1,7 @@
 """The RL part of rlhf_ipc_fsdp_ep.py: a toy task and one REINFORCE step.
 Your own reward, batch and loss replace these; the weight sync does not
 depend on anything here. The script mixes PolicyGradientStep into its trainer
-(`MeasuredTrainer`), which supplies the model, the optimizer and the forward
+(`RLTrainer`), which supplies the model, the optimizer and the forward
 pass (`FSDPTrainer._token_logprobs`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""direct_load.HeldFingerprints on a GPU: the same sums as fingerprinting one
+"""exact_check_engine.HeldFingerprints on a GPU: the same sums as fingerprinting one
 tensor at a time, from the call that captures its CUDA graph on, also after
 the tensors' values change in place (the graph reads them where they are),
 and without giving back what PyTorch holds cached (a trainer's send buffer);
@@ -8,7 +8,7 @@ and how long each call takes.
 """
 import sys, time, torch
 sys.path.insert(0, ".")
-import direct_load as d
+import exact_check_engine as d
 torch.manual_seed(0)
 ts = [torch.randn(64, 2048, 1408, dtype=torch.bfloat16, device="cuda"), torch.randn(2048, device="cuda"),
       torch.randn(7, 129, dtype=torch.bfloat16, device="cuda")] + [torch.randn(2048, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(400)]

@@ -1,7 +1,7 @@
 """What fingerprinting a sync's tensors costs on one GPU, without vLLM: the
 Moonlight-16B-A3B shape's 350 bf16 tensors (31.9 GB; random values), through
 the exact check's fingerprint one tensor at a time (as the trainer does in the
-send), from one CUDA graph (direct_load.HeldFingerprints, as the engine does),
+send), from one CUDA graph (exact_check_engine.HeldFingerprints, as the engine does),
 against one copy of every tensor and a pack into a 4 GB buffer (what the send
 itself does to each weight). Medians of 5 after a warm-up; JSON to ./trainer_fp.json.
 
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, ".")
 sys.modules["vllm_compat"] = types.SimpleNamespace(local_expert_ids=None)  # (not used here; spares importing vLLM)
-import direct_load as d  # noqa: E402
+import exact_check_engine as d  # noqa: E402
 
 H, L = 2048, 27
 shapes = [(163840, H), (163840, H), (H,)]

@@ -1,6 +1,6 @@
 """Run the script (or benchmark.py) with the server's direct loader replaced by
 another worker extension, for fault runs on a GPU: a class from tests/ that
-derives from direct_load.DirectLoadWorker.
+derives from exact_check_engine.ExactCheckWorker (the direct loader with the exact check).
 
     python scripts/with_worker.py stale_block_worker.StaleBlockWorker --model tiny --num-gpus 1 --train --rounds 2
     python scripts/with_worker.py fault_worker.FaultWorker --model tiny --num-gpus 1 --rounds 3
@@ -22,7 +22,7 @@ _serve_args = script.serve_args
 
 def serve_args_with_the_worker(*args, **kwargs):
     flags = _serve_args(*args, **kwargs)
-    flags[flags.index("direct_load.DirectLoadWorker")] = WORKER
+    flags[flags.index("exact_check_engine.ExactCheckWorker")] = WORKER
     return flags
 
 

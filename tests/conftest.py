@@ -36,8 +36,9 @@ SERVED_NAME = "tiny"
 CPU_MAX_MODEL_LEN = 512  # cpu_serve_args' --max-model-len
 
 
-def cpu_serve_args(model_dir, *extra):
-    """The script's flags minus what vLLM cannot do on CPU (sleep mode, DP MoE)."""
+def cpu_serve_args(model_dir, *extra, worker: str = "exact_check_engine.ExactCheckWorker"):
+    """The script's flags minus what vLLM cannot do on CPU (sleep mode, DP MoE);
+    `worker`: the worker extension (the lift's own: direct_load.DirectLoadWorker)."""
     return [
         str(model_dir),
         "--served-model-name",
@@ -50,7 +51,7 @@ def cpu_serve_args(model_dir, *extra):
         "--weight-transfer-config",
         '{"backend": "ipc"}',
         "--worker-extension-cls",
-        "direct_load.DirectLoadWorker",
+        worker,
         *extra,
     ]
 
@@ -143,11 +144,11 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def cpu_trainers(ray_cluster):
-    """Two FSDP2 trainer ranks on CPU (gloo), as the script starts them (its MeasuredTrainer)."""
+    """Two FSDP2 trainer ranks on CPU (gloo), as the script starts them (its RLTrainer)."""
     import rlhf_ipc_fsdp_ep as script
 
     trainers, _ = script.start_trainers(
-        script.MeasuredTrainer, 2, gpus_per_trainer=0, placement_timeout_s=60
+        script.RLTrainer, 2, gpus_per_trainer=0, placement_timeout_s=60
     )
     return trainers
 
@@ -200,7 +201,7 @@ def listening_tcp(pids):
 
 
 def run_ranks(fn, world_size, *args):
-    """fn(trainer, *args) on `world_size` script.MeasuredTrainer ranks on CPU
+    """fn(trainer, *args) on `world_size` script.RLTrainer ranks on CPU
     (gloo), one process each, joined in one process group the way
     start_trainers joins them. fn must be a module-level function."""
     import torch.multiprocessing as mp
@@ -218,7 +219,7 @@ def run_ranks(fn, world_size, *args):
 def _rank_main(rank, world_size, ports, fn, args):
     import rlhf_ipc_fsdp_ep as script
 
-    trainer = script.MeasuredTrainer()
+    trainer = script.RLTrainer()
     if rank == 0:
         port = colocated_sync.open_rendezvous("127.0.0.1", world_size)
         for _ in range(world_size - 1):

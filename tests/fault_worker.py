@@ -12,14 +12,14 @@ Otherwise it is the direct loader, unchanged."""
 import os
 import time
 
-from direct_load import DirectLoadWorker
+from exact_check_engine import ExactCheckWorker
 
 
-class FaultWorker(DirectLoadWorker):
-    def direct_load_start(self) -> None:
+class FaultWorker(ExactCheckWorker):
+    def direct_load_start(self, in_place: str = "") -> dict:
         self._syncs = getattr(self, "_syncs", 0) + 1
         self._chunks = 0
-        super().direct_load_start()
+        return super().direct_load_start(in_place)
 
     def direct_load_chunk(self, payload: str) -> dict:
         self._chunks += 1

@@ -156,7 +156,7 @@ def _model_node1_serves(argv: list[str]) -> dict:
     directory: the job stops once the node's server runs."""
     _save_tiny_checkpoint(Path("ckpt"))
     start_trainers, start_node_servers = script.start_trainers, script.start_node_servers
-    originals = {name: getattr(script, name) for name in ("start_trainers", "start_node_servers", "MeasuredTrainer")}
+    originals = {name: getattr(script, name) for name in ("start_trainers", "start_node_servers", "RLTrainer")}
     served, resolvers = [], []
 
     def on_cpu(*args, **kwargs):

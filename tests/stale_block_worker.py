@@ -4,12 +4,12 @@ of each sync as it was (stale), as a loader bug would. The exact check must
 name that parameter and that engine; nothing else in the run changes."""
 
 import direct_load
-from direct_load import DirectLoadWorker
+from exact_check_engine import ExactCheckWorker
 
 _copy_local_experts = direct_load._copy_local_experts
 
 
-class StaleBlockWorker(DirectLoadWorker):
+class StaleBlockWorker(ExactCheckWorker):
     def direct_load_start(self, in_place: str = "") -> dict:
         self._syncs = getattr(self, "_syncs", 0) + 1
         stale = self._syncs >= 2 and self.vllm_config.parallel_config.data_parallel_rank == 0

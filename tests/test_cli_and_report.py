@@ -214,7 +214,7 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     assert json.loads(value("--weight-transfer-config")) == {"backend": "ipc"}
     assert value("--load-format") == "dummy" and value("--gpu-memory-utilization") == "0.4"
     assert "--enable-expert-parallel" in flags and "--enable-sleep-mode" in flags
-    assert value("--worker-extension-cls") == "direct_load.DirectLoadWorker"
+    assert value("--worker-extension-cls") == "exact_check_engine.ExactCheckWorker"
     assert "--enforce-eager" not in flags and "--host" not in flags and "--port" not in flags
     # A dense model: vLLM refuses expert parallelism without experts.
     assert "--enable-expert-parallel" not in script.serve_args(args, ["3", "1", "0", "2"], experts=False)
@@ -649,12 +649,12 @@ def test_the_step_check_sees_a_change_that_keeps_the_sum_of_the_bits():
     amounts that cancel can do to a sum): the parameter changed, and its
     fingerprint says so."""
     model = torch.nn.Linear(4, 2, bias=False)
-    before = checks.parameter_fingerprints(model)
+    before = checks.parameter_fingerprints(model.parameters())
     with torch.no_grad():
         w = model.weight.view(-1)
         w[0], w[1] = w[1].clone(), w[0].clone()
-    assert checks.parameter_fingerprints(model) != before
-    assert checks.parameter_fingerprints(model) == checks.parameter_fingerprints(model)
+    assert checks.parameter_fingerprints(model.parameters()) != before
+    assert checks.parameter_fingerprints(model.parameters()) == checks.parameter_fingerprints(model.parameters())
 
 
 def test_gpu_memory_is_told_apart_by_process_group():
@@ -694,11 +694,14 @@ class _SendShape:
         time.sleep(0.02)
 
 
-def test_the_measured_trainer_sends_as_the_trainer_does_and_reports_apart():
-    """MeasuredTrainer's send_weights is the trainer's (returns None, as
-    send_all expects of any trainer); where its time went is asked apart
-    (send_breakdown, which judged_round reads into the round's JSON)."""
-    trainer = script.MeasuredTrainer()
-    trainer.sender = colocated_sync.WeightSender(colocated_sync.FailAfterSend(object()), _SendShape())
+def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
+    """Measurement wraps the trainer's sender (checks.TimedSender), not its
+    methods: send_weights is the trainer's own (returns None, as send_all
+    expects of any trainer), and where its time went is kept apart (what
+    send_breakdown returns, and judged_round reads into the round's JSON)."""
+    trainer, seconds = script.RLTrainer(), {"left from the last send": 1.0}
+    sender = colocated_sync.WeightSender(colocated_sync.FailAfterSend(object()), _SendShape(), None, source=None,
+                                         rank=0, packed=True, packed_buffer_size_bytes=0)  # fmt: skip
+    trainer.sender = checks.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None
-    assert trainer.send_breakdown()["total"] >= 0.02
+    assert list(seconds) == ["total"] and seconds["total"] >= 0.02

@@ -16,7 +16,8 @@ from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LIFT = ["colocated_sync.py"]
-NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "checks.py", "toy_rl.py", "benchmark.py"]  # the rows that say "nothing"
+NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "checks.py", "exact_check_engine.py", "toy_rl.py",
+              "benchmark.py"]  # the rows that say "nothing"
 
 
 def copy_table() -> list[tuple[list[str], list[str]]]:
@@ -70,7 +71,7 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     shutil.copy(ROOT / "tests" / "lifted_rl.py", folder)
     lines = sum(len((folder / f).read_text().splitlines()) for f in LIFT + needs)
     print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
-    flags = cpu_serve_args(tiny_checkpoint)[1:]
+    flags = cpu_serve_args(tiny_checkpoint, worker="direct_load.DirectLoadWorker")[1:]  # what the lift has
     argv = [sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)]
     run = subprocess.run(argv, cwd=folder, env=alone(folder),
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import direct_load
 import colocated_sync
+import direct_load
+import exact_check_engine
 import vllm_compat
 
 
@@ -127,31 +128,31 @@ def test_only_the_engines_own_block_of_experts_is_accepted():
 
 def test_fingerprints_see_a_single_changed_value():
     t = torch.randn(3, 1000).to(torch.bfloat16)
-    same = direct_load._fingerprint(t.clone())
-    assert direct_load._fingerprint(t) == same
+    same = exact_check_engine._fingerprint(t.clone())
+    assert exact_check_engine._fingerprint(t) == same
     moved = t.clone()
     moved[2, 999] = moved[2, 999] + 1
     swapped = t.clone()
     swapped[0, [0, 1]] = t[0, [1, 0]]
-    assert direct_load._fingerprint(moved) != same
+    assert exact_check_engine._fingerprint(moved) != same
     if not torch.equal(swapped, t):
-        assert direct_load._fingerprint(swapped) != same  # order matters, not only the sum
-    assert direct_load._fingerprint(t.float()) != same  # dtype is part of it
+        assert exact_check_engine._fingerprint(swapped) != same  # order matters, not only the sum
+    assert exact_check_engine._fingerprint(t.float()) != same  # dtype is part of it
 
 
 def test_the_shards_fingerprints_add_up_to_the_wholes():
     """A trainer rank fingerprints its FSDP shard (rows of dim 0) where it
     starts in the whole tensor: the ranks' sums add up to the whole's, all
     three; a shard fingerprinted as if it started at row 0 does not."""
-    modulus = direct_load.FINGERPRINT_MODULUS
+    modulus = exact_check_engine.FINGERPRINT_MODULUS
     for shape in [(10, 7), (9, 4, 5), (13,), (6, 1)]:
         whole = torch.randn(shape).to(torch.bfloat16)
         shards = whole.chunk(3)  # FSDP2's split of dim 0
         starts = [sum(len(s) for s in shards[:i]) for i in range(len(shards))]
-        sums = [direct_load._fingerprint_sums(s, start).tolist() for s, start in zip(shards, starts, strict=True)]
-        assert [sum(column) % modulus for column in zip(*sums)] == direct_load.exact_fingerprint(whole), shape
-        at_zero = [direct_load._fingerprint_sums(s).tolist() for s in shards]
-        assert sum(s[2] for s in at_zero) % modulus != direct_load.exact_fingerprint(whole)[2], shape
+        sums = [exact_check_engine._fingerprint_sums(s, at).tolist() for s, at in zip(shards, starts, strict=True)]
+        assert [sum(column) % modulus for column in zip(*sums)] == exact_check_engine.exact_fingerprint(whole), shape
+        at_zero = [exact_check_engine._fingerprint_sums(s).tolist() for s in shards]
+        assert sum(s[2] for s in at_zero) % modulus != exact_check_engine.exact_fingerprint(whole)[2], shape
 
 
 def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
@@ -167,7 +168,7 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     code = """
 import sys, types, torch
 sys.modules["vllm_compat"] = types.SimpleNamespace(local_expert_ids=None)  # (not used here; spares importing vLLM)
-import direct_load as d
+import exact_check_engine as d
 torch.manual_seed(0)
 cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16),
          torch.randn(5, 7, 64), torch.randn(64, 1, dtype=torch.float16),

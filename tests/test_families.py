@@ -374,7 +374,7 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
         assert not wrong, (rank, wrong)
 
 
-# The exact check (direct_load.exact_targets / exact_problems), on each
+# The exact check (exact_check_engine.exact_targets / exact_problems), on each
 # family's real vLLM model: a true sync through either loader's route passes;
 # each kind of wrong sync is named.
 
@@ -411,7 +411,7 @@ def _sync(vllm_model, sent, loader: str) -> None:
 @pytest.mark.parametrize("loader", ["vllm", "direct"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loader, vllm_models):
-    import direct_load
+    import exact_check_engine
 
     hf = build_model(family, device="cpu")
     if loader == "direct" and colocated_sync.direct_loader_problem(hf, world_size=1):
@@ -428,15 +428,16 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     sent = _sent(hf, loader)
     blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
-    targets, casts, values_only, whole = direct_load.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
+    config = vllm_model.test_vllm_config
+    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
     assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
-    prints = direct_load.exact_fingerprints(direct_load.as_held(sent, casts))
+    prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
 
     def problems():
-        return direct_load.exact_problems(vllm_model, targets, prints, values_only, whole)[1]
+        return exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1]
 
     _sync(vllm_model, sent, loader)
-    checked, found = direct_load.exact_problems(vllm_model, targets, prints, values_only, whole)
+    checked, found = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)
     assert found == [] and checked == len(dict(vllm_model.named_parameters()))
 
     params = dict(vllm_model.named_parameters())
@@ -503,11 +504,11 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     import json
     import types
 
-    import direct_load
+    import exact_check_engine
 
     hf = build_model("deepseek_v3", device="cpu")
     vllm_model = vllm_models("deepseek_v3")
-    worker = direct_load.DirectLoadWorker()  # the mixin vLLM's worker class gets: here around the model alone
+    worker = exact_check_engine.ExactCheckWorker()  # the mixin vLLM's worker class gets: here around the model alone
     worker.model_runner = types.SimpleNamespace(get_model=lambda: vllm_model)
     worker.vllm_config = vllm_model.test_vllm_config
     sent = _sent(hf, loader)
@@ -517,7 +518,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
         with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
             call()
     casts = {int(i): d for i, d in worker.exact_check_prepare(json.dumps(metas))["casts"].items()}
-    expected = json.dumps({"": direct_load.exact_fingerprints(direct_load.as_held(sent, casts))})
+    expected = json.dumps({"": exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))})
     _sync(vllm_model, sent, loader)
     assert worker.exact_check_start()["parameters"] == worker.exact_check(expected)["parameters"] > 0
     params = dict(vllm_model.named_parameters())

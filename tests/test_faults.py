@@ -163,7 +163,8 @@ class FlakySendTrainer(script.FSDPTrainer):
 
     def setup_weight_transfer(self, sock, refusing_sends, *_):
         client = colocated_sync.FailAfterSend(colocated_sync.DirectLoadClient(sock, ["GPU-x"], {}))
-        self.sender = colocated_sync.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends))
+        self.sender = colocated_sync.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends), None,
+                                                  source=None, rank=self.rank, packed=True, packed_buffer_size_bytes=0)
 
     def send_count(self):
         return self.sender.engine.sends

@@ -23,7 +23,7 @@ def _gather_source(trainer, ckpt, random_init, out_dir, loader):
     metadata = source.metadata() if callable(source.metadata) else source.metadata  # vLLM's own: 0.32 a method
     meta = [(m.name, m.dtype, tuple(m.shape)) for m in metadata]
     tensors = {name: t.detach().clone() for name, t in source}
-    sync_bytes = trainer.sync_bytes() if loader != "module" else None
+    sync_bytes = checks.sync_bytes(trainer.model, source) if loader != "module" else None
     torch.save({"meta": meta, "tensors": tensors, "sync_bytes": sync_bytes}, out_dir / f"rank{trainer.rank}.pt")
 
 
@@ -282,7 +282,8 @@ def test_returning_borrowed_memory_is_a_call_every_rank_answers(cpu_trainers):
 
 def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
     """The benchmark's floor: every rank copies a buffer on its own device and reports GB/s."""
-    rates = script.ray_get_all([t.device_copy_gb_per_s.remote(8 * 1024**2, 3) for t in cpu_trainers])
+    rates = script.ray_get_all([t.__ray_call__.remote(checks.device_copy_gb_per_s, 8 * 1024**2, 3)
+                                for t in cpu_trainers])  # fmt: skip
     assert len(rates) == 2 and all(0.05 < r < 10_000 for r in rates), rates
 
 
@@ -334,6 +335,7 @@ def _full_bf16(trainer):
 def _train_once(trainer, ckpt, out_dir, forward_first):
     trainer.build_model(str(ckpt), lr=1e-2)
     trainer.init_weights(str(ckpt), random_init=False)
+    trainer.optimizer = checks.StepWatch(trainer.optimizer, trainer.model, trainer.device)  # as checks.measure does
     if forward_first:  # as every round does: the gate's forward pass comes before the step
         trainer.token_logprobs([[5, 6, 7, 8]])
     before = _full_bf16(trainer)
@@ -345,7 +347,7 @@ def _train_once(trainer, ckpt, out_dir, forward_first):
     masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
     torch.save(
         {"loss": loss, "meta": meta, "sent": sent, "before": before, "after": after, "masters": masters,
-         "unchanged_by_step": trainer.unchanged_by_last_step()},
+         "unchanged_by_step": trainer.optimizer.unchanged},
         out_dir / f"w{trainer.world_size}r{trainer.rank}.pt",
     )  # fmt: skip
 
@@ -382,8 +384,9 @@ def _step_without_gradients(trainer, ckpt, out_dir):
     trainer.build_model(str(ckpt), lr=1e-2)
     trainer.init_weights(str(ckpt), random_init=False)
     trainer.model.lm_head.weight.requires_grad_(False)  # a parameter the step cannot move
+    trainer.optimizer = checks.StepWatch(trainer.optimizer, trainer.model, trainer.device)  # as checks.measure does
     trainer.train_step(SAMPLES)
-    torch.save(trainer.unchanged_by_last_step(), out_dir / f"unchanged{trainer.rank}.pt")
+    torch.save(trainer.optimizer.unchanged, out_dir / f"unchanged{trainer.rank}.pt")
 
 
 def test_a_parameter_the_step_did_not_move_is_named(tiny_checkpoint, tmp_path):
@@ -448,7 +451,7 @@ def test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group
         return trainers, group
 
     monkeypatch.setattr(script, "start_trainers", on_cpu)
-    monkeypatch.setattr(script, "MeasuredTrainer", NoModelRank)
+    monkeypatch.setattr(script, "RLTrainer", NoModelRank)
     monkeypatch.setattr(script, "placements", lambda trainers: script.ray_get_all(
         [t.__ray_call__.remote(_fails_once_placed) for t in trainers]))  # the first call to the placed trainers
     before = set(_groups_not_removed())
@@ -533,7 +536,10 @@ def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainer
     assert [p["rank"] for p in placements] == [0, 1]
 
 
-class SlowToFingerprint:
+class SlowToFingerprint:  # a trainer rank whose measurement (checks.RankMeasurement) is slow to fingerprint
+    def __init__(self) -> None:
+        self.measurement = self
+
     def start_sent_fingerprints(self) -> None:
         time.sleep(2)
 

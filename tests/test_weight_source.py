@@ -15,14 +15,14 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
 
     import checks
     import colocated_sync
-    import direct_load
+    import exact_check_engine
 
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=False)
     report = {}
     for loader in ("vllm", "direct"):
-        source = trainer.weight_source(loader)  # MeasuredTrainer's: fingerprinted, timed, then the source
-        assert isinstance(source, checks.FingerprintedSource) and isinstance(source._source, checks.TimedSource)
+        # What checks.RankMeasurement gives vLLM's engine: the source, timed, then fingerprinted.
+        source = checks.FingerprintedSource(checks.TimedSource(trainer.weight_source(loader), {}))
         for s in (source, source._source, source._source._source):
             assert isinstance(s, WeightSource) and not inspect.isabstract(type(s)), type(s)
         names = [m.name for m in source.metadata]
@@ -50,15 +50,15 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
             assert source.experts_in_place is None  # CPU tensors (on a GPU, a bf16 trainer's go in place)
         # The exact check's half on the trainer, for the last pass: each tensor's fingerprint (in the
         # dtype vLLM holds it in, where that differs), most of them from the model's own shards.
-        trainer.set_exact_casts({0: "float32"})
+        source.casts = {0: "float32"}  # (RankMeasurement.set_exact_casts)
         sent = [(n, t.detach().clone()) for n, t in iter(source)]
         held = [t.float() if i == 0 else t for i, (_, t) in enumerate(sent)]
         report[loader] = len(names)
         if loader == "direct":  # as a round does: started after the send, read back later
-            trainer.start_sent_fingerprints()
-        report[f"{loader}_fingerprints"] = trainer.sent_fingerprints()
-        report[f"{loader}_want"] = [direct_load.exact_fingerprint(t) for t in held]
-        report[f"{loader}_uncast"] = [direct_load.exact_fingerprint(t) for _, t in sent]
+            source.start()
+        report[f"{loader}_fingerprints"] = source.fingerprints()
+        report[f"{loader}_want"] = [exact_check_engine.exact_fingerprint(t) for t in held]
+        report[f"{loader}_uncast"] = [exact_check_engine.exact_fingerprint(t) for _, t in sent]
         report[f"{loader}_from_model"] = len(source._from_model)
     torch.save(report, out_dir / f"rank{trainer.rank}.pt")
 
