@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import checks
@@ -156,12 +157,12 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     script.setup_weight_transfer_on_every_rank(job, args, "vllm")
     colocated_sync.sleep_for_sync(sock, args.sleep_level)
     colocated_sync.wake_weights(sock, args.sleep_level)
-    script.send_all(job.trainers, sock, node_servers=job.node_servers)
+    script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
     colocated_sync.wake_to_serve(sock)
     stored = colocated_sync.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
-    script.send_all(job.trainers, sock, node_servers=job.node_servers)
+    script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
     colocated_sync.wake_to_serve(sock)
     try:
         compared = colocated_sync.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]

@@ -8,6 +8,7 @@ Nothing here moves weights: rlhf_ipc_fsdp_ep.py does, and calls these around it.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import exact_check_engine
 import colocated_sync
 import models
+import multinode
 from vllm_compat import TrainerSource
 
 GiB = 1024**3
@@ -387,7 +389,8 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
 def check_coverage(job, sleep_level: int) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
-    colocated_sync.send_all(job.trainers, job.server.socket_path, job.send_retries, job.node_servers)
+    colocated_sync.send_all(job.trainers, job.server.socket_path, job.send_retries,
+                            check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
     colocated_sync.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)

@@ -33,9 +33,9 @@ Public names:
   the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
   its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions, prompt_logprobs,
                    collective_rpc, weight_checker
-  the trainers     start_trainers, placements, ray_get_all, send_all, init_ray, leave_ray, cli
+  the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, init_ray, leave_ray, cli
   a trainer rank   weight_source (BF16Source, LocalExpertSource), sync_client, weight_sender (WeightSender)
-  more nodes       NodeServer, start_node_servers, stop_node_servers, wait_until_ready, gloo_interface_env
+  more nodes       gloo_interface_env; the other nodes' servers are in multinode.py (optional, beside this)
 
 Any HTTP client reaches the server through the socket, e.g.
 `curl --unix-socket <socket> http://localhost/health`, or
@@ -794,9 +794,8 @@ class FailAfterSend:
 #   ray_get_all       every rank's result, failing at the first error (a dead
 #                     rank as TrainerDied, naming why; a server error as itself)
 #   send_all          one weight sync on every rank, sent again when the server
-#                     failed it part way (`retries`), unless a node's server is gone
-#   NodeServer        an actor that owns the headless `vllm serve` of another node
-#   wait_until_ready  the trainers' weights filled, every node's server healthy
+#                     failed it part way (`retries`), unless `check_failure` finds why
+#   wait_until_ready  the trainers' weights filled, the server healthy
 #   init_ray          ray.init() with the driver's settings on every node (job_env),
 #                     SIGTERM still unwinding
 #   leave_ray         Ray left as we found it (the trainers' rendezvous directory too)
@@ -1058,15 +1057,15 @@ def death_cause(error: Exception) -> str:
     return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
 
 
-def send_all(trainers: list, sock: str, retries: int = 0, node_servers: list = ()) -> tuple[list, int]:
+def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) -> tuple[list, int]:
     """send_weights() on every rank; returns what each rank reports and how
     many times the send was retried. A send the server failed part way (an
     HTTP error, a refused chunk, a timeout) is sent again from the start, up to
     `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
-    rank (TrainerDied) or a dead server is not retried: the first node's
-    server must answer, and every other node's (`node_servers`, from
-    start_node_servers) must still run; one that does not is named at the
-    first failed send, as raise_node_failure names it."""
+    rank (TrainerDied) or a dead server is not retried: the server must
+    answer, and `check_failure(error)`, if given, runs at every failed send
+    (`error`: the send's, as if not retried) and may raise in its place, naming
+    a cause found elsewhere (on more nodes: another node's server exited)."""
     first = why = None
     for attempt in range(retries + 1):
         sends = [t.send_weights.remote() for t in trainers]
@@ -1074,8 +1073,9 @@ def send_all(trainers: list, sock: str, retries: int = 0, node_servers: list = (
             return ray_get_all(sends, also_check=_answering(sock)), attempt
         except ServerError as e:
             first = first or e
-            raise_node_failure(node_servers, seen_as=ServerError(
-                f"the send failed part way (not retried); vLLM holds a mix of old and new weights: {e}"))  # fmt: skip
+            if check_failure:
+                check_failure(ServerError("the send failed part way (not retried); "
+                                          f"vLLM holds a mix of old and new weights: {e}"))  # fmt: skip
             if attempt == retries:
                 why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
                 break
@@ -1107,141 +1107,25 @@ def _answering(sock: str):
     return check
 
 
-class NodeServer:
-    """A Ray actor that owns one node's headless `vllm serve` (the DP engines
-    of that node's GPUs; the API server runs on the first node). It lives in
-    the placement group's bundle of its node, so Ray starts it there and stops
-    it with the driver; and the server's watchdog stops the server when this
-    actor's process is gone, however it ended."""
-
-    def __init__(self, node_index: int) -> None:
-        self.node_index, self.server = node_index, None
-        self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # private (0700), like the first node's
-
-    def start(self, model: str, serve_flags: list[str], log_path: str, env: dict,
-              launcher=DEFAULT_LAUNCHER, resolve_model=None) -> str:  # fmt: skip
-        """Start `vllm serve <model's local path> <serve_flags>`; returns where
-        this node is, for messages. `model`: the directory the driver
-        resolved (it must be at that path on this node too), or what
-        `resolve_model(model, a private directory)` turns into one here."""
-        try:
-            model_path = resolve_model(model, self.workdir) if resolve_model else Path(model)
-        except SystemExit as e:  # its one-line error, for this node
-            raise ServerError(f"{self.where()}: {e}") from None
-        env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
-        self.server = start_server([str(model_path), *serve_flags], socket_path=self.workdir / "vllm.sock",
-                                           log_path=log_path, env=env, launcher=launcher)  # fmt: skip
-        return self.where()
-
-    def pgid(self) -> int:
-        """The process group of this node's server (to tell its GPU memory from others')."""
-        return self.server.pgid
-
-    def where(self) -> str:
-        return f"node {self.node_index} ({ray.util.get_node_ip_address()}, Ray node {ray.get_runtime_context().get_node_id()[:8]})"
-
-    def failure(self) -> str | None:
-        """None while the server runs; else how it ended, with its log's end."""
-        if self.server is None or (code := self.server.proc.poll()) is None:
-            return None
-        return (f"the vLLM server on {self.where()} exited with code {code}; last lines of "
-                f"{self.server.log_path}:\n{log_tail(self.server, 15)}")  # fmt: skip
-
-    def stop(self) -> None:
-        if self.server is not None:
-            stop_server(self.server)
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
-    with socket.create_server((host, 0)) as s:
-        return s.getsockname()[1]
-
-
-def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node: list[list[str]],
-                       launcher=DEFAULT_LAUNCHER, resolve_model=None) -> list:  # fmt: skip
-    """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
-    node's bundle starts `vllm serve <model> <flags>` there, its log at
-    `log_path` made absolute, with `.node<k>` before the suffix (on that
-    node's disk). `model`: the model's directory as the driver resolved it,
-    absolute, at the same path on every node; or what each node makes a
-    directory of with `resolve_model(model, a private directory)` (the
-    script's presets: the driver's is private, so each node builds its
-    own). Not a model as the user gave it: a relative path would resolve
-    against each actor's working directory, and a Hugging Face id would be
-    downloaded again on every node. Returns the actors, each already
-    starting its server."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
-    servers = [actor.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
-    try:
-        ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher,
-                                         resolve_model)
-                     for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
-                    who="the Ray actor of a node's vLLM server")  # fmt: skip
-    except BaseException:
-        stop_node_servers(servers)  # those that did start
-        raise
-    return servers
-
-
-class NodeServerFailed(ServerError):
-    """The vLLM server of a node other than the first exited, or its NodeServer actor is lost."""
-
-
-def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> None:
-    """Raise a ServerError naming every node whose server has exited (or
-    whose NodeServer actor is lost or does not answer), and how; `seen_as`:
-    the error that made us look (raised as it is if it names them already,
-    from an earlier look). Else return."""
-    if isinstance(seen_as, NodeServerFailed):
-        raise seen_as
-    asked = [server.failure.remote() for server in node_servers]
-    answered = set(ray.wait(asked, num_returns=len(asked), timeout=60)[0])  # 60 s for all of them together
-    failures = []
-    for k, ref in enumerate(asked, start=1):
-        try:
-            failures.append(ray.get(ref) if ref in answered else
-                            f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")  # fmt: skip
-        except ray.exceptions.RayActorError as e:
-            failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
-    if failures := [f for f in failures if f]:
-        raise NodeServerFailed("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
-
-
-def wait_until_ready(server: Server, filling: list, timeout_s: float, node_servers: list = ()) -> float:
+def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check=None) -> float:
     """Wait for the trainers' weights and for the server's health, printing
-    its progress; a failed rank, or a server that exits on any node, fails at
-    once. Returns when the last rank's weights were in, in seconds into the
-    server's start."""
+    its progress; a failed rank, or a server that exits, fails at once.
+    `also_check()`, if given, runs every 2 s meanwhile, and may raise to stop
+    the wait (on more nodes: another node's server exited). Returns when the
+    last rank's weights were in, in seconds into the server's start."""
     while filling and server.proc.poll() is None:
         done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
         ray_get_all(done)
-        raise_node_failure(node_servers)
+        if also_check:
+            also_check()
         print_progress(server)
     filled_after_s = time.monotonic() - server.started_at
     if not filling:  # else the server exited first, and wait_until_healthy says how
         print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
     left = timeout_s - filled_after_s
-    server.healthy_after_s = wait_until_healthy(server, left, also_check=lambda: raise_node_failure(node_servers))
+    server.healthy_after_s = wait_until_healthy(server, left, also_check=also_check)
     print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
     return filled_after_s
-
-
-def stop_node_servers(node_servers: list) -> list:
-    """Stop every node's server and wait until its processes are gone; what
-    cannot be stopped this way (its node or actor lost) its watchdog stops.
-    Returns [] (nothing left to stop)."""
-    stops = [server.stop.remote() for server in node_servers]
-    for k, stop in enumerate(stops, start=1):
-        try:
-            ray.get(stop, timeout=60)
-        except Exception as e:  # keep going: the other nodes' servers still need stopping
-            print(f"[shutdown] node {k}'s vLLM server: {death_cause(e)}", flush=True)
-    return []
 
 
 def cli(main_fn) -> None:

@@ -29,6 +29,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -39,9 +40,9 @@ import checks
 import colocated_sync
 import models
 import toy_rl
-from colocated_sync import (cli, free_port, gloo_interface_env, init_ray, leave_ray, placements, raise_node_failure,
-                            ray_get_all, send_all, start_node_servers, start_trainers, stop_node_servers,
-                            wait_until_ready)  # fmt: skip
+from colocated_sync import (cli, gloo_interface_env, init_ray, leave_ray, placements, ray_get_all, send_all,
+                            start_trainers, wait_until_ready)  # fmt: skip
+from multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
 from vllm_compat import untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
@@ -311,7 +312,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=colocated_sync.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
-                weights_in_after_s = wait_until_ready(server, filling, args.server_timeout, node_servers)
+                weights_in_after_s = wait_until_ready(server, filling, args.server_timeout,
+                                                      also_check=partial(raise_node_failure, node_servers))
                 try:
                     yield Job(trainers=trainers, server=server, served_name=args.model,
                               dp_size=args.num_gpus // args.tensor_parallel_size,
@@ -397,7 +399,8 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     with timer.phase("wake_weights"):
         colocated_sync.wake_weights(sock, args.sleep_level)
     with timer.phase("send"):
-        _, retried = send_all(trainers, sock, job.send_retries, job.node_servers)
+        _, retried = send_all(trainers, sock, job.send_retries,
+                              check_failure=partial(raise_node_failure, job.node_servers))
     with timer.phase("wake_kv"):
         if kv_cache_freed:
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])

@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -30,6 +31,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 import checks  # noqa: E402
 import colocated_sync  # noqa: E402
 import models  # noqa: E402
+import multinode  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
@@ -167,7 +169,7 @@ def _model_node1_serves(argv: list[str]) -> dict:
         servers = start_node_servers(pg, model, log_path, env, flags_per_node, launcher=SLEEPS, **kwargs)
         cmd = ray.get(servers[0].__ray_call__.remote(lambda node: list(node.server.proc.args)))
         served.append(cmd[cmd.index("serve") + 1])  # the watchdog's argv: `... -- <launcher> serve <model> ...`
-        colocated_sync.stop_node_servers(servers)
+        multinode.stop_node_servers(servers)
         raise _Stop
 
     for name, stand_in in zip(originals, (on_cpu, and_stop, _NoModelRank)):
@@ -207,7 +209,7 @@ def main(out_path: str, log_dir: str) -> None:
         checks.show_layout(placements, 2)
         seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
         args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
-        head = (placements[0]["node_ip"], colocated_sync.free_port(placements[0]["node_ip"]))
+        head = (placements[0]["node_ip"], multinode.free_port(placements[0]["node_ip"]))
         seen["head"] = list(head)
         seen["flags"] = [script.serve_args(args, gpus, k, head) for k, gpus in enumerate(seen["layout"])]
         log = str(Path(log_dir) / "server.log")
@@ -215,17 +217,18 @@ def main(out_path: str, log_dir: str) -> None:
         # A node's server that exits during the start: the wait ends at once, naming the node.
         first = colocated_sync.start_server(["m"], socket_path=conftest.private_socket_path(),
                                      log_path=Path(log_dir) / "head.log", launcher=SLEEPS)  # fmt: skip
-        failing = colocated_sync.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
+        failing = multinode.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
         begin = time.monotonic()
-        seen["failed_start"] = _error_of(lambda: colocated_sync.wait_until_ready(first, [], 120, failing))
+        seen["failed_start"] = _error_of(lambda: colocated_sync.wait_until_ready(
+            first, [], 120, also_check=partial(multinode.raise_node_failure, failing)))  # fmt: skip
         seen["failed_start_s"] = time.monotonic() - begin
         colocated_sync.stop_server(first)
-        colocated_sync.stop_node_servers(failing)
+        multinode.stop_node_servers(failing)
 
         # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
         os.chdir(log_dir)  # a relative --server-log: the node's log lands here, not in its actor's cwd
-        running = colocated_sync.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS,
-                                                    resolve_model=models.resolve_model)  # fmt: skip
+        running = multinode.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS,
+                                               resolve_model=models.resolve_model)  # fmt: skip
         pid = ray.get(running[0].__ray_call__.remote(_server_pid))
         # A preset, through resolve_model: node 1 serves a directory it built (the driver's is private to it).
         node1_model = ray.get(running[0].__ray_call__.remote(lambda node: node.server.proc.args))
@@ -238,20 +241,21 @@ def main(out_path: str, log_dir: str) -> None:
         seen["node1_interface"] = os.environ.get("GLOO_SOCKET_IFNAME") or _interface_with(ip)
         os.kill(pid, 9)
         time.sleep(1)
-        seen["died_mid_run"] = _error_of(lambda: colocated_sync.raise_node_failure(
+        seen["died_mid_run"] = _error_of(lambda: multinode.raise_node_failure(
             running, seen_as=colocated_sync.ServerError("POST /sleep failed")))  # fmt: skip
         # A send the server fails part way while node 1's server is dead (the first node's still
         # answers): not sent again, and node 1 named at once, as run_round calls send_all.
         with _healthy_api() as sock:
             senders = [_SendFailsPartWay.remote() for _ in range(2)]
             begin = time.monotonic()
-            seen["send_with_a_dead_node"] = _error_of(lambda: colocated_sync.send_all(senders, sock, 2, running))
+            seen["send_with_a_dead_node"] = _error_of(lambda: colocated_sync.send_all(
+                senders, sock, 2, check_failure=partial(multinode.raise_node_failure, running)))  # fmt: skip
             seen["send_with_a_dead_node_s"] = time.monotonic() - begin
             seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])
-        colocated_sync.stop_node_servers(running)
+        multinode.stop_node_servers(running)
 
         # An actor lost with its server running (the driver gone, say): the watchdog stops it.
-        orphaned = colocated_sync.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
+        orphaned = multinode.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
         pid = ray.get(orphaned[0].__ray_call__.remote(_server_pid))
         ray.kill(orphaned[0])
         deadline = time.monotonic() + 30

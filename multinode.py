@@ -1,0 +1,170 @@
+"""More than one node for colocated_sync.py: the vLLM servers of the other
+nodes. The module to copy beside colocated_sync.py (and its three files)
+when the trainers and one vLLM server span several nodes of a Ray cluster;
+on one node it is not needed.
+
+One vLLM server spans the nodes (vLLM's multi-node data parallelism): node 0,
+where the driver runs, serves the API and its engines; every other node runs
+its engines alone (`vllm serve --headless`), started and owned by a NodeServer
+actor in that node's bundle of the trainers' placement group. Each engine still
+reads the CUDA IPC buffer of the trainer rank on its own GPU. A server that
+exits on any node is named (raise_node_failure) through colocated_sync's
+checks: wait_until_ready's `also_check` and send_all's `check_failure`.
+
+On the driver, with colocated_sync's names (start_trainers handles the nodes):
+
+    trainers, pg = start_trainers(MyTrainer, num_gpus, num_nodes, trainer_args=(...))
+    ranks = placements(trainers)                                   # in node order, rank 0 on this node
+    head = (ranks[0]["node_ip"], free_port(ranks[0]["node_ip"]))   # node 0's DP handshake
+    flags = [serve_args(model_name, node_gpu_ids[k], num_nodes=num_nodes, node=k, head=head)
+             for k in range(num_nodes)]                            # node_gpu_ids[k]: the GPU ids of node k's ranks
+    node_servers = start_node_servers(pg, model_dir, "vllm-server.log", env, flags[1:])   # nodes 1, 2, ...
+    try:
+        with serving([model_dir, *flags[0]], socket_path=private_dir / "vllm.sock", log_path="vllm-server.log",
+                     env={**env, **gloo_interface_env(ranks[0]["node_ip"])}) as server:
+            node_failure = partial(raise_node_failure, node_servers)   # raises NodeServerFailed, naming the nodes
+            wait_until_ready(server, filling, timeout_s=1200, also_check=node_failure)   # filling: refs, or []
+            ...                                                     # each round as on one node, with
+            send_all(trainers, server.socket_path, retries=1, check_failure=node_failure)
+    finally:
+        stop_node_servers(node_servers)
+
+Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
+free_port. The model must be at the same path on every node (or each node builds it: resolve_model), and
+the job must run on a network you trust: vLLM's and the trainers' handshakes listen on the cluster network.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import ray
+
+from colocated_sync import (DEFAULT_LAUNCHER, ServerError, death_cause, gloo_interface_env, log_tail, ray_get_all,
+                            start_server, stop_server)  # fmt: skip
+
+
+class NodeServer:
+    """A Ray actor that owns one node's headless `vllm serve` (the DP engines
+    of that node's GPUs; the API server runs on the first node). It lives in
+    the placement group's bundle of its node, so Ray starts it there and stops
+    it with the driver; and the server's watchdog stops the server when this
+    actor's process is gone, however it ended."""
+
+    def __init__(self, node_index: int) -> None:
+        self.node_index, self.server = node_index, None
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # private (0700), like the first node's
+
+    def start(self, model: str, serve_flags: list[str], log_path: str, env: dict,
+              launcher=DEFAULT_LAUNCHER, resolve_model=None) -> str:  # fmt: skip
+        """Start `vllm serve <model's local path> <serve_flags>`; returns where
+        this node is, for messages. `model`: the directory the driver
+        resolved (it must be at that path on this node too), or what
+        `resolve_model(model, a private directory)` turns into one here."""
+        try:
+            model_path = resolve_model(model, self.workdir) if resolve_model else Path(model)
+        except SystemExit as e:  # its one-line error, for this node
+            raise ServerError(f"{self.where()}: {e}") from None
+        env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
+        self.server = start_server([str(model_path), *serve_flags], socket_path=self.workdir / "vllm.sock",
+                                   log_path=log_path, env=env, launcher=launcher)  # fmt: skip
+        return self.where()
+
+    def pgid(self) -> int:
+        """The process group of this node's server (to tell its GPU memory from others')."""
+        return self.server.pgid
+
+    def where(self) -> str:
+        ray_node = ray.get_runtime_context().get_node_id()[:8]
+        return f"node {self.node_index} ({ray.util.get_node_ip_address()}, Ray node {ray_node})"
+
+    def failure(self) -> str | None:
+        """None while the server runs; else how it ended, with its log's end."""
+        if self.server is None or (code := self.server.proc.poll()) is None:
+            return None
+        return (f"the vLLM server on {self.where()} exited with code {code}; last lines of "
+                f"{self.server.log_path}:\n{log_tail(self.server, 15)}")  # fmt: skip
+
+    def stop(self) -> None:
+        if self.server is not None:
+            stop_server(self.server)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
+    with socket.create_server((host, 0)) as s:
+        return s.getsockname()[1]
+
+
+def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node: list[list[str]],
+                       launcher=DEFAULT_LAUNCHER, resolve_model=None) -> list:  # fmt: skip
+    """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
+    node's bundle starts `vllm serve <model> <flags>` there, its log at
+    `log_path` made absolute, with `.node<k>` before the suffix (on that
+    node's disk). `model`: the model's directory as the driver resolved it,
+    absolute, at the same path on every node; or what each node makes a
+    directory of with `resolve_model(model, a private directory)` (the
+    script's presets: the driver's is private, so each node builds its
+    own). Not a model as the user gave it: a relative path would resolve
+    against each actor's working directory, and a Hugging Face id would be
+    downloaded again on every node. Returns the actors, each already
+    starting its server."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
+    servers = [actor.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
+    try:
+        ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher,
+                                         resolve_model)
+                     for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
+                    who="the Ray actor of a node's vLLM server")  # fmt: skip
+    except BaseException:
+        stop_node_servers(servers)  # those that did start
+        raise
+    return servers
+
+
+class NodeServerFailed(ServerError):
+    """The vLLM server of a node other than the first exited, or its NodeServer actor is lost."""
+
+
+def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> None:
+    """Raise a ServerError naming every node whose server has exited (or
+    whose NodeServer actor is lost or does not answer), and how; `seen_as`:
+    the error that made us look (raised as it is if it names them already,
+    from an earlier look). Else return."""
+    if isinstance(seen_as, NodeServerFailed):
+        raise seen_as
+    asked = [server.failure.remote() for server in node_servers]
+    answered = set(ray.wait(asked, num_returns=len(asked), timeout=60)[0])  # 60 s for all of them together
+    failures = []
+    for k, ref in enumerate(asked, start=1):
+        try:
+            failures.append(ray.get(ref) if ref in answered else
+                            f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")  # fmt: skip
+        except ray.exceptions.RayActorError as e:
+            failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
+    if failures := [f for f in failures if f]:
+        raise NodeServerFailed("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
+
+
+
+
+def stop_node_servers(node_servers: list) -> list:
+    """Stop every node's server and wait until its processes are gone; what
+    cannot be stopped this way (its node or actor lost) its watchdog stops.
+    Returns [] (nothing left to stop)."""
+    stops = [server.stop.remote() for server in node_servers]
+    for k, stop in enumerate(stops, start=1):
+        try:
+            ray.get(stop, timeout=60)
+        except Exception as e:  # keep going: the other nodes' servers still need stopping
+            print(f"[shutdown] node {k}'s vLLM server: {death_cause(e)}", flush=True)
+    return []
+
+
