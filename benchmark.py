@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             result["variants"].append(variant)
             # Like the script's, but after zeroing vLLM's weights (and the coverage check, if asked).
             result.setdefault("time_to_first_sync_s", variant.get("time_to_first_sync_s"))
+            if loader == "direct":  # (run_facts came before any setup)
+                result["experts_in_place"] = variant["experts_in_place"]
             checks.write_json(out, result)  # after every step: a run cut short keeps what it measured
             print(checks.format_summary({**result, **variant}), flush=True)
         if set(bench.loaders) == set(LOADERS):

@@ -1,6 +1,6 @@
 """Proof and numbers for rlhf_ipc_fsdp_ep.py: the logprob gate, sync coverage,
-memory, the round records, the summary and the JSON; and `Measured`, which
-times and inspects a trainer from outside its code.
+memory, the round records, the summary and the JSON; and `measure`, which
+times and inspects a trainer's sends and steps from outside its code.
 
 Nothing here moves weights: rlhf_ipc_fsdp_ep.py does, and calls these around it.
 """
@@ -414,10 +414,10 @@ def prepare_exact_check(job) -> dict:
     it learns which of its parameters each tensor is written into
     (ExactCheckWorker.exact_check_prepare, exact_check_engine.py). After setting up
     a loader's transfer, before a full sync: it leaves zeros where it probes."""
-    sent = in_ranks(job.trainers[:1], "sent_metadata")[0]
+    sent = measured(job.trainers[:1], "sent_metadata")[0]
     answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
-    in_ranks(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()})
+    measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()})
     return answer
 
 
@@ -482,9 +482,9 @@ def _exact_check(job) -> ExactCheck:
     shards, where a tensor is one model tensor); each DP engine compares that
     with what it holds, per parameter, on its GPU."""
     start = time.perf_counter()
-    in_ranks(job.trainers, "start_sent_fingerprints")
+    measured(job.trainers, "start_sent_fingerprints")
     colocated_sync.collective_rpc(job.server.socket_path, "exact_check_start")
-    sums = rank_fingerprints(in_ranks(job.trainers, "sent_fingerprints"))
+    sums = rank_fingerprints(measured(job.trainers, "sent_fingerprints"))
     trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
@@ -519,7 +519,7 @@ class RoundRecord:
     """One round, as it goes into the JSON (the field names are the keys)."""
 
     phases_s: dict[str, float]
-    send_breakdown_s: list[dict]  # per rank: Measured.send_breakdown
+    send_breakdown_s: list[dict]  # per rank: RankMeasurement.send_breakdown
     cycle_s: float  # the sync phases, without a train step
     bytes_sent: int  # the model's bf16 size, whichever loader moves it
     send_gb_per_s: float  # bytes_sent / send
@@ -608,9 +608,9 @@ def judged_round(args, trainers: list, phases: dict[str, float], before: Logprob
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
-    sync_bytes = in_ranks(trainers[:1], "sync_bytes")[0]
-    send_per_rank = in_ranks(trainers, "send_breakdown")
-    record = round_record(phases, send_per_rank, sync_bytes, before, after, verdict, memory(trainers, server_pgids),
+    synced = measured(trainers[:1], "sync_bytes")[0]
+    send_per_rank = measured(trainers, "send_breakdown")
+    record = round_record(phases, send_per_rank, synced, before, after, verdict, memory(trainers, server_pgids),
                           weights_updated)  # fmt: skip
     record.send_retries = send_retries
     widened = (verdict.mean_tolerance, verdict.quantile_tolerance) != (tolerances.mean, tolerances.quantile)
@@ -623,7 +623,7 @@ def judged_round(args, trainers: list, phases: dict[str, float], before: Logprob
         if training["loss"] is None:
             record.step_skipped = "every sample had the same reward: a step would change nothing"
         else:
-            record.unchanged_by_step = in_ranks(trainers[:1], "unchanged_by_last_step")[0]
+            record.unchanged_by_step = measured(trainers[:1], "unchanged_by_last_step")[0]
     print_round(record, tolerances)
     return record
 
@@ -863,7 +863,7 @@ class PhaseTimer:
 # in every rank, what a sync goes through: the sender's weight source (timed,
 # fingerprinted for the exact check) and its client (timed), the send itself
 # (timed), and the optimizer (which parameters a step left as they were). The
-# driver reads the results with `in_ranks`. The functions after
+# driver reads the results with `measured`. The functions after
 # RankMeasurement run in a rank through `__ray_call__`, on any trainer with a
 # `model` and a `device`.
 
@@ -878,7 +878,7 @@ def _start_measuring(trainer) -> None:
     trainer.measurement = RankMeasurement(trainer)
 
 
-def in_ranks(trainers: list, method: str, *args) -> list:
+def measured(trainers: list, method: str, *args) -> list:
     """RankMeasurement.<method>(*args) on every rank of `trainers`."""
     return colocated_sync.ray_get_all([t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers])
 
@@ -894,12 +894,14 @@ class RankMeasurement:
 
     def __init__(self, trainer) -> None:
         sender, self.device, self.model = trainer.sender, trainer.device, trainer.model
+        if isinstance(sender, TimedSender):  # measured already, and no new setup since: around the trainer's own
+            sender = sender.unmeasured
         self.send_seconds: dict[str, float] = {}
         self.sent_source = sender.source  # for the exact check: what this rank sends
         self.fingerprinted = FingerprintedSource(TimedSource(sender.source, self.send_seconds))
         measured = colocated_sync.weight_sender(sender.rank, TimedClient(sender.client.client, self.send_seconds),
                                                 self.fingerprinted, sender.packed, sender.packed_buffer_size_bytes)
-        trainer.sender = TimedSender(measured, self.send_seconds, self.device)
+        trainer.sender = TimedSender(measured, self.send_seconds, self.device, unmeasured=sender)
         if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
             trainer.optimizer = StepWatch(trainer.optimizer, trainer.model, self.device)
         self.optimizer = getattr(trainer, "optimizer", None)
@@ -959,8 +961,9 @@ class TimedSender:
     the device synchronised (what send_breakdown reads), after clearing the
     last send's numbers."""
 
-    def __init__(self, sender, seconds: dict[str, float], device: torch.device) -> None:
+    def __init__(self, sender, seconds: dict[str, float], device: torch.device, unmeasured=None) -> None:
         self._sender, self._seconds, self._device = sender, seconds, device
+        self.unmeasured = unmeasured  # the trainer's own sender, which `sender` was built around (RankMeasurement)
 
     def send(self) -> None:
         self._seconds.clear()
@@ -1271,7 +1274,11 @@ class TimedClient:
         self._seconds = seconds
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # not yet set (a copy being built): not the client's either
+            raise AttributeError(name)
         call = getattr(self._client, name)
+        if not callable(call):  # an attribute (e.g. the direct loader client's experts_in_place): as it is
+            return call
 
         def timed(*args, **kwargs):
             start = time.perf_counter()

@@ -701,8 +701,6 @@ class DirectLoadClient:
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
         self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
-        if experts_in_place is not None:
-            experts_in_place.handed_over = True  # so weight_sender leaves the blocks out of the packed buffer
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if not init_info.get("packed"):
@@ -710,12 +708,13 @@ class DirectLoadClient:
         expected = {"blocks": self.expert_blocks, "dtype": "bfloat16", "trainer_gpu_uuids": self.trainer_gpu_uuids}
         collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self) -> dict:
         """Start the engines' direct load; with experts in place, every engine
-        copies its trainer rank's expert blocks from the trainer's memory now."""
+        copies its trainer rank's expert blocks from the trainer's memory now.
+        Returns what the first DP engine reports of it."""
         handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
         payload = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles}
-        collective_rpc(self.sock, "direct_load_start", _pickled(payload) if handles else "")
+        return collective_rpc(self.sock, "direct_load_start", _pickled(payload) if handles else "")[0]
 
     def update_weights(self, update_info: dict) -> dict:
         """One chunk; returns what the first DP engine reports of it."""
@@ -1485,9 +1484,10 @@ def weight_sender(rank: int, client, source: TrainerSource, packed: bool = True,
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-    client = FailAfterSend(client)
     in_place = getattr(source, "experts_in_place", None)
-    in_place = in_place if in_place is not None and in_place.handed_over else None  # a DirectLoadClient sends them
+    if in_place is not None and getattr(client, "experts_in_place", None) is not in_place:
+        in_place = None  # a client that does not hand them to the engines (vLLM's routes): they go packed
+    client = FailAfterSend(client)
     packed_part = PackedPart(source, len(source.metadata) - len(in_place.names)) if in_place else source
     engine = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
@@ -1527,15 +1527,21 @@ class ExpertsInPlace:
 
     def __init__(self, blocks: dict[str, torch.nn.Parameter]) -> None:
         self.names = list(blocks)  # the names they are sent under, in send order
-        self.handed_over = False  # a DirectLoadClient hands the handles to the engines (sync_client)
         self._params = list(blocks.values())
         self._exported: tuple[list, list] | None = None  # (where the blocks were, their handles)
         self.gathered: dict[str, list] | None = None  # every rank's handles by GPU (rank 0 uses them)
 
     @staticmethod
     def possible(blocks: dict[str, torch.nn.Parameter]) -> bool:
+        """Whether every rank holds its blocks as vLLM does (every rank at
+        once: each send's handshake must be the same on all of them)."""
         local = [_local(p) for p in blocks.values()]
-        return bool(local) and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in local)
+        here = bool(local) and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in local)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = torch.tensor([int(here)])  # (on the CPU: the process group's gloo part)
+            dist.all_reduce(every, op=dist.ReduceOp.MIN)
+            return bool(every.item())
+        return here
 
     def gather(self) -> None:
         """Every rank at once: its GPU synchronized, its handles (exported

@@ -89,6 +89,7 @@ class DirectLoadWorker:
             self._direct_layout = (model, _expert_layers(model), _param_owners(model))
         session = self._direct_session = _session(*self._direct_layout, PackedBufferImporter())
         if not in_place:
+            self._opened_storage = {}  # a trainer's storage opened for an earlier sync: released
             return {"tensors": 0, "bytes": 0}
         update = _unpickle(in_place)
         blocks = update["blocks"].get(session.gpu_uuid) or _no_trainer_rank(session.gpu_uuid, list(update["blocks"]))
@@ -96,8 +97,9 @@ class DirectLoadWorker:
         _load(session, tensors, update["trainer_gpu_uuids"].index(session.gpu_uuid), self.vllm_config)
         session.tensors += len(tensors)
         session.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-        session.seconds["experts_in_place"] = time.perf_counter() - start  # (the copies are launched; finish waits)
-        return {"tensors": len(tensors), "bytes": session.bytes}
+        seconds = {"experts_in_place": time.perf_counter() - start}  # (the copies are launched; finish waits)
+        session.seconds.update(seconds)
+        return {"tensors": len(tensors), "bytes": session.bytes, "seconds": seconds}
 
     def _trainer_storage(self, blocks: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """The trainer's tensors behind `blocks`' CUDA IPC handles, each opened

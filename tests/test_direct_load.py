@@ -55,7 +55,6 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
     in_place = colocated_sync.ExpertsInPlace({})
     in_place.gathered = {"GPU-elsewhere": []}
     client = colocated_sync.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {}, in_place)
-    assert in_place.handed_over  # so weight_sender leaves the blocks out of the packed buffer
     with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
         client.start_weight_update()
     client.finish_weight_update()

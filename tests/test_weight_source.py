@@ -124,3 +124,57 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
         assert f"{prefix}.{leaf}" not in split
         assert torch.equal(torch.stack([split[f"{prefix}.{e}.{per_expert}"] for e in range(whole.shape[0])]), whole)
     assert sum(t.numel() for t in split.values()) == sum(t.numel() for t in fused.values())
+
+
+def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_them_over(monkeypatch):
+    """weight_sender leaves a source's expert blocks out of vLLM's packed
+    buffer only when its client is the direct loader's client holding that
+    source's ExpertsInPlace (which hands their handles to the engines), or
+    that client timed (checks.measure): through vLLM's routes, or with
+    another source's, every tensor is packed. And measure builds the
+    sender again around the source timed and fingerprinted, once however
+    often it runs. (vLLM's IPC trainer engine needs a GPU, and so do the
+    handles: here a stand-in records what the engine is given, and the blocks
+    count as a bf16 trainer's on a GPU.)"""
+    from types import SimpleNamespace
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import checks
+    import colocated_sync
+    from test_families import build_model
+
+    given = []
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init",
+                        staticmethod(lambda info, client, source: given.append((client, source)) or object()))
+    monkeypatch.setattr(colocated_sync.ExpertsInPlace, "possible", staticmethod(lambda blocks: True))
+    model = build_model("qwen3_moe", device="cpu")
+    source, other = colocated_sync.LocalExpertSource(model, 1), colocated_sync.LocalExpertSource(model, 1)
+    names, blocks = [m.name for m in source.metadata], list(source.expert_blocks)
+    assert names[-len(blocks):] == blocks and source.experts_in_place.names == blocks
+
+    def packed(client, from_source=source) -> list[str]:
+        sender = colocated_sync.weight_sender(0, client, from_source)
+        assert given[-1][0] is sender.client and sender.source is from_source
+        return [m.name for m in given[-1][1].metadata]
+
+    direct = colocated_sync.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks, source.experts_in_place)
+    assert packed(direct) == names[: -len(blocks)]
+    assert packed(checks.TimedClient(direct, {})) == names[: -len(blocks)]
+    assert packed(colocated_sync.weight_sync_client("/nowhere/vllm.sock")) == names
+    assert packed(colocated_sync.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
+    assert packed(direct, from_source=other) == names
+
+    trainer = SimpleNamespace(sender=colocated_sync.weight_sender(0, direct, source), device=torch.device("cpu"),
+                              model=model, optimizer=None)  # fmt: skip
+    for _ in range(2):  # a second measure, with no setup between: still one layer of each
+        checks._start_measuring(trainer)
+        client, engine_source = given[-1]
+        assert isinstance(client.client, checks.TimedClient) and client.client._client is direct
+        assert isinstance(engine_source, colocated_sync.PackedPart)
+        fingerprinted = engine_source._source
+        assert isinstance(fingerprinted, checks.FingerprintedSource) and fingerprinted._source._source is source
+        assert isinstance(trainer.sender, checks.TimedSender)
+        assert trainer.sender.experts_in_place is source.experts_in_place
+        last = blocks[-1]
+        assert trainer.measurement.sent_metadata()[-1] == [last, "bfloat16", list(source.expert_blocks[last]), True]
