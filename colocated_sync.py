@@ -1602,7 +1602,8 @@ class LocalExpertSource(BF16Source):
     (expert_block_names). FSDP2 shards dim 0, so rank r holds
     experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
     gives the engine on rank r's GPU. Every rank yields the same names and
-    shapes, as vLLM's packed IPC producer requires."""
+    shapes, as vLLM's packed IPC producer requires; every rank builds its
+    source at once (they agree whether the blocks can go in place)."""
 
     def __init__(self, module: torch.nn.Module, world_size: int) -> None:
         if problem := direct_loader_problem(module, world_size):
