@@ -26,7 +26,12 @@ engine, but:
     packed buffer, so each expert weight is copied once per sync;
   * every other tensor arrives in checkpoint form (names, persistent buffers
     such as a router's correction bias) and goes through the model's own
-    `load_weights` (which stacks q/k/v and so on) into the live parameters;
+    `load_weights` (which stacks q/k/v and so on) into the live parameters:
+    on the first sync that sends it, alone, to learn whether that loader
+    writes it as it is into one parameter of its shape (the parameter then
+    holds its bits, every element in its place); if so, from the next sync
+    on the direct loader copies it there itself, since the loader's Python
+    per tensor costs more than the copy;
   * at the end, each layer that received weights runs its
     `process_weights_after_loading`, as vLLM's reload does.
 
@@ -62,6 +67,11 @@ class _Session:
     expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
     param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
     importer: object
+    # Learned on the first sync that sends each name, kept across syncs: what vLLM's
+    # loader writes as it is into one parameter of its shape (sent name -> parameter
+    # name), which the direct loader then copies itself; and what it does not.
+    plain: dict[str, str] = field(default_factory=dict)
+    through_loader: set[str] = field(default_factory=set)
     touched: dict[int, torch.nn.Module] = field(default_factory=dict)
     tensors: int = 0
     bytes: int = 0
@@ -86,7 +96,7 @@ class DirectLoadWorker:
             unfinished.importer.close()  # a send that failed part way: start afresh
         model = self.model_runner.get_model()
         if getattr(self, "_direct_layout", (None,))[0] is not model:  # where everything is: found once
-            self._direct_layout = (model, _expert_layers(model), _param_owners(model))
+            self._direct_layout = (model, _expert_layers(model), _param_owners(model), {}, set())
         session = self._direct_session = _session(*self._direct_layout, PackedBufferImporter())
         if not in_place:
             self._opened_storage = {}  # a trainer's storage opened for an earlier sync: released
@@ -219,12 +229,14 @@ class DirectLoadWorker:
         return session
 
 
-def _session(model: torch.nn.Module, expert_layers: dict, param_owner: dict, importer) -> _Session:
+def _session(model: torch.nn.Module, expert_layers: dict, param_owner: dict, plain: dict, through_loader: set,
+             importer) -> _Session:  # fmt: skip
     """A direct load's state on one engine: where every parameter and fused
-    expert layer is, and the IPC importer its chunks are read through."""
+    expert layer is, what vLLM's loader writes as it is (learned, shared
+    across syncs), and the IPC importer its chunks are read through."""
     device = next(model.parameters()).device
     return _Session(model=model, device=device, gpu_uuid=_gpu_uuid(device), expert_layers=expert_layers,
-                    param_owner=param_owner, importer=importer)  # fmt: skip
+                    param_owner=param_owner, importer=importer, plain=plain, through_loader=through_loader)  # fmt: skip
 
 
 def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -259,12 +271,15 @@ def _finish(session: _Session, vllm_config) -> None:
 def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
     """Write one chunk's tensors into the engine's model: each expert block
     the trainer rank on this GPU sent, in one copy into its layer's fused
-    parameter; the rest through the model's own `load_weights`. Records the
-    layers written (for direct_load_finish); returns when the expert copies
-    and the loads were launched (perf_counter)."""
+    parameter; each tensor vLLM's loader writes as it is into one parameter
+    (session.plain), in one copy there; the rest through the model's own
+    `load_weights` (a name not seen before alone, to learn which it is: the
+    loader's Python per tensor costs more than the copy). Records the layers
+    written (for direct_load_finish); returns when the copies and the loads
+    were launched (perf_counter)."""
     from vllm.config import set_current_vllm_config
 
-    others = []
+    others, first_seen, params = [], [], dict(session.model.named_parameters())
     with torch.no_grad():
         for name, tensor in tensors:
             layer_name, _, tensor_name = name.rpartition(".")
@@ -272,17 +287,48 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
             if experts is not None and tensor_name in EXPERT_TENSORS:
                 _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank)
                 session.touched[id(experts)] = experts
-            else:
+            elif name in session.plain and _held_as(params.get(session.plain[name]), tensor, values=False):
+                params[session.plain[name]].data.copy_(tensor)
+                _touch(session, [session.plain[name]])
+            elif name in session.through_loader:
                 others.append((name, tensor))
+            else:  # not seen yet, or its parameter changed shape or dtype since
+                session.plain.pop(name, None)
+                first_seen.append((name, tensor))
         experts_done = time.perf_counter()
-        if others:
-            with set_current_vllm_config(vllm_config):
-                loaded = session.model.load_weights(others)
-            for param_name in loaded or ():
-                owner = session.param_owner.get(param_name)
-                if owner is not None:
-                    session.touched[id(owner)] = owner
+        with set_current_vllm_config(vllm_config):
+            if others:
+                _touch(session, session.model.load_weights(others) or ())
+            for name, tensor in first_seen:
+                loaded = sorted(session.model.load_weights([(name, tensor)]) or ())
+                _touch(session, loaded)
+                if len(loaded) != 1 or not _held_as(params.get(loaded[0]), tensor, values=True):
+                    session.through_loader.add(name)  # several parameters, another shape or dtype, other bits
+                elif not _constant(tensor):  # (one whose elements are all alike cannot show a permutation: later)
+                    session.plain[name] = loaded[0]
     return experts_done, time.perf_counter()
+
+
+def _held_as(param: torch.Tensor | None, tensor: torch.Tensor, values: bool) -> bool:
+    """Whether `param` has `tensor`'s shape and dtype (and, with `values`, its
+    bits, every element in its place: what a plain copy would have written)."""
+    if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype:
+        return False
+    return not values or torch.equal(param.detach().flatten().view(torch.uint8), tensor.flatten().view(torch.uint8))
+
+
+def _constant(tensor: torch.Tensor) -> bool:
+    """Whether every element of `tensor` is the same (e.g. a norm's initial ones)."""
+    flat = tensor.flatten()
+    return flat.numel() > 1 and bool((flat == flat[0]).all())
+
+
+def _touch(session: _Session, param_names) -> None:
+    """Record the layers holding these parameters as written (direct_load_finish processes them)."""
+    for param_name in param_names:
+        owner = session.param_owner.get(param_name)
+        if owner is not None:
+            session.touched[id(owner)] = owner
 
 
 def _gpu_uuid(device: torch.device) -> str:

@@ -390,9 +390,10 @@ def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _sync(vllm_model, sent, loader: str) -> None:
+def _sync(vllm_model, sent, loader: str, learned: tuple | None = None) -> None:
     """Zero every vLLM parameter, then write `sent` through the loader's
-    route: vLLM's `load_weights`, or the direct loader's own code."""
+    route: vLLM's `load_weights`, or the direct loader's own code (`learned`:
+    its (plain, through_loader) from earlier syncs, updated)."""
     import direct_load
 
     for p in vllm_model.parameters():
@@ -403,9 +404,68 @@ def _sync(vllm_model, sent, loader: str) -> None:
     # Not direct_load._finish: vLLM's CPU MoE kernels re-lay out the fused
     # experts after loading (the GPU's Triton kernels keep them as loaded;
     # the GPU runs check the whole route).
+    plain, through_loader = learned or ({}, set())
     session = direct_load._session(vllm_model, direct_load._expert_layers(vllm_model),
-                                   direct_load._param_owners(vllm_model), importer=None)
+                                   direct_load._param_owners(vllm_model), plain, through_loader, importer=None)
     direct_load._load(session, sent, 0, vllm_model.test_vllm_config)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(family, vllm_models):
+    """On the first sync the direct loader sends each non-expert tensor
+    through vLLM's `load_weights` alone and learns which ones it writes as
+    they are into one parameter of their shape; from the next sync on it
+    copies those itself. Every parameter is still exactly what the trainer
+    sent (the exact check), sync after sync, the weights changing between."""
+    import exact_check_engine
+
+    hf = build_model(family, device="cpu")
+    if colocated_sync.direct_loader_problem(hf, world_size=1):
+        return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
+    vllm_model, learned = vllm_models(family), ({}, set())
+    for mean in (1.0, 3.0, 5.0):
+        with torch.no_grad():
+            for name, t in hf.named_parameters():
+                t.normal_(mean=mean)
+        sent = _sent(hf, "direct")
+        blocks = set(colocated_sync.expert_block_names(hf).values())
+        metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+        targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas,
+                                                                              vllm_model.test_vllm_config)  # fmt: skip
+        prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+        _sync(vllm_model, sent, "direct", learned)
+        assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == [], mean
+    plain, through_loader = learned
+    assert plain and set(plain.values()) <= set(whole)  # each one whole, from one tensor of its shape
+    stacked = {n for n, names in zip((m[0] for m in metas), targets, strict=True) if len(names) == 1
+               and names[0] not in whole}  # fmt: skip
+    assert stacked <= through_loader and not stacked & set(plain)  # q/k/v, gate/up: through vLLM's loader
+
+
+def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_is(vllm_models):
+    """A parameter whose weight loader writes the tensor otherwise (here its
+    rows reversed, as a loader that permutes would): the direct loader keeps
+    sending it through vLLM's loader, sync after sync, also when the first
+    sync's tensor has all elements alike (a norm's initial ones, in which no
+    permutation shows)."""
+    hf = build_model("qwen3_moe", device="cpu")
+    vllm_model, learned = vllm_models("qwen3_moe"), ({}, set())
+    params = dict(vllm_model.named_parameters())
+    name = "model.norm.weight"
+    params[name].weight_loader = lambda param, loaded: param.data.copy_(loaded.flip(0))
+    try:
+        for values in ("ones", "random", "random"):
+            with torch.no_grad():
+                for t in hf.parameters():
+                    t.normal_()
+                if values == "ones":
+                    hf.model.norm.weight.fill_(1.0)
+            sent = dict(_sent(hf, "direct"))
+            _sync(vllm_model, list(sent.items()), "direct", learned)
+            assert torch.equal(params[name], sent[name].flip(0)), values
+        assert name in learned[1] and name not in learned[0]
+    finally:
+        del params[name].weight_loader
 
 
 @pytest.mark.parametrize("loader", ["vllm", "direct"])
