@@ -279,7 +279,7 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
     were launched (perf_counter)."""
     from vllm.config import set_current_vllm_config
 
-    others, first_seen, params = [], [], dict(session.model.named_parameters())
+    others, first_seen, plain = [], [], []
     with torch.no_grad():
         for name, tensor in tensors:
             layer_name, _, tensor_name = name.rpartition(".")
@@ -287,13 +287,20 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
             if experts is not None and tensor_name in EXPERT_TENSORS:
                 _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank)
                 session.touched[id(experts)] = experts
-            elif name in session.plain and _held_as(params.get(session.plain[name]), tensor, values=False):
-                params[session.plain[name]].data.copy_(tensor)
-                _touch(session, [session.plain[name]])
+            elif name in session.plain:
+                plain.append((name, tensor))
             elif name in session.through_loader:
                 others.append((name, tensor))
-            else:  # not seen yet, or its parameter changed shape or dtype since
-                session.plain.pop(name, None)
+            else:
+                first_seen.append((name, tensor))
+        params = dict(session.model.named_parameters()) if plain or first_seen else {}
+        for name, tensor in plain:
+            target = params.get(session.plain[name])
+            if _held_as(target, tensor, values=False):
+                target.data.copy_(tensor)
+                _touch(session, [session.plain[name]])
+            else:  # its parameter changed shape or dtype since: learned again
+                del session.plain[name]
                 first_seen.append((name, tensor))
         experts_done = time.perf_counter()
         with set_current_vllm_config(vllm_config):
