@@ -27,11 +27,12 @@ engine, but:
   * every other tensor arrives in checkpoint form (names, persistent buffers
     such as a router's correction bias) and goes through the model's own
     `load_weights` (which stacks q/k/v and so on) into the live parameters:
-    on the first sync that sends it, alone, to learn whether that loader
-    writes it as it is into one parameter of its shape (the parameter then
-    holds its bits, every element in its place); if so, from the next sync
-    on the direct loader copies it there itself, since the loader's Python
-    per tensor costs more than the copy;
+    on the first sync that sends it, a random tensor of its shape goes
+    through that loader alone first, to learn whether it writes the tensor
+    as it is into one parameter of its shape (the parameter then holds the
+    probe's bits, every element in its place); if so, the direct loader
+    copies it there itself, on that sync and after, since the loader's
+    Python per tensor costs more than the copy;
   * at the end, each layer that received weights runs its
     `process_weights_after_loading`, as vLLM's reload does.
 
@@ -273,8 +274,9 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
     the trainer rank on this GPU sent, in one copy into its layer's fused
     parameter; each tensor vLLM's loader writes as it is into one parameter
     (session.plain), in one copy there; the rest through the model's own
-    `load_weights` (a name not seen before alone, to learn which it is: the
-    loader's Python per tensor costs more than the copy). Records the layers
+    `load_weights`, in one call (a name not seen before is first probed
+    alone, to learn which it is: the loader's Python per tensor costs more
+    than the copy). Records the layers
     written (for direct_load_finish); returns when the copies and the loads
     were launched (perf_counter)."""
     from vllm.config import set_current_vllm_config
@@ -293,10 +295,9 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
                 others.append((name, tensor))
             else:
                 first_seen.append((name, tensor))
-        params = dict(session.model.named_parameters()) if plain or first_seen else {}
         for name, tensor in plain:
-            target = params.get(session.plain[name])
-            if _held_as(target, tensor, values=False):
+            target = _parameter(session, session.plain[name])
+            if _fits(target, tensor):
                 target.data.copy_(tensor)
                 _touch(session, [session.plain[name]])
             else:  # its parameter changed shape or dtype since: learned again
@@ -304,30 +305,47 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
                 first_seen.append((name, tensor))
         experts_done = time.perf_counter()
         with set_current_vllm_config(vllm_config):
+            for name, tensor in first_seen:  # once per name: does vLLM's loader write it as it is?
+                probe = _probe(tensor)
+                loaded = sorted(session.model.load_weights([(name, tensor if probe is None else probe)]) or ())
+                target = _parameter(session, loaded[0]) if len(loaded) == 1 else None
+                if probe is not None and _fits(target, tensor) and _same_bits(target, probe):
+                    session.plain[name] = loaded[0]
+                    target.data.copy_(tensor)
+                    _touch(session, loaded)
+                else:  # several parameters, another shape or dtype, the elements moved or changed
+                    session.through_loader.add(name)
+                    others.append((name, tensor))
             if others:
                 _touch(session, session.model.load_weights(others) or ())
-            for name, tensor in first_seen:
-                loaded = sorted(session.model.load_weights([(name, tensor)]) or ())
-                _touch(session, loaded)
-                if len(loaded) != 1 or not _held_as(params.get(loaded[0]), tensor, values=True):
-                    session.through_loader.add(name)  # several parameters, another shape or dtype, other bits
-                elif not _constant(tensor):  # (one whose elements are all alike cannot show a permutation: later)
-                    session.plain[name] = loaded[0]
     return experts_done, time.perf_counter()
 
 
-def _held_as(param: torch.Tensor | None, tensor: torch.Tensor, values: bool) -> bool:
-    """Whether `param` has `tensor`'s shape and dtype (and, with `values`, its
-    bits, every element in its place: what a plain copy would have written)."""
-    if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype:
-        return False
-    return not values or torch.equal(param.detach().flatten().view(torch.uint8), tensor.flatten().view(torch.uint8))
+def _parameter(session: _Session, name: str) -> torch.nn.Parameter | None:
+    """The engine's parameter of this name, from the layout found once (not a walk of the model every chunk)."""
+    owner = session.param_owner.get(name)
+    return getattr(owner, name.rpartition(".")[2], None) if owner is not None else None
 
 
-def _constant(tensor: torch.Tensor) -> bool:
-    """Whether every element of `tensor` is the same (e.g. a norm's initial ones)."""
-    flat = tensor.flatten()
-    return flat.numel() > 1 and bool((flat == flat[0]).all())
+def _fits(param: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether a plain copy of `tensor` into `param` can be made: the same shape and dtype."""
+    return param is not None and param.shape == tensor.shape and param.dtype == tensor.dtype
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every element of `a` holds `b`'s bits, in its place."""
+    return torch.equal(a.detach().flatten().view(torch.uint8), b.detach().flatten().view(torch.uint8))
+
+
+def _probe(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Random values in `tensor`'s shape and dtype, from a generator of its
+    own (the engine's sampling keeps its RNG): loaded in the tensor's place,
+    they show whether a loader moves or changes elements, which a tensor of
+    like elements (a norm's initial ones) would not. None for integers."""
+    if not tensor.is_floating_point():
+        return None
+    generator = torch.Generator(device=tensor.device).manual_seed(0)
+    return torch.randn(tensor.shape, generator=generator, device=tensor.device).to(tensor.dtype)
 
 
 def _touch(session: _Session, param_names) -> None:
