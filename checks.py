@@ -1142,7 +1142,7 @@ class SourceWrapper(TrainerSource):
 
 
 class FingerprintedSource(SourceWrapper):
-    """The exact check's half on the trainer: the fingerprint (exact_check's,
+    """The exact check's half on the trainer: the fingerprint (exact_check_engine's,
     on the tensor's device, cast first to the dtype vLLM holds it in where
     `casts` says so) of every tensor a send takes. A tensor that is one model
     tensor cast (the source's `origins`: most of them) is fingerprinted after
