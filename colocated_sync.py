@@ -103,6 +103,17 @@ SERVER_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
 
+# For a faster start, unless this process's environment says otherwise: vLLM's
+# engine processes forked from its API server, which has imported vLLM already
+# (spawned, each imports it again); and one Triton cache for every run (a run
+# that compiles keeps Triton's kernels in vLLM's compile cache, a later run that
+# loads that compiled code looks for them in Triton's own cache, and compiles
+# them all again).
+SERVER_ENV_DEFAULTS = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+    "TRITON_CACHE_DIR": str(Path.home() / ".triton" / "cache"),
+}
+
 
 @dataclass
 class Server:
@@ -195,7 +206,7 @@ def start_server(
     The socket's directory must be private to this user (mode 0700, as
     tempfile.mkdtemp makes it): other users cannot connect then. vLLM's
     internal ZMQ sockets go there too (VLLM_RPC_BASE_PATH). `env` is
-    merged over this process's environment and SERVER_ENV. Ray's GPU mask is
+    merged over SERVER_ENV_DEFAULTS, this process's environment and SERVER_ENV. Ray's GPU mask is
     dropped (a caller inside Ray would otherwise hand the server one GPU):
     pass `--device-ids` to choose GPUs instead.
 
@@ -213,7 +224,7 @@ def start_server(
         raise ServerError(f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
                           f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory")  # fmt: skip
     log_path = Path(log_path)
-    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    full_env = {**SERVER_ENV_DEFAULTS, **os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("CUDA_VISIBLE_DEVICES", None)
     # vLLM's own processes talk over ZMQ sockets it creates under this
     # directory (/tmp by default, with the umask's modes: a user of the same
@@ -721,8 +732,9 @@ class DirectLoadClient:
         update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids}
         return collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        collective_rpc(self.sock, "direct_load_finish")
+    def finish_weight_update(self, weight_version: str | None = None) -> dict:
+        """Process what the send wrote; returns what the first DP engine reports of it."""
+        return collective_rpc(self.sock, "direct_load_finish")[0]
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass
@@ -1277,12 +1289,16 @@ class CheckpointForm:
         form.origins                    # each one's (module, attribute), if it is that tensor cast
 
     `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
-    names to leave out (a caller sending those its own way). A group that
+    names to leave out (a caller sending those its own way); `fresh`: every
+    tensor a copy of its own, which a consumer may keep; else, where no cast
+    is needed, the gathered tensor itself, valid only until the next one is
+    taken (for a consumer that copies each at once). A group that
     transformers' conversion leaves as it is (one tensor, same name and shape:
     most of them) skips the conversion on every sync."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=()) -> None:
-        self._model, self._dtype = model, dtype
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=(),
+                 fresh: bool = True) -> None:  # fmt: skip
+        self._model, self._dtype, self._fresh = model, dtype, fresh
         state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
         self._groups, self._unchanged, self._owners, self._group_metadata = [], [], [], []
         for group in conversion_groups(model):
@@ -1307,8 +1323,10 @@ class CheckpointForm:
         origins = [[self._where[name] for name, _, _ in metadata] if unchanged else [None] * len(metadata)
                    for metadata, unchanged in zip(self._group_metadata, self._unchanged, strict=True)]  # fmt: skip
         order = _gather_order(self._owners)
-        self._groups, self._unchanged, self._owners = ([x[i] for i in order] for x in
-                                                       (self._groups, self._unchanged, self._owners))  # fmt: skip
+        # Each group's tensors' dtypes as sent, by name: worked out here, not on every sync.
+        dtypes = [{name: dtype for name, _, dtype in metadata} for metadata in self._group_metadata]
+        self._groups, self._unchanged, self._owners, self._dtypes = (
+            [x[i] for i in order] for x in (self._groups, self._unchanged, self._owners, dtypes))  # fmt: skip
         self.metadata = [m for i in order for m in self._group_metadata[i]]
         self.origins = [o for i in order for o in origins[i]]
 
@@ -1316,7 +1334,8 @@ class CheckpointForm:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         unsharded = None  # the FSDP2 module whose parameters are gathered now
         try:
-            for group, unchanged, owner in zip(self._groups, self._unchanged, self._owners, strict=True):
+            for group, unchanged, owner, dtypes in zip(self._groups, self._unchanged, self._owners, self._dtypes,
+                                                       strict=True):  # fmt: skip
                 if owner is not unsharded:
                     if unsharded is not None:
                         unsharded.reshard()
@@ -1328,9 +1347,9 @@ class CheckpointForm:
                     raise ValueError(f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
                                      f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}")  # fmt: skip
                 for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
-                    # A copy of what FSDP gathered: reshard() frees its memory, and a
-                    # consumer may keep what it was given (vLLM's unpacked send does).
-                    yield name, t.to(_cast_dtype(self._model, name, t, self._dtype), copy=owner is not None)
+                    # Fresh: a copy of what FSDP gathered, since reshard() frees its memory
+                    # and a consumer may keep what it was given (vLLM's unpacked send does).
+                    yield name, t.to(dtypes[name], copy=self._fresh and owner is not None)
                 del gathered
         finally:  # also when the consumer stops early: the module's own (sharded) parameters back
             if unsharded is not None:
@@ -1571,10 +1590,11 @@ class BF16Source(TrainerSource):
     would write it (CheckpointForm: each family's checkpoint
     names, persistent buffers such as a router's correction bias included),
     gathered one FSDP module at a time, in bf16 (fp32 where transformers keeps
-    a tensor in fp32). Names and shapes are worked out once, not per sync."""
+    a tensor in fp32). Names and shapes are worked out once, not per sync.
+    `fresh`: as CheckpointForm takes it."""
 
-    def __init__(self, module: torch.nn.Module, exclude=()) -> None:
-        self._form = CheckpointForm(module, torch.bfloat16, exclude)
+    def __init__(self, module: torch.nn.Module, exclude=(), fresh: bool = True) -> None:
+        self._form = CheckpointForm(module, torch.bfloat16, exclude, fresh)
         split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
         self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
         self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
@@ -1603,13 +1623,16 @@ class LocalExpertSource(BF16Source):
     experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
     gives the engine on rank r's GPU. Every rank yields the same names and
     shapes, as vLLM's packed IPC producer requires; every rank builds its
-    source at once (they agree whether the blocks can go in place)."""
+    source at once (they agree whether the blocks can go in place). Its
+    tensors are not fresh (CheckpointForm): the direct loader takes packed
+    sends only, whose producer copies each tensor into its buffer before it
+    takes the next."""
 
     def __init__(self, module: torch.nn.Module, world_size: int) -> None:
         if problem := direct_loader_problem(module, world_size):
             raise ValueError(problem)
         self._blocks = expert_block_names(module)  # in-memory name -> name sent
-        super().__init__(module, exclude=self._blocks)
+        super().__init__(module, exclude=self._blocks, fresh=False)
         self._params = dict(module.named_parameters())
         self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
                               for name, sent in self._blocks.items()}  # fmt: skip

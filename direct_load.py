@@ -27,12 +27,13 @@ engine, but:
   * every other tensor arrives in checkpoint form (names, persistent buffers
     such as a router's correction bias) and goes through the model's own
     `load_weights` (which stacks q/k/v and so on) into the live parameters:
-    on the first sync that sends it, a random tensor of its shape goes
-    through that loader alone first, to learn whether it writes the tensor
-    as it is into one parameter of its shape (the parameter then holds the
-    probe's bits, every element in its place); if so, the direct loader
-    copies it there itself, on that sync and after, since the loader's
-    Python per tensor costs more than the copy;
+    on the first sync that sends it, random tensors of its shape go through
+    that loader alone first, to learn whether it writes the tensor as it is
+    into a block of rows of one parameter (the whole parameter, or its slice
+    of a stacked q/k/v or gate/up) and nothing else; if so, the direct
+    loader copies it there itself, on that sync and after, all such copies
+    launched at once, since the loader's Python per tensor costs more than
+    the copy;
   * at the end, each layer that received weights runs its
     `process_weights_after_loading`, as vLLM's reload does.
 
@@ -51,6 +52,7 @@ import base64
 import os
 import pickle
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -61,18 +63,39 @@ EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
 @dataclass
-class _Session:
+class _Layout:
+    """Where everything is in an engine's model, found once (its parameters
+    stay where they are across syncs), and what the direct loader learned
+    there: what vLLM's loader writes as it is (`plain`: sent name ->
+    (parameter name, first row), a block of whole rows of one parameter,
+    which the direct loader then copies itself) and what it does not
+    (`through_loader`). Learned on the first sync that sends each name."""
+
     model: torch.nn.Module
+    expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
+    held_experts: dict[str, list[int]]  # vLLM layer name -> the global ids of its local experts
+    param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
+    attention_layers: list[torch.nn.Module]  # those with post-load processing of their own (MLA's)
+    plain: dict[str, tuple[str, int]] = field(default_factory=dict)
+    through_loader: set[str] = field(default_factory=set)
+
+
+def _layout(model: torch.nn.Module) -> _Layout:
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    experts = _expert_layers(model)
+    return _Layout(model=model, expert_layers=experts,
+                   held_experts={name: local_expert_ids(layer) for name, layer in experts.items()},
+                   param_owner=_param_owners(model),
+                   attention_layers=[m for m in model.modules() if is_deferred_attention_layer(m)])  # fmt: skip
+
+
+@dataclass
+class _Session:
+    layout: _Layout
+    importer: object
     device: torch.device
     gpu_uuid: str
-    expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
-    param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
-    importer: object
-    # Learned on the first sync that sends each name, kept across syncs: what vLLM's
-    # loader writes as it is into one parameter of its shape (sent name -> parameter
-    # name), which the direct loader then copies itself; and what it does not.
-    plain: dict[str, str] = field(default_factory=dict)
-    through_loader: set[str] = field(default_factory=set)
     touched: dict[int, torch.nn.Module] = field(default_factory=dict)
     tensors: int = 0
     bytes: int = 0
@@ -96,9 +119,9 @@ class DirectLoadWorker:
         if (unfinished := getattr(self, "_direct_session", None)) is not None:
             unfinished.importer.close()  # a send that failed part way: start afresh
         model = self.model_runner.get_model()
-        if getattr(self, "_direct_layout", (None,))[0] is not model:  # where everything is: found once
-            self._direct_layout = (model, _expert_layers(model), _param_owners(model), {}, set())
-        session = self._direct_session = _session(*self._direct_layout, PackedBufferImporter())
+        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:  # found once
+            self._direct_layout = _layout(model)
+        session = self._direct_session = _session(self._direct_layout, PackedBufferImporter())
         if not in_place:
             self._opened_storage = {}  # a trainer's storage opened for an earlier sync: released
             return {"tensors": 0, "bytes": 0}
@@ -199,14 +222,15 @@ class DirectLoadWorker:
     def direct_load_finish(self) -> dict:
         """Process what the send wrote (`_finish`) and release the IPC buffer."""
         session = self._direct_session_or_raise()
-        _finish(session, self.vllm_config)
+        seconds = _finish(session, self.vllm_config)
         session.importer.close()
         self._direct_session = None
         # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         print(f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
               "the chunks: " + ", ".join(f"{k} {v:.3f}" for k, v in session.seconds.items()), flush=True)  # fmt: skip
-        return {"tensors": session.tensors, "bytes": session.bytes, "layers_processed": len(session.touched)}
+        return {"tensors": session.tensors, "bytes": session.bytes, "layers_processed": len(session.touched),
+                "seconds": seconds}
 
     def direct_load_layout(self) -> dict:
         """What the loader assumes about this engine: its fused expert layers,
@@ -230,14 +254,11 @@ class DirectLoadWorker:
         return session
 
 
-def _session(model: torch.nn.Module, expert_layers: dict, param_owner: dict, plain: dict, through_loader: set,
-             importer) -> _Session:  # fmt: skip
-    """A direct load's state on one engine: where every parameter and fused
-    expert layer is, what vLLM's loader writes as it is (learned, shared
-    across syncs), and the IPC importer its chunks are read through."""
-    device = next(model.parameters()).device
-    return _Session(model=model, device=device, gpu_uuid=_gpu_uuid(device), expert_layers=expert_layers,
-                    param_owner=param_owner, importer=importer, plain=plain, through_loader=through_loader)  # fmt: skip
+def _session(layout: _Layout, importer) -> _Session:
+    """A direct load's state on one engine: its model's layout (found once,
+    with what was learned there) and the IPC importer its chunks are read through."""
+    device = next(layout.model.parameters()).device
+    return _Session(layout=layout, importer=importer, device=device, gpu_uuid=_gpu_uuid(device))
 
 
 def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -246,13 +267,13 @@ def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             for name, _ in module.named_parameters(recurse=False)}  # fmt: skip
 
 
-def _finish(session: _Session, vllm_config) -> None:
+def _finish(session: _Session, vllm_config) -> dict[str, float]:
     """Run each written layer's post-load processing, then the attention
     layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj), as
-    vLLM's reload does."""
+    vLLM's reload does. Returns the seconds of each part."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
+    start = time.perf_counter()
     with torch.no_grad():
         for module in session.touched.values():
             method = getattr(module, "quant_method", None)
@@ -261,75 +282,126 @@ def _finish(session: _Session, vllm_config) -> None:
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
             method.process_weights_after_loading(module)
+        layers_done = time.perf_counter()
         with set_current_vllm_config(vllm_config):  # as vLLM's finish_weight_update runs it
-            for module in session.model.modules():
-                if is_deferred_attention_layer(module):
-                    module.process_weights_after_loading(vllm_config.model_config.dtype)
+            for module in session.layout.attention_layers:
+                module.process_weights_after_loading(vllm_config.model_config.dtype)
+    attention_done = time.perf_counter()
     if session.device.type == "cuda":
         torch.cuda.synchronize(session.device)
+    return {"post_load": layers_done - start, "attention_post_load": attention_done - layers_done,
+            "copies_done": time.perf_counter() - attention_done}  # fmt: skip
 
 
 def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
     """Write one chunk's tensors into the engine's model: each expert block
     the trainer rank on this GPU sent, in one copy into its layer's fused
-    parameter; each tensor vLLM's loader writes as it is into one parameter
-    (session.plain), in one copy there; the rest through the model's own
-    `load_weights`, in one call (a name not seen before is first probed
+    parameter; each tensor vLLM's loader writes as it is into a block of
+    rows of one parameter (learned: layout.plain), in one copy there, all
+    such copies launched together; the rest through the model's own
+    `load_weights`, in one call. A name not seen before is first probed
     alone, to learn which it is: the loader's Python per tensor costs more
-    than the copy). Records the layers
-    written (for direct_load_finish); returns when the copies and the loads
-    were launched (perf_counter)."""
+    than the copy. Records the layers written (for direct_load_finish);
+    returns when the copies and the loads were launched (perf_counter)."""
     from vllm.config import set_current_vllm_config
 
-    others, first_seen, plain = [], [], []
+    layout = session.layout
+    others, first_seen, targets, sources = [], [], [], []
     with torch.no_grad():
         for name, tensor in tensors:
             layer_name, _, tensor_name = name.rpartition(".")
-            experts = session.expert_layers.get(layer_name)
+            experts = layout.expert_layers.get(layer_name)
             if experts is not None and tensor_name in EXPERT_TENSORS:
-                _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank)
+                _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank,
+                                    layout.held_experts[layer_name])  # fmt: skip
                 session.touched[id(experts)] = experts
-            elif name in session.plain:
-                plain.append((name, tensor))
-            elif name in session.through_loader:
+            elif name in layout.plain:
+                param_name, row = layout.plain[name]
+                target = _rows(_parameter(layout, param_name), row, tensor)
+                if target is None:  # its parameter changed shape or dtype since: learned again
+                    del layout.plain[name]
+                    first_seen.append((name, tensor))
+                    continue
+                targets.append(target)
+                sources.append(tensor)
+                _touch(session, [param_name])
+            elif name in layout.through_loader:
                 others.append((name, tensor))
             else:
                 first_seen.append((name, tensor))
-        for name, tensor in plain:
-            target = _parameter(session, session.plain[name])
-            if _fits(target, tensor):
-                target.data.copy_(tensor)
-                _touch(session, [session.plain[name]])
-            else:  # its parameter changed shape or dtype since: learned again
-                del session.plain[name]
-                first_seen.append((name, tensor))
+        if targets:
+            torch._foreach_copy_(targets, sources)  # one launch for many small tensors
         experts_done = time.perf_counter()
         with set_current_vllm_config(vllm_config):
             for name, tensor in first_seen:  # once per name: does vLLM's loader write it as it is?
-                probe = _probe(tensor)
-                loaded = sorted(session.model.load_weights([(name, tensor if probe is None else probe)]) or ())
-                target = _parameter(session, loaded[0]) if len(loaded) == 1 else None
-                if probe is not None and _fits(target, tensor) and _same_bits(target, probe):
-                    session.plain[name] = loaded[0]
-                    target.data.copy_(tensor)
-                    _touch(session, loaded)
-                else:  # several parameters, another shape or dtype, the elements moved or changed
-                    session.through_loader.add(name)
+                if (learned := _learn(layout, name, tensor)) is not None:
+                    layout.plain[name] = learned
+                    _rows(_parameter(layout, learned[0]), learned[1], tensor).copy_(tensor)
+                    _touch(session, [learned[0]])
+                else:  # several parameters, another dtype, the elements moved or changed
+                    layout.through_loader.add(name)
                     others.append((name, tensor))
             if others:
-                _touch(session, session.model.load_weights(others) or ())
+                _touch(session, layout.model.load_weights(others) or ())
     return experts_done, time.perf_counter()
 
 
-def _parameter(session: _Session, name: str) -> torch.nn.Parameter | None:
+def _learn(layout: _Layout, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
+    """Whether the model's `load_weights` writes `tensor` as it is into a
+    block of whole rows of one parameter (all of it, or its slice of a
+    stacked q/k/v or gate/up) and nothing else: (the parameter's name, the
+    block's first row), or None. Found with two random probes of the
+    tensor's shape loaded in its place (a tensor of like elements, such as a
+    norm's initial ones, could not show a loader that moves or changes
+    elements): the first finds the parameter and the rows; the second must
+    land in the same rows, bit for bit, and leave every other row of that
+    parameter as the first left it."""
+    first = _probe(tensor, name, 0)
+    if first is None:
+        return None
+    loaded = sorted(layout.model.load_weights([(name, first)]) or ())
+    param = _parameter(layout, loaded[0]) if len(loaded) == 1 else None
+    row = _row_of(param, first) if param is not None else None
+    if row is None:
+        return None
+    before, second = param.detach().clone(), _probe(tensor, name, 1)
+    if sorted(layout.model.load_weights([(name, second)]) or ()) != loaded:
+        return None
+    rows = slice(row, row + tensor.shape[0])
+    before[rows] = second
+    return (loaded[0], row) if _same_bits(param, before) else None
+
+
+def _parameter(layout: _Layout, name: str) -> torch.nn.Parameter | None:
     """The engine's parameter of this name, from the layout found once (not a walk of the model every chunk)."""
-    owner = session.param_owner.get(name)
+    owner = layout.param_owner.get(name)
     return getattr(owner, name.rpartition(".")[2], None) if owner is not None else None
 
 
-def _fits(param: torch.Tensor | None, tensor: torch.Tensor) -> bool:
-    """Whether a plain copy of `tensor` into `param` can be made: the same shape and dtype."""
-    return param is not None and param.shape == tensor.shape and param.dtype == tensor.dtype
+def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.Tensor | None:
+    """`param`'s rows from `row` that a plain copy of `tensor` writes, if
+    they fit it (the same dtype and row shape, enough rows); else None."""
+    if (param is None or param.dtype != tensor.dtype or param.dim() != tensor.dim()
+            or param.shape[1:] != tensor.shape[1:] or row + tensor.shape[0] > param.shape[0]):  # fmt: skip
+        return None
+    return param.data[row : row + tensor.shape[0]]
+
+
+def _row_of(param: torch.Tensor, probe: torch.Tensor) -> int | None:
+    """The first row of `param` from which its rows hold `probe`'s bits, in place; None if none does."""
+    if _rows(param, 0, probe) is None:
+        return None
+    n = probe.shape[0]
+    held, sought = _bit_rows(param), _bit_rows(probe)
+    for row in torch.nonzero((held == sought[0]).all(dim=1)).flatten().tolist():
+        if row + n <= held.shape[0] and torch.equal(held[row : row + n], sought):
+            return row
+    return None
+
+
+def _bit_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bits, one row of bytes per row of `t` (per element of a vector)."""
+    return t.detach().reshape(t.shape[0], -1).view(torch.uint8)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -337,21 +409,21 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().flatten().view(torch.uint8), b.detach().flatten().view(torch.uint8))
 
 
-def _probe(tensor: torch.Tensor) -> torch.Tensor | None:
-    """Random values in `tensor`'s shape and dtype, from a generator of its
-    own (the engine's sampling keeps its RNG): loaded in the tensor's place,
-    they show whether a loader moves or changes elements, which a tensor of
-    like elements (a norm's initial ones) would not. None for integers."""
+def _probe(tensor: torch.Tensor, name: str, which: int) -> torch.Tensor | None:
+    """Random values in `tensor`'s shape and dtype, other ones for each name
+    and `which`, from a generator of its own (the engine's sampling keeps its
+    RNG). None for integers."""
     if not tensor.is_floating_point():
         return None
-    generator = torch.Generator(device=tensor.device).manual_seed(0)
+    seed = zlib.crc32(name.encode()) * 2 + which
+    generator = torch.Generator(device=tensor.device).manual_seed(seed)
     return torch.randn(tensor.shape, generator=generator, device=tensor.device).to(tensor.dtype)
 
 
 def _touch(session: _Session, param_names) -> None:
     """Record the layers holding these parameters as written (direct_load_finish processes them)."""
     for param_name in param_names:
-        owner = session.param_owner.get(param_name)
+        owner = session.layout.param_owner.get(param_name)
         if owner is not None:
             session.touched[id(owner)] = owner
 
@@ -374,10 +446,13 @@ def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
     )
 
 
-def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int) -> str | None:
+def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int,
+                   held: list[int] | None = None) -> str | None:  # fmt: skip
     """Why the trainer rank's block `name` (`shape`, `dtype`) is not exactly
-    what this engine's expert layer holds in `param`, or None."""
-    held = local_expert_ids(experts)
+    what this engine's expert layer holds in `param` (the global ids of its
+    experts: `held`, or read from vLLM's expert map, which waits for the
+    GPU), or None."""
+    held = local_expert_ids(experts) if held is None else held
     n = shape[0]
     sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
     if not held or not sent:
@@ -397,11 +472,13 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
     return None
 
 
-def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int) -> None:
+def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int,
+                        held: list[int] | None = None) -> None:  # fmt: skip
     """Copy the trainer rank's block of experts into the engine's fused
-    parameter, after checking that it is the block this engine holds."""
+    parameter, after checking that it is the block this engine holds
+    (`held`: its experts' global ids, as _block_problem takes them)."""
     param = getattr(experts, param_name)
-    if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank):
+    if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank, held):
         raise ValueError(problem)
     param.data.copy_(tensor)
 

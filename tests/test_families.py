@@ -11,6 +11,7 @@ every element of every vLLM parameter must be written exactly once.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -390,10 +391,10 @@ def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _sync(vllm_model, sent, loader: str, learned: tuple | None = None) -> None:
+def _sync(vllm_model, sent, loader: str, layout=None) -> None:
     """Zero every vLLM parameter, then write `sent` through the loader's
-    route: vLLM's `load_weights`, or the direct loader's own code (`learned`:
-    its (plain, through_loader) from earlier syncs, updated)."""
+    route: vLLM's `load_weights`, or the direct loader's own code (`layout`:
+    the engine's, with what it learned in earlier syncs, updated)."""
     import direct_load
 
     for p in vllm_model.parameters():
@@ -404,9 +405,7 @@ def _sync(vllm_model, sent, loader: str, learned: tuple | None = None) -> None:
     # Not direct_load._finish: vLLM's CPU MoE kernels re-lay out the fused
     # experts after loading (the GPU's Triton kernels keep them as loaded;
     # the GPU runs check the whole route).
-    plain, through_loader = learned or ({}, set())
-    session = direct_load._session(vllm_model, direct_load._expert_layers(vllm_model),
-                                   direct_load._param_owners(vllm_model), plain, through_loader, importer=None)
+    session = direct_load._session(layout or direct_load._layout(vllm_model), importer=None)
     direct_load._load(session, sent, 0, vllm_model.test_vllm_config)
 
 
@@ -414,58 +413,96 @@ def _sync(vllm_model, sent, loader: str, learned: tuple | None = None) -> None:
 def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(family, vllm_models):
     """On the first sync the direct loader sends each non-expert tensor
     through vLLM's `load_weights` alone and learns which ones it writes as
-    they are into one parameter of their shape; from the next sync on it
-    copies those itself. Every parameter is still exactly what the trainer
-    sent (the exact check), sync after sync, the weights changing between."""
+    they are into a block of rows of one parameter: all of it, or its slice
+    of a stacked q/k/v or gate/up; from then on it copies those itself.
+    Every parameter is still exactly what the trainer sent (the exact
+    check), sync after sync, the weights changing between; what is learned
+    is learned from random probes, not from the tensors sent (here all ones
+    in the first sync, in which no row shows where it belongs)."""
+    import direct_load
     import exact_check_engine
 
     hf = build_model(family, device="cpu")
     if colocated_sync.direct_loader_problem(hf, world_size=1):
         return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
-    vllm_model, learned = vllm_models(family), ({}, set())
-    for mean in (1.0, 3.0, 5.0):
+    vllm_model = vllm_models(family)
+    layout = direct_load._layout(vllm_model)
+    for mean in (None, 3.0, 5.0):  # the first sync's tensors all ones, as a fresh model's norms are
         with torch.no_grad():
             for name, t in hf.named_parameters():
-                t.normal_(mean=mean)
+                t.fill_(1.0) if mean is None else t.normal_(mean=mean)
         sent = _sent(hf, "direct")
         blocks = set(colocated_sync.expert_block_names(hf).values())
         metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
         targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas,
                                                                               vllm_model.test_vllm_config)  # fmt: skip
         prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
-        _sync(vllm_model, sent, "direct", learned)
+        _sync(vllm_model, sent, "direct", layout)
         assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == [], mean
-    plain, through_loader = learned
-    assert plain and set(plain.values()) <= set(whole)  # each one whole, from one tensor of its shape
-    stacked = {n for n, names in zip((m[0] for m in metas), targets, strict=True) if len(names) == 1
-               and names[0] not in whole}  # fmt: skip
-    assert stacked <= through_loader and not stacked & set(plain)  # q/k/v, gate/up: through vLLM's loader
+    written_to = {n: names[0] for i, ((n, *_, block), names) in enumerate(zip(metas, targets, strict=True))
+                  if not block and len(names) == 1 and i not in casts}  # fmt: skip
+    assert {n: param for n, (param, _) in layout.plain.items()} == written_to  # every one: copied directly
+    assert layout.through_loader == {metas[i][0] for i in casts}  # those vLLM holds in another dtype
+    stacked = {n for n, param in written_to.items() if param not in whole}
+    assert stacked  # q/k/v, gate/up: each in its rows
+    for param in {written_to[n] for n in stacked}:
+        pieces = sorted((layout.plain[n][1], dict(sent)[n].shape[0]) for n in stacked if written_to[n] == param)
+        rows = dict(vllm_model.named_parameters())[param].shape[0]
+        assert [start for start, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces]))[:-1]
+        assert sum(n for _, n in pieces) == rows, param
 
 
-def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_is(vllm_models):
-    """A parameter whose weight loader writes the tensor otherwise (here its
-    rows reversed, as a loader that permutes would): the direct loader keeps
-    sending it through vLLM's loader, sync after sync, also when the first
-    sync's tensor has all elements alike (a norm's initial ones, in which no
-    permutation shows)."""
+def _reversed(original):
+    """A weight loader that writes the tensor's rows reversed, as a loader that permutes would."""
+    return lambda param, loaded: param.data.copy_(loaded.flip(0))
+
+
+def _also_elsewhere(original):
+    """A stacked q/k/v's weight loader that writes each tensor in its rows
+    and, for v, v's first row over q's first row too."""
+    def loader(param, loaded, shard_id=None):
+        original(param, loaded, shard_id)
+        if shard_id == "v":
+            param.data[0] = loaded[0]
+    return loader
+
+
+@pytest.mark.parametrize("name, sent_name, faulty", [
+    ("model.norm.weight", "model.norm.weight", _reversed),
+    ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.v_proj.weight", _also_elsewhere),
+])  # fmt: skip
+def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_is(name, sent_name, faulty,
+                                                                                  vllm_models):  # fmt: skip
+    """A parameter whose weight loader writes a tensor otherwise than as it
+    is in its rows (its rows reversed; or into other rows as well): the
+    direct loader keeps sending it through vLLM's loader, sync after sync,
+    and the parameter is what vLLM's loader makes of it, also when the first
+    sync's tensors have all elements alike (a norm's initial ones, in which
+    no permutation shows)."""
+    import direct_load
+
     hf = build_model("qwen3_moe", device="cpu")
-    vllm_model, learned = vllm_models("qwen3_moe"), ({}, set())
-    params = dict(vllm_model.named_parameters())
-    name = "model.norm.weight"
-    params[name].weight_loader = lambda param, loaded: param.data.copy_(loaded.flip(0))
+    vllm_model = vllm_models("qwen3_moe")
+    layout = direct_load._layout(vllm_model)
+    param = dict(vllm_model.named_parameters())[name]
+    original = getattr(param, "weight_loader", None)
+    param.weight_loader = faulty(original)
     try:
         for values in ("ones", "random", "random"):
             with torch.no_grad():
                 for t in hf.parameters():
-                    t.normal_()
-                if values == "ones":
-                    hf.model.norm.weight.fill_(1.0)
-            sent = dict(_sent(hf, "direct"))
-            _sync(vllm_model, list(sent.items()), "direct", learned)
-            assert torch.equal(params[name], sent[name].flip(0)), values
-        assert name in learned[1] and name not in learned[0]
+                    t.normal_() if values == "random" else t.fill_(1.0)
+            sent = _sent(hf, "direct")
+            _sync(vllm_model, sent, "vllm")
+            expected = param.detach().clone()
+            _sync(vllm_model, sent, "direct", layout)
+            assert torch.equal(param, expected), values
+        assert sent_name in layout.through_loader and sent_name not in layout.plain
     finally:
-        del params[name].weight_loader
+        if original is None:
+            del param.weight_loader
+        else:
+            param.weight_loader = original
 
 
 @pytest.mark.parametrize("loader", ["vllm", "direct"])

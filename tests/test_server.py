@@ -1,6 +1,7 @@
 """The vLLM server's life cycle and routes, on a real vLLM server on CPU."""
 
 import errno
+import json
 import os
 import socket
 import stat
@@ -218,6 +219,38 @@ def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
     assert len(colocated_sync.group_members(server.pgid)) == 2
     colocated_sync.stop_server(server, grace_s=1)
     assert colocated_sync.group_members(server.pgid) == []
+
+
+ENV_SERVER = """
+import json, os
+keys = ("VLLM_WORKER_MULTIPROC_METHOD", "TRITON_CACHE_DIR", "VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")
+print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+"""
+
+
+def _server_env(tmp_path, **start_kwargs) -> dict:
+    server = colocated_sync.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
+                                         launcher=(sys.executable, "-c", ENV_SERVER), **start_kwargs)  # fmt: skip
+    server.proc.wait(timeout=30)
+    colocated_sync.stop_server(server)
+    line = next(line for line in server.log_path.read_text().splitlines() if line.startswith("ENV "))
+    return json.loads(line[4:])
+
+
+def test_the_servers_environment_takes_the_fast_start_defaults_unless_told_otherwise(tmp_path, monkeypatch):
+    """The engines forked and one Triton cache, unless this process's
+    environment (or `env`) says otherwise; the dev routes always on; Ray's GPU mask dropped."""
+    for key in colocated_sync.SERVER_ENV_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert _server_env(tmp_path) == {**colocated_sync.SERVER_ENV_DEFAULTS, "VLLM_SERVER_DEV_MODE": "1",
+                                     "CUDA_VISIBLE_DEVICES": None}  # fmt: skip
+    assert colocated_sync.SERVER_ENV_DEFAULTS["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
+    seen = _server_env(tmp_path, env={"TRITON_CACHE_DIR": "/elsewhere"})
+    assert seen["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and seen["TRITON_CACHE_DIR"] == "/elsewhere"
+    assert seen["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 def test_the_openai_client_works_as_the_readme_says(cpu_server):

@@ -39,11 +39,15 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         first, *others = passes.values()
         for other in others:
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, other, strict=True))
+        if loader == "vllm":  # fresh tensors, each its own: vLLM's unpacked send keeps them all
+            kept = list(iter(source))
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, kept, strict=True))
         if loader == "direct":  # what weight_sender packs when the expert blocks go in place: all else
             blocks = list(source.expert_blocks)
             assert names[-len(blocks):] == blocks  # the blocks come last
             part = colocated_sync.PackedPart(source, len(names) - len(blocks))
-            packed = list(part.iter_full() if "iter_full" in vars(WeightSource) else iter(part))
+            # (each taken as the packed producer takes it: copied before the next; not fresh, it would not last)
+            packed = [(n, t.clone()) for n, t in (part.iter_full() if "iter_full" in vars(WeightSource) else part)]
             assert [n for n, _ in packed] == [m.name for m in part.metadata] == names[: -len(blocks)]
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(packed, first, strict=False))
             assert all(hasattr(p, "to_local") for p in trainer.model.parameters())  # what it gathered: resharded
