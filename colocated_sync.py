@@ -49,6 +49,7 @@ import atexit
 import errno
 import itertools
 import json
+import math
 import os
 import re
 import select
@@ -701,10 +702,12 @@ class DirectLoadClient:
     direct loader (direct_load.py) through /collective_rpc instead of vLLM's
     weight routes. `expert_blocks` ({name: shape} of the expert blocks each
     rank will send) is checked against every engine when vLLM's IPC engine is
-    built, so a layout the server cannot take fails before any send."""
+    built, so a layout the server cannot take fails before any send.
+    `packed_bytes`, if given, is what a send's chunks carry in all: the chunk
+    that completes it also finishes the sync, one round trip fewer."""
 
     def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple],
-                 experts_in_place: ExpertsInPlace | None = None) -> None:  # fmt: skip
+                 experts_in_place: ExpertsInPlace | None = None, packed_bytes: int | None = None) -> None:  # fmt: skip
         if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
             raise ValueError(f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader "
                              "needs one rank per GPU")  # fmt: skip
@@ -712,6 +715,9 @@ class DirectLoadClient:
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
         self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
+        self.packed_bytes = packed_bytes
+        self._left: int | None = None  # what this send's chunks have still to carry
+        self._finished: dict | None = None  # what the last chunk's finish reported
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if not init_info.get("packed"):
@@ -723,18 +729,26 @@ class DirectLoadClient:
         """Start the engines' direct load; with experts in place, every engine
         copies its trainer rank's expert blocks from the trainer's memory now.
         Returns what the first DP engine reports of it."""
+        self._left, self._finished = self.packed_bytes, None
         handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
         payload = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles}
         return collective_rpc(self.sock, "direct_load_start", _pickled(payload) if handles else "")[0]
 
     def update_weights(self, update_info: dict) -> dict:
-        """One chunk; returns what the first DP engine reports of it."""
-        update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids}
-        return collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
+        """One chunk (the last one also finishes the sync); returns what the
+        first DP engine reports of it."""
+        if self._left is not None:
+            self._left -= sum(update_info["tensor_sizes"])
+        update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids, "last": self._left == 0}
+        result = collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
+        self._finished = result.get("finished")
+        return result
 
     def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        """Process what the send wrote; returns what the first DP engine reports of it."""
-        return collective_rpc(self.sock, "direct_load_finish")[0]
+        """Process what the send wrote, unless its last chunk did; returns
+        what the first DP engine reports of it."""
+        finished, self._finished, self._left = self._finished, None, None
+        return finished if finished is not None else collective_rpc(self.sock, "direct_load_finish")[0]
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass
@@ -1376,13 +1390,16 @@ def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtyp
     (`params`: the model's parameter names), if one module does and all are
     sent cast to `dtype` (FSDP's gather in its compute dtype then gives the
     same bits as gathering and casting); else None: each is then gathered on
-    its own with full_tensor()."""
+    its own with full_tensor(). None also where FSDP2 shards over one rank:
+    its one shard is the whole parameter, nothing to gather (_full)."""
     from torch.distributed.fsdp import FSDPModule
 
     owners = set()
     for name in names:
         if name not in params:
             continue  # a buffer: not sharded
+        if _whole_shard(model.get_parameter(name)):
+            return None
         module = name.rpartition(".")[0]
         while not isinstance(model.get_submodule(module), FSDPModule):
             if not module:
@@ -1395,7 +1412,15 @@ def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtyp
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """A parameter's whole value: its FSDP2 shards gathered, or its one shard where it has one."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    return t.to_local() if _whole_shard(t) else t.full_tensor()
+
+
+def _whole_shard(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor over one rank: its local shard is all of it."""
+    return hasattr(t, "device_mesh") and t.device_mesh.size() == 1
 
 
 # ---------------------------------------------------------------------------
@@ -1465,7 +1490,9 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
     `source` will send and that a trainer rank is on its GPU."""
     if loader == "direct":
         in_place = getattr(source, "experts_in_place", None)
-        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place)
+        skipped = set(in_place.names) if in_place is not None else set()  # (weight_sender sends them in place)
+        packed_bytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata if m.name not in skipped)
+        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes)
     return weight_sync_client(sock)
 
 

@@ -78,6 +78,9 @@ class _Layout:
     attention_layers: list[torch.nn.Module]  # those with post-load processing of their own (MLA's)
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
     through_loader: set[str] = field(default_factory=set)
+    # The rows each `plain` name is copied into, kept while the parameter's storage stays
+    # where it is: (parameter, its data_ptr, the rows). Slicing a vLLM parameter costs more.
+    views: dict[str, tuple] = field(default_factory=dict)
 
 
 def _layout(model: torch.nn.Module) -> _Layout:
@@ -187,7 +190,10 @@ class DirectLoadWorker:
     def direct_load_chunk(self, payload: str) -> dict:
         """Load one packed chunk. `payload`: base64 pickle of vLLM's IPC update
         info (names, dtype_names, shapes, tensor_sizes, ipc_handles) plus
-        `trainer_gpu_uuids`, the GPU of each trainer rank in rank order."""
+        `trainer_gpu_uuids`, the GPU of each trainer rank in rank order, and
+        `last`: the send's last chunk, after which this call also finishes
+        the sync (direct_load_finish; its answer under "finished"), one
+        round trip fewer."""
         from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
         start = time.perf_counter()
@@ -197,16 +203,18 @@ class DirectLoadWorker:
         if session.gpu_uuid not in handles:
             _no_trainer_rank(session.gpu_uuid, list(handles))
         trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
-        args = list(handles[session.gpu_uuid])
-        args[6] = session.device.index  # the device index as this process numbers it
-        sizes = update["tensor_sizes"]
-        buffer = session.importer.rebuild(args)[: sum(sizes)]
-        dtypes = [getattr(torch, name) for name in update["dtype_names"]]
-        tensors = unpack_tensor(buffer, update["names"], update["shapes"], dtypes, sizes)
+        sizes, tensors = update["tensor_sizes"], []
+        if sizes:  # (a chunk without tensors has no buffer to open)
+            args = list(handles[session.gpu_uuid])
+            args[6] = session.device.index  # the device index as this process numbers it
+            buffer = session.importer.rebuild(args)[: sum(sizes)]
+            dtypes = [getattr(torch, name) for name in update["dtype_names"]]
+            tensors = unpack_tensor(buffer, update["names"], update["shapes"], dtypes, sizes)
 
         experts_done, load_done = _load(session, tensors, trainer_rank, self.vllm_config)
-        # The trainer refills this buffer as soon as we return: finish reading it.
-        if session.device.type == "cuda":
+        # The trainer refills this buffer as soon as we return: finish reading it
+        # (the finish after the last chunk waits for every copy).
+        if session.device.type == "cuda" and not update.get("last"):
             torch.cuda.synchronize(session.device)
         session.tensors += len(tensors)
         session.bytes += sum(sizes)
@@ -217,7 +225,11 @@ class DirectLoadWorker:
                    "sync": time.perf_counter() - load_done}  # fmt: skip
         for part, value in seconds.items():
             session.seconds[part] = session.seconds.get(part, 0.0) + value
-        return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
+        if not update.get("last"):
+            return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
+        finished = self.direct_load_finish()
+        return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": {**seconds, **finished.pop("seconds")},
+                "finished": finished}  # fmt: skip
 
     def direct_load_finish(self) -> dict:
         """Process what the send wrote (`_finish`) and release the IPC buffer."""
@@ -316,15 +328,14 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
                                     layout.held_experts[layer_name])  # fmt: skip
                 session.touched[id(experts)] = experts
             elif name in layout.plain:
-                param_name, row = layout.plain[name]
-                target = _rows(_parameter(layout, param_name), row, tensor)
+                target = _plain_rows(layout, name, tensor)
                 if target is None:  # its parameter changed shape or dtype since: learned again
                     del layout.plain[name]
                     first_seen.append((name, tensor))
                     continue
                 targets.append(target)
                 sources.append(tensor)
-                _touch(session, [param_name])
+                _touch(session, [layout.plain[name][0]])
             elif name in layout.through_loader:
                 others.append((name, tensor))
             else:
@@ -376,6 +387,20 @@ def _parameter(layout: _Layout, name: str) -> torch.nn.Parameter | None:
     """The engine's parameter of this name, from the layout found once (not a walk of the model every chunk)."""
     owner = layout.param_owner.get(name)
     return getattr(owner, name.rpartition(".")[2], None) if owner is not None else None
+
+
+def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """The rows of its parameter that the plain copy of `name` writes
+    (layout.plain), or None if they no longer fit the tensor."""
+    param_name, row = layout.plain[name]
+    param = _parameter(layout, param_name)
+    kept = layout.views.get(name)
+    if kept is not None and kept[0] is param and kept[1] == param.data_ptr():
+        return kept[2]
+    rows = _rows(param, row, tensor)
+    if rows is not None:
+        layout.views[name] = (param, param.data_ptr(), rows)
+    return rows
 
 
 def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.Tensor | None:

