@@ -73,7 +73,7 @@ class _Layout:
 
     model: torch.nn.Module
     expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
-    held_experts: dict[str, list[int]]  # vLLM layer name -> the global ids of its local experts
+    held_experts: dict[str, list[int]]  # vLLM layer name -> its local experts' global ids (fixed: no EPLB)
     param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
     attention_layers: list[torch.nn.Module]  # those with post-load processing of their own (MLA's)
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -406,9 +406,9 @@ def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tenso
 def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.Tensor | None:
     """`param`'s rows from `row` that a plain copy of `tensor` writes, if
     they fit it (the same dtype and row shape, enough rows); else None."""
-    if (param is None or param.dtype != tensor.dtype or param.dim() != tensor.dim()
+    if (param is None or tensor.dim() == 0 or param.dtype != tensor.dtype or param.dim() != tensor.dim()
             or param.shape[1:] != tensor.shape[1:] or row + tensor.shape[0] > param.shape[0]):  # fmt: skip
-        return None
+        return None  # (a scalar has no rows: it goes through load_weights)
     return param.data[row : row + tensor.shape[0]]
 
 
