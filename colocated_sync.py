@@ -1304,9 +1304,10 @@ class CheckpointForm:
 
     `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
     names to leave out (a caller sending those its own way); `fresh`: every
-    tensor a copy of its own, which a consumer may keep; else, where no cast
-    is needed, the gathered tensor itself, valid only until the next one is
-    taken (for a consumer that copies each at once). A group that
+    tensor stays valid while the consumer keeps it (a copy of what FSDP
+    gathered, or the parameter itself where nothing is gathered); else,
+    where no cast is needed, what FSDP gathered, valid only until the next
+    tensor is taken (for a consumer that copies each at once). A group that
     transformers' conversion leaves as it is (one tensor, same name and shape:
     most of them) skips the conversion on every sync."""
 
@@ -1491,9 +1492,14 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
     if loader == "direct":
         in_place = getattr(source, "experts_in_place", None)
         skipped = set(in_place.names) if in_place is not None else set()  # (weight_sender sends them in place)
-        packed_bytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata if m.name not in skipped)
+        packed_bytes = _bytes(m for m in source.metadata if m.name not in skipped)
         return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes)
     return weight_sync_client(sock)
+
+
+def _bytes(metadata) -> int:
+    """What tensors of this metadata (ParamMeta) take, in bytes."""
+    return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
 
 
 @dataclass
@@ -1533,8 +1539,12 @@ def weight_sender(rank: int, client, source: TrainerSource, packed: bool = True,
     in_place = getattr(source, "experts_in_place", None)
     if in_place is not None and getattr(client, "experts_in_place", None) is not in_place:
         in_place = None  # a client that does not hand them to the engines (vLLM's routes): they go packed
-    client = FailAfterSend(client)
     packed_part = PackedPart(source, len(source.metadata) - len(in_place.names)) if in_place else source
+    told = getattr(client, "packed_bytes", None)
+    if told is not None and told != (packs := _bytes(packed_part.metadata)):
+        raise ValueError(f"the direct loader's client expects {told} packed bytes a send and this source packs "
+                         f"{packs}: build the client for this source (sync_client)")  # fmt: skip
+    client = FailAfterSend(client)
     engine = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
         client=client,

@@ -79,7 +79,9 @@ class _Layout:
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
     through_loader: set[str] = field(default_factory=set)
     # The rows each `plain` name is copied into, kept while the parameter's storage stays
-    # where it is: (parameter, its data_ptr, the rows). Slicing a vLLM parameter costs more.
+    # as it was: (parameter, its data_ptr, shape and strides, the rows). Slicing a vLLM
+    # parameter costs more than the copy. (A kept view holds its storage until the next
+    # sync replaces it, should vLLM give the parameter other storage meanwhile.)
     views: dict[str, tuple] = field(default_factory=dict)
 
 
@@ -232,11 +234,16 @@ class DirectLoadWorker:
                 "finished": finished}  # fmt: skip
 
     def direct_load_finish(self) -> dict:
-        """Process what the send wrote (`_finish`) and release the IPC buffer."""
+        """Process what the send wrote (`_finish`) and release the IPC buffer;
+        the session ends even if the processing fails (a retry starts anew)."""
         session = self._direct_session_or_raise()
-        seconds = _finish(session, self.vllm_config)
-        session.importer.close()
-        self._direct_session = None
+        try:
+            seconds = _finish(session, self.vllm_config)
+        finally:
+            if session.device.type == "cuda":
+                torch.cuda.synchronize(session.device)  # done reading the trainer's memory, whatever happened
+            session.importer.close()
+            self._direct_session = None
         # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         print(f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
@@ -395,20 +402,24 @@ def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tenso
     param_name, row = layout.plain[name]
     param = _parameter(layout, param_name)
     kept = layout.views.get(name)
-    if kept is not None and kept[0] is param and kept[1] == param.data_ptr():
+    if (kept is not None and kept[0] is param and kept[1] == (param.data_ptr(), param.shape, param.stride())
+            and kept[2].shape == tensor.shape):  # fmt: skip
         return kept[2]
     rows = _rows(param, row, tensor)
-    if rows is not None:
-        layout.views[name] = (param, param.data_ptr(), rows)
+    if rows is None:
+        layout.views.pop(name, None)
+    else:
+        layout.views[name] = (param, (param.data_ptr(), param.shape, param.stride()), rows)
     return rows
 
 
 def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.Tensor | None:
     """`param`'s rows from `row` that a plain copy of `tensor` writes, if
     they fit it (the same dtype and row shape, enough rows); else None."""
-    if (param is None or tensor.dim() == 0 or param.dtype != tensor.dtype or param.dim() != tensor.dim()
-            or param.shape[1:] != tensor.shape[1:] or row + tensor.shape[0] > param.shape[0]):  # fmt: skip
-        return None  # (a scalar has no rows: it goes through load_weights)
+    if (param is None or tensor.dim() == 0 or tensor.numel() == 0 or param.dtype != tensor.dtype
+            or param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:]
+            or row + tensor.shape[0] > param.shape[0]):  # fmt: skip
+        return None  # (a scalar or an empty tensor has no rows to copy: it goes through load_weights)
     return param.data[row : row + tensor.shape[0]]
 
 
@@ -426,7 +437,7 @@ def _row_of(param: torch.Tensor, probe: torch.Tensor) -> int | None:
 
 def _bit_rows(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bits, one row of bytes per row of `t` (per element of a vector)."""
-    return t.detach().reshape(t.shape[0], -1).view(torch.uint8)
+    return t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

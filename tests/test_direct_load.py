@@ -73,6 +73,19 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
     assert told.finish_weight_update() == {"tensors": 0, "bytes": 0, "layers_processed": 0}
     with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
         told.update_weights(empty)  # the session was closed by the last chunk
+    # A last chunk the server refuses, under FailAfterSend as a send runs it: the finish is then a
+    # call of its own, which ends the session, and the send can start again.
+    refused = {**empty, "ipc_handles": {"GPU-elsewhere": ()}}
+    sending = colocated_sync.FailAfterSend(told)
+    sending.start_weight_update()
+    sending.update_weights(refused)
+    sending.finish_weight_update(None)
+    with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
+        sending.raise_failure()
+    sending.start_weight_update()
+    sending.update_weights(empty)
+    sending.finish_weight_update(None)
+    sending.raise_failure()  # the retry went through
     not_told = colocated_sync.DirectLoadClient(sock, [""], {})
     not_told.start_weight_update()
     assert "finished" not in not_told.update_weights(empty)

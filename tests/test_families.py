@@ -491,9 +491,10 @@ class _CPUBuffer:
 def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
     """The worker's chunk route as the server runs it (a packed buffer in,
     vLLM's own unpacking): a chunk the client marks last also finishes the
-    sync, reporting the finish, and closes it; one not marked last does
-    not, and leaves its tensors in place. (On a model of its own: on CPU,
-    vLLM's post-load processing re-lays out the linear layers.)"""
+    sync, reporting the finish, and closes it, also when the finish fails;
+    one not marked last does not, and leaves its tensors in place. (On a
+    model of its own: on CPU, vLLM's post-load processing re-lays out the
+    linear layers.)"""
     import base64
     import pickle
     from types import SimpleNamespace
@@ -521,6 +522,14 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
                   "trainer_gpu_uuids": [""], "last": last}  # fmt: skip
         return base64.b64encode(pickle.dumps(update)).decode()
 
+    # A finish that fails (here on purpose) still ends the session: the retry starts anew.
+    worker.direct_load_start()
+    worker._direct_session.importer = _CPUBuffer()
+    with monkeypatch.context() as failing:
+        failing.setattr(direct_load, "_finish", lambda *args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            worker.direct_load_chunk(chunk(halves[0], last=True))
+    assert worker._direct_session is None
     worker.direct_load_start()
     worker._direct_session.importer = _CPUBuffer()
     first = worker.direct_load_chunk(chunk(halves[0], last=False))

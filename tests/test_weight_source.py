@@ -6,6 +6,7 @@ its IPC trainer engine consumes them (0.32: `iter(source)`; 0.33:
 import inspect
 import math
 
+import pytest
 import torch
 
 from conftest import run_ranks
@@ -179,6 +180,8 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     none_in_place = SimpleNamespace(metadata=source.metadata, expert_blocks=source.expert_blocks)
     all_packed = colocated_sync.sync_client("/nowhere/vllm.sock", "direct", none_in_place, [""])
     assert all_packed.experts_in_place is None and all_packed.packed_bytes == nbytes(source.metadata)
+    with pytest.raises(ValueError, match="build the client for this source"):  # its last chunk would come early
+        colocated_sync.weight_sender(0, in_place, other)  # (other's blocks are not the client's: packed too)
 
     trainer = SimpleNamespace(sender=colocated_sync.weight_sender(0, direct, source), device=torch.device("cpu"),
                               model=model, optimizer=None)  # fmt: skip
