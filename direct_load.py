@@ -240,10 +240,12 @@ class DirectLoadWorker:
         try:
             seconds = _finish(session, self.vllm_config)
         finally:
+            launched = time.perf_counter()
             if session.device.type == "cuda":
                 torch.cuda.synchronize(session.device)  # done reading the trainer's memory, whatever happened
             session.importer.close()
             self._direct_session = None
+        seconds["copies_done"] = time.perf_counter() - launched
         # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         print(f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
@@ -289,7 +291,8 @@ def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def _finish(session: _Session, vllm_config) -> dict[str, float]:
     """Run each written layer's post-load processing, then the attention
     layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj), as
-    vLLM's reload does. Returns the seconds of each part."""
+    vLLM's reload does. Returns the seconds of each part (direct_load_finish
+    then waits for the GPU)."""
     from vllm.config import set_current_vllm_config
 
     start = time.perf_counter()
@@ -305,11 +308,7 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
         with set_current_vllm_config(vllm_config):  # as vLLM's finish_weight_update runs it
             for module in session.layout.attention_layers:
                 module.process_weights_after_loading(vllm_config.model_config.dtype)
-    attention_done = time.perf_counter()
-    if session.device.type == "cuda":
-        torch.cuda.synchronize(session.device)
-    return {"post_load": layers_done - start, "attention_post_load": attention_done - layers_done,
-            "copies_done": time.perf_counter() - attention_done}  # fmt: skip
+    return {"post_load": layers_done - start, "attention_post_load": time.perf_counter() - layers_done}
 
 
 def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
@@ -354,7 +353,7 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
             for name, tensor in first_seen:  # once per name: does vLLM's loader write it as it is?
                 if (learned := _learn(layout, name, tensor)) is not None:
                     layout.plain[name] = learned
-                    _rows(_parameter(layout, learned[0]), learned[1], tensor).copy_(tensor)
+                    _plain_rows(layout, name, tensor).copy_(tensor)
                     _touch(session, [learned[0]])
                 else:  # several parameters, another dtype, the elements moved or changed
                     layout.through_loader.add(name)
@@ -387,7 +386,7 @@ def _learn(layout: _Layout, name: str, tensor: torch.Tensor) -> tuple[str, int] 
         return None
     rows = slice(row, row + tensor.shape[0])
     before[rows] = second
-    return (loaded[0], row) if _same_bits(param, before) else None
+    return (loaded[0], row) if torch.equal(_bit_rows(param), _bit_rows(before)) else None
 
 
 def _parameter(layout: _Layout, name: str) -> torch.nn.Parameter | None:
@@ -402,14 +401,14 @@ def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tenso
     param_name, row = layout.plain[name]
     param = _parameter(layout, param_name)
     kept = layout.views.get(name)
-    if (kept is not None and kept[0] is param and kept[1] == (param.data_ptr(), param.shape, param.stride())
-            and kept[2].shape == tensor.shape):  # fmt: skip
+    where = (param.data_ptr(), param.shape, param.stride()) if param is not None else None
+    if kept is not None and kept[0] is param and kept[1] == where and kept[2].shape == tensor.shape:
         return kept[2]
     rows = _rows(param, row, tensor)
     if rows is None:
         layout.views.pop(name, None)
     else:
-        layout.views[name] = (param, (param.data_ptr(), param.shape, param.stride()), rows)
+        layout.views[name] = (param, where, rows)
     return rows
 
 
@@ -438,11 +437,6 @@ def _row_of(param: torch.Tensor, probe: torch.Tensor) -> int | None:
 def _bit_rows(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bits, one row of bytes per row of `t` (per element of a vector)."""
     return t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Every element of `a` holds `b`'s bits, in its place."""
-    return torch.equal(a.detach().flatten().view(torch.uint8), b.detach().flatten().view(torch.uint8))
 
 
 def _probe(tensor: torch.Tensor, name: str, which: int) -> torch.Tensor | None:
