@@ -428,6 +428,7 @@ def stop_server(server: Server, grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         pass
     _release_watchdog(server)
+    _forget_client(str(server.socket_path))
 
 
 @contextmanager
@@ -511,30 +512,53 @@ def signals_ignored():
 # ---------------------------------------------------------------------------
 
 
-def _client(sock: str, timeout: float) -> httpx.Client:
-    # Plain HTTP over a local socket: no TLS context to build (loading the CA
-    # certificates costs ~30 ms per client, 34 times a sync) and no proxy.
-    transport = httpx.HTTPTransport(uds=sock, verify=False)
-    return httpx.Client(transport=transport, base_url="http://localhost", timeout=timeout, trust_env=False)
+# One client per server socket and process, its connection kept open between
+# calls: a round makes a handful of calls milliseconds apart, and a new client
+# for each would build a transport and connect anew each time.
+_clients: dict[tuple[int, str], httpx.Client] = {}
+
+
+def _client(sock: str) -> httpx.Client:
+    key = (os.getpid(), sock)  # (a forked child opens its own connection)
+    if key not in _clients:
+        # Plain HTTP over a local socket: no TLS context to build (loading the
+        # CA certificates costs ~30 ms) and no proxy. An idle connection is
+        # dropped at half the server's keep-alive timeout (vLLM's
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so it is never reused
+        # just as the server closes it.
+        idle_s = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2
+        transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=idle_s))
+        _clients[key] = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
+    return _clients[key]
+
+
+def _forget_client(sock: str, close: bool = True) -> None:
+    """Drop this process's client for a server: closed (the server stopped),
+    or left to a call another thread may still be making on it."""
+    client = _clients.pop((os.getpid(), sock), None)
+    if client is not None and close:
+        client.close()
 
 
 def _request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
     """Call a route; return its JSON; raise ServerError with the server's own
     error text."""
     try:
-        with _client(sock, timeout) as client:
-            resp = client.request(method, route, **kwargs)
+        resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
     except httpx.HTTPError as e:
+        _forget_client(sock, close=False)
         raise ServerError(f"{method} {route} failed: {e!r}") from e
     if resp.status_code != 200:
+        # vLLM's server may reset a connection after an error reply (seen
+        # after an HTTP 500): the next call starts on a new one.
+        _forget_client(sock, close=False)
         raise ServerError(f"{method} {route} -> HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json() if resp.content else None
 
 
 def health(sock: str) -> bool:
     try:
-        with _client(sock, timeout=5) as client:
-            return client.get("/health").status_code == 200
+        return _client(sock).get("/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -703,8 +727,10 @@ class DirectLoadClient:
     weight routes. `expert_blocks` ({name: shape} of the expert blocks each
     rank will send) is checked against every engine when vLLM's IPC engine is
     built, so a layout the server cannot take fails before any send.
+    The send's first chunk also starts the sync on the engines, and
     `packed_bytes`, if given, is what a send's chunks carry in all: the chunk
-    that completes it also finishes the sync, one round trip fewer."""
+    that completes it also finishes the sync. A send of one chunk is one
+    round trip."""
 
     def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple],
                  experts_in_place: ExpertsInPlace | None = None, packed_bytes: int | None = None) -> None:  # fmt: skip
@@ -716,6 +742,7 @@ class DirectLoadClient:
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
         self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
         self.packed_bytes = packed_bytes
+        self._start: dict | None = None  # what the engines' direct_load_start takes, until a call carries it
         self._left: int | None = None  # what this send's chunks have still to carry
         self._finished: dict | None = None  # what the last chunk's finish reported
 
@@ -726,20 +753,22 @@ class DirectLoadClient:
         collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
 
     def start_weight_update(self) -> dict:
-        """Start the engines' direct load; with experts in place, every engine
-        copies its trainer rank's expert blocks from the trainer's memory now.
-        Returns what the first DP engine reports of it."""
+        """Start a send; the engines start with its first chunk (with
+        experts in place, each engine then copies its trainer rank's expert
+        blocks from the trainer's memory). Asks the server nothing."""
         self._left, self._finished = self.packed_bytes, None
         handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
-        payload = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles}
-        return collective_rpc(self.sock, "direct_load_start", _pickled(payload) if handles else "")[0]
+        self._start = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles} if handles else {}
+        return {}
 
     def update_weights(self, update_info: dict) -> dict:
-        """One chunk (the last one also finishes the sync); returns what the
-        first DP engine reports of it."""
+        """One chunk (the first one also starts the sync, the last one also
+        finishes it); returns what the first DP engine reports of it."""
         if self._left is not None:
             self._left -= sum(update_info["tensor_sizes"])
         update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids, "last": self._left == 0}
+        if self._start is not None:
+            update["start"], self._start = self._start, None
         result = collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
         self._finished = result.get("finished")
         return result
@@ -748,7 +777,12 @@ class DirectLoadClient:
         """Process what the send wrote, unless its last chunk did; returns
         what the first DP engine reports of it."""
         finished, self._finished, self._left = self._finished, None, None
-        return finished if finished is not None else collective_rpc(self.sock, "direct_load_finish")[0]
+        if finished is not None:
+            return finished
+        if self._start is not None:  # a send without chunks: start it now
+            start, self._start = self._start, None
+            collective_rpc(self.sock, "direct_load_start", _pickled(start) if start else "")
+        return collective_rpc(self.sock, "direct_load_finish")[0]
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass

@@ -110,12 +110,14 @@ class _Session:
 class DirectLoadWorker:
     """Mixed into vLLM's worker class; every method runs on every engine."""
 
-    def direct_load_start(self, in_place: str = "") -> dict:
-        """Start a sync. `in_place` (optional, base64 pickle): {"trainer_gpu_uuids": [...], "blocks":
-        {GPU uuid: [(expert block name, CUDA IPC handle), ...]}}, handles of the trainer ranks' own
-        storage of their expert blocks (ExpertsInPlace on the trainer, which has synchronized its GPU):
-        this engine copies the block of the rank on its GPU straight from there, one copy each. The
-        storage stays where it is between syncs, so each handle is opened once and kept."""
+    def direct_load_start(self, in_place: str | dict = "") -> dict:
+        """Start a sync (the send's first chunk does, unless called first). `in_place` (optional;
+        base64 pickle over /collective_rpc, the dict itself in a chunk): {"trainer_gpu_uuids": [...],
+        "blocks": {GPU uuid: [(expert block name, CUDA IPC handle), ...]}}, handles of the trainer
+        ranks' own storage of their expert blocks (ExpertsInPlace on the trainer, which has
+        synchronized its GPU): this engine copies the block of the rank on its GPU straight from
+        there, one copy each. The storage stays where it is between syncs, so each handle is opened
+        once and kept."""
         from vllm.distributed.weight_transfer.packed_tensor import PackedBufferImporter
 
         start = time.perf_counter()
@@ -130,7 +132,7 @@ class DirectLoadWorker:
         if not in_place:
             self._opened_storage = {}  # a trainer's storage opened for an earlier sync: released
             return {"tensors": 0, "bytes": 0}
-        update = _unpickle(in_place)
+        update = _unpickle(in_place) if isinstance(in_place, str) else in_place
         blocks = update["blocks"].get(session.gpu_uuid) or _no_trainer_rank(session.gpu_uuid, list(update["blocks"]))
         tensors = self._trainer_storage(blocks, session.device)
         _load(session, tensors, update["trainer_gpu_uuids"].index(session.gpu_uuid), self.vllm_config)
@@ -192,15 +194,17 @@ class DirectLoadWorker:
     def direct_load_chunk(self, payload: str) -> dict:
         """Load one packed chunk. `payload`: base64 pickle of vLLM's IPC update
         info (names, dtype_names, shapes, tensor_sizes, ipc_handles) plus
-        `trainer_gpu_uuids`, the GPU of each trainer rank in rank order, and
-        `last`: the send's last chunk, after which this call also finishes
-        the sync (direct_load_finish; its answer under "finished"), one
-        round trip fewer."""
+        `trainer_gpu_uuids`, the GPU of each trainer rank in rank order;
+        `start` (the send's first chunk): what direct_load_start takes, which
+        this call runs first; `last`: the send's last chunk, after which this
+        call also finishes the sync (direct_load_finish; its answer under
+        "finished"). A one-chunk send is one round trip."""
         from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
+        update = _unpickle(payload)
+        started = self.direct_load_start(update["start"]).get("seconds", {}) if "start" in update else {}
         start = time.perf_counter()
         session = self._direct_session_or_raise()
-        update = _unpickle(payload)
         handles = update["ipc_handles"]
         if session.gpu_uuid not in handles:
             _no_trainer_rank(session.gpu_uuid, list(handles))
@@ -227,6 +231,7 @@ class DirectLoadWorker:
                    "sync": time.perf_counter() - load_done}  # fmt: skip
         for part, value in seconds.items():
             session.seconds[part] = session.seconds.get(part, 0.0) + value
+        seconds = {**started, **seconds}  # (direct_load_start kept its own in session.seconds)
         if not update.get("last"):
             return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
         finished = self.direct_load_finish()

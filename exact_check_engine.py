@@ -40,7 +40,7 @@ _ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor in checkp
 class ExactCheckWorker(DirectLoadWorker):
     """DirectLoadWorker with the exact check's calls; every method runs on every engine."""
 
-    def direct_load_start(self, in_place: str = "") -> dict:
+    def direct_load_start(self, in_place: str | dict = "") -> dict:
         self._exact_started = None  # fingerprints of what the engine held before this sync: no longer of use
         return super().direct_load_start(in_place)
 

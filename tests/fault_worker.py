@@ -16,17 +16,16 @@ from exact_check_engine import ExactCheckWorker
 
 
 class FaultWorker(ExactCheckWorker):
-    def direct_load_start(self, in_place: str = "") -> dict:
+    def direct_load_start(self, in_place: str | dict = "") -> dict:
+        # (called by the send's first chunk: a failure here refuses that chunk)
         self._syncs = getattr(self, "_syncs", 0) + 1
-        self._chunks = 0
-        return super().direct_load_start(in_place)
-
-    def direct_load_chunk(self, payload: str) -> dict:
-        self._chunks += 1
-        time.sleep(float(os.environ.get("FAULT_SLOW_CHUNK_S", "0")))
         fail_at = int(os.environ.get("FAULT_FAIL_ONCE_AT_SYNC", "0"))
-        if self._syncs == fail_at and self._chunks == 1 and not getattr(self, "_failed", False):
+        if self._syncs == fail_at and not getattr(self, "_failed", False):
             self._failed = True
             print(f"[fault_worker] sync {self._syncs}: refusing its first chunk, once", flush=True)
             raise RuntimeError(f"fault_worker: chunk 1 of sync {self._syncs} refused on purpose")
+        return super().direct_load_start(in_place)
+
+    def direct_load_chunk(self, payload: str) -> dict:
+        time.sleep(float(os.environ.get("FAULT_SLOW_CHUNK_S", "0")))
         return super().direct_load_chunk(payload)

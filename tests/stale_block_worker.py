@@ -10,7 +10,7 @@ _copy_local_experts = direct_load._copy_local_experts
 
 
 class StaleBlockWorker(ExactCheckWorker):
-    def direct_load_start(self, in_place: str = "") -> dict:
+    def direct_load_start(self, in_place: str | dict = "") -> dict:
         self._syncs = getattr(self, "_syncs", 0) + 1
         stale = self._syncs >= 2 and self.vllm_config.parallel_config.data_parallel_rank == 0
         skipped = []

@@ -54,21 +54,26 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
     # its GPU among them refuses.
     in_place = colocated_sync.ExpertsInPlace({})
     in_place.gathered = {"GPU-elsewhere": []}
-    client = colocated_sync.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {}, in_place)
+    client = colocated_sync.DirectLoadClient(cpu_server.socket_path, [""], {}, in_place)
+    client.start_weight_update()  # (the first chunk starts the sync on the engines)
     with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
-        client.start_weight_update()
+        client.update_weights({**chunk, "ipc_handles": {"": ()}, "tensor_sizes": []})
     client.finish_weight_update()
 
 
 def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
-    """Told what a send's chunks carry in all (`packed_bytes`), the client
-    marks the chunk that completes it, and the server finishes the sync in
-    that call: the client's finish then asks nothing, and the session is
-    closed. Not told, the finish is a call of its own."""
+    """The client's start asks the server nothing: the send's first chunk
+    starts the sync. Told what a send's chunks carry in all
+    (`packed_bytes`), the client marks the chunk that completes it, and the
+    server finishes the sync in that call: the client's finish then asks
+    nothing, and the session is closed. Not told, the finish is a call of
+    its own; a send without chunks is started there."""
     sock, empty = cpu_server.socket_path, {"ipc_handles": {"": ()}, "names": [], "dtype_names": [], "shapes": [],
                                            "tensor_sizes": []}  # fmt: skip
     told = colocated_sync.DirectLoadClient(sock, [""], {}, packed_bytes=0)
     told.start_weight_update()
+    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+        colocated_sync.collective_rpc(sock, "direct_load_finish")  # nothing started yet
     assert told.update_weights(empty)["finished"] == {"tensors": 0, "bytes": 0, "layers_processed": 0}
     assert told.finish_weight_update() == {"tensors": 0, "bytes": 0, "layers_processed": 0}
     with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
@@ -92,6 +97,8 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
     assert "seconds" in not_told.finish_weight_update()  # the server's own answer
     with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
         not_told.finish_weight_update()
+    not_told.start_weight_update()
+    assert not_told.finish_weight_update()["tensors"] == 0  # no chunk: started, then finished
 
 
 def test_the_expert_blocks_are_checked_before_any_send(cpu_server):

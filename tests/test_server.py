@@ -133,8 +133,7 @@ def test_a_kv_cache_that_cannot_be_mapped_back_is_explained():
 
 def prefix_cache_hits(sock) -> float:
     """vLLM's prefix-cache hit counter (tokens), from GET /metrics."""
-    with colocated_sync._client(sock, 10) as client:
-        text = client.get("/metrics").text
+    text = colocated_sync._client(sock).get("/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
 
@@ -219,6 +218,63 @@ def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
     assert len(colocated_sync.group_members(server.pgid)) == 2
     colocated_sync.stop_server(server, grace_s=1)
     assert colocated_sync.group_members(server.pgid) == []
+
+
+COUNTING_SERVER = """
+import json, socketserver, sys, time
+from http.server import BaseHTTPRequestHandler
+connections = []
+
+class Route(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # (keep-alive, as vLLM's server)
+
+    def setup(self):
+        super().setup()
+        connections.append(self.client_address)
+
+    def do_GET(self):
+        body = json.dumps({"connections": len(connections)}).encode()
+        self.send_response(500 if self.path == "/fail" else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        if self.path == "/fail":  # as vLLM's server may: drop the connection a moment after an error reply
+            time.sleep(0.3)
+            self.close_connection = True
+
+    def address_string(self):
+        return "local"
+
+class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+Server(sys.argv[sys.argv.index("--uds") + 1], Route).serve_forever()
+"""
+
+
+def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
+    """The calls of a round reuse one connection to the server; one idle for
+    half the server's keep-alive timeout is not reused (the server may be
+    closing it), nor one that brought an error reply; stopping the server
+    drops this process's client for it."""
+    import time
+
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "1")
+    server = colocated_sync.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
+                                         launcher=(sys.executable, "-c", COUNTING_SERVER))  # fmt: skip
+    try:
+        colocated_sync.wait_until_healthy(server, timeout_s=30)
+        sock = server.socket_path
+        seen = [colocated_sync._request(sock, "GET", "/connections")["connections"] for _ in range(5)]
+        assert seen == [seen[0]] * 5, seen  # one connection for all five
+        time.sleep(0.8)  # idle past half the keep-alive timeout
+        assert colocated_sync._request(sock, "GET", "/connections")["connections"] == seen[0] + 1
+        with pytest.raises(colocated_sync.ServerError, match="HTTP 500"):
+            colocated_sync._request(sock, "GET", "/fail")
+        assert colocated_sync._request(sock, "GET", "/connections")["connections"] == seen[0] + 2
+    finally:
+        colocated_sync.stop_server(server)
+    assert (os.getpid(), server.socket_path) not in colocated_sync._clients
 
 
 ENV_SERVER = """
