@@ -428,7 +428,7 @@ def stop_server(server: Server, grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         pass
     _release_watchdog(server)
-    _forget_client(str(server.socket_path))
+    _forget_client(server.socket_path)
 
 
 @contextmanager
@@ -558,9 +558,10 @@ def _request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TI
 
 def health(sock: str) -> bool:
     try:
-        return _client(sock).get("/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
+        _request(sock, "GET", "/health", timeout=5)  # (through _request: its rules for a failed call's connection)
+    except ServerError:
         return False
+    return True
 
 
 def sleep(sock: str, level: int) -> dict:
