@@ -90,7 +90,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
-        colocated_sync.weight_checker(job.server.socket_path, "reset")
+        checks.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
@@ -221,4 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    script.cli(main)
+    script.program.cli(main)

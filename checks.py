@@ -28,10 +28,34 @@ import exact_check_engine
 import colocated_sync
 import models
 import multinode
-from vllm_compat import TrainerSource
+from direct_load import TrainerSource
 
 GiB = 1024**3
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
+
+
+# ---------------------------------------------------------------------------
+# The proof's routes
+# ---------------------------------------------------------------------------
+
+
+def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
+    """vLLM's log-probability of each prompt token given the ones before it
+    (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
+    per_position = colocated_sync.request(sock, "POST", "/v1/completions", headers=headers,
+                                          json=body)["choices"][0]["prompt_logprobs"]  # fmt: skip
+    # Position 0 has no context (None); each later entry maps token id -> info
+    # and always holds the prompt's own token.
+    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
+
+
+def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict:
+    """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns
+    {key: sha256}, 'compare' checks against a baseline."""
+    body = {"action": action, **({"baseline": baseline} if baseline is not None else {})}
+    return colocated_sync.request(sock, "POST", "/weight_checker", json=body)
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +218,7 @@ def logprob_gap(
     """Ask every DP engine for its prompt log-probabilities of `sequences`
     and compare them with the trainer's."""
     server = [
-        [colocated_sync.prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
+        [prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
         for dp_rank in range(dp_size)
     ]
     stats = [dlogp_stats(trainer_lps, lps) for lps in server]
@@ -382,8 +406,8 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
     the sync then fails to write stays zero."""
     colocated_sync.sleep_for_sync(sock, sleep_level)
     colocated_sync.wake_weights(sock, sleep_level)
-    colocated_sync.weight_checker(sock, "reset")
-    return colocated_sync.weight_checker(sock, "checksum")["checksums"]
+    weight_checker(sock, "reset")
+    return weight_checker(sock, "checksum")["checksums"]
 
 
 def check_coverage(job, sleep_level: int) -> dict:
@@ -400,7 +424,7 @@ def check_coverage(job, sleep_level: int) -> dict:
 def coverage(sock: str, zeros: dict[str, str]) -> dict:
     """After a sync that followed zero_vllm_weights: which parameters it left
     zero (vLLM's /weight_checker: slow, it hashes every tensor)."""
-    written = set(colocated_sync.weight_checker(sock, "compare", baseline=zeros)["mismatches"])
+    written = set(weight_checker(sock, "compare", baseline=zeros)["mismatches"])
     return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}
 
 

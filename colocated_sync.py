@@ -1,10 +1,9 @@
 """Colocated weight sync: an FSDP2 trainer's weights into a vLLM server
 (data parallel + expert parallel) on the same GPUs, over vLLM's CUDA-IPC
-weight-transfer engine. The module to copy into your RL code, with three
-files beside it: direct_load.py (the server's worker extension, which the
-server imports from its PYTHONPATH), vllm_compat.py (vLLM 0.32 against 0.33)
-and server_watchdog.py (the program that stops the server if this process
-dies).
+weight-transfer engine. The module to copy into your RL code, with two files
+beside it: direct_load.py (the server's worker extension, which the server
+imports from its PYTHONPATH; also where vLLM 0.32 and 0.33 differ) and
+server_watchdog.py (the program that stops the server if this process dies).
 
 The server listens on a Unix socket in a directory only its user can enter,
 never on a TCP port: its dev routes (/sleep, /collective_rpc, the weight
@@ -31,9 +30,9 @@ the server on the same GPUs, then each round:
 
 Public names:
   the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
-  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions, prompt_logprobs,
-                   collective_rpc, weight_checker
-  the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, init_ray, leave_ray, cli
+  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions, collective_rpc,
+                   request (any other route)
+  the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, leave_ray
   a trainer rank   weight_source (BF16Source, LocalExpertSource), sync_client, weight_sender (WeightSender)
   more nodes       gloo_interface_env; the other nodes' servers are in multinode.py (optional, beside this)
 
@@ -75,8 +74,8 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from server_watchdog import group_members, proc_stat, start_time  # (shared with the watchdog)
-from vllm_compat import TrainerSource, vllm_load_form
+from server_watchdog import group_members  # (shared with the watchdog)
+from direct_load import TrainerSource, vllm_load_form
 
 # Every call that can wait on the server (a chunk of weights included) gives
 # up after this long: well inside the trainers' 10-minute collective timeout,
@@ -277,35 +276,8 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
     return proc, (alive_w, done_r)
 
 
-def descendants(pid: int, started_from: str | None = None) -> list[str]:
-    """"PID:START" of the live descendants of process `pid` (Linux /proc),
-    for start_server's `also_stop`. With `started_from` (a directory), only
-    the children whose command line runs something in it, and all theirs:
-    e.g. the processes of a local Ray cluster `pid` started, and no others."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        if (stat := proc_stat(entry)) is not None:
-            children.setdefault(int(stat[1]), []).append(int(entry))
-    todo = [c for c in children.get(pid, []) if started_from is None or started_from.encode() in cmdline(c)]
-    found, seen = [], set()
-    while todo:
-        child = todo.pop()
-        if child in seen:
-            continue
-        seen.add(child)
-        if (start := start_time(child)) is not None:
-            found.append(f"{child}:{start}")
-        todo += children.get(child, [])
-    return found
 
 
-def cmdline(pid: int) -> bytes:
-    """/proc/PID/cmdline (arguments NUL-separated), b"" if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
@@ -452,46 +424,14 @@ def serving(serve_args: Sequence[str], **start_kwargs):
                 print(f"[shutdown] {e}", flush=True)
 
 
-@contextmanager
-def hangups_unwind():
-    """SIGTERM and SIGHUP (a scheduler's stop, a closed terminal) end the
-    program the way Ctrl-C does: by an exception that runs every `finally`
-    (and so stops the server) on the way out; out of this block it becomes
-    SystemExit(128 + signal). The exception is a KeyboardInterrupt (Hangup),
-    because a blocking Ray call (ray.wait, ray.get) gives way to that one
-    alone: it turns any other exception raised in a signal handler into an
-    exit with code 1."""
-    _hangups_received.clear()
-    previous = unwind_on_hangups()
-    try:
-        yield
-    except KeyboardInterrupt:  # (Ray raises its own KeyboardInterrupt in place of ours)
-        if _hangups_received:
-            raise SystemExit(128 + _hangups_received[0]) from None
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
-class Hangup(KeyboardInterrupt):
-    """SIGTERM or SIGHUP received inside hangups_unwind."""
 
 
-_hangups_received: list[int] = []
 
 
-def unwind_on_hangups() -> dict:
-    """hangups_unwind's handlers, (re)installed; returns the ones they replace.
-    Again after a library that installs its own: ray.init() puts in Ray's,
-    under which a SIGTERM during a blocking Ray call aborts the process, or
-    ends it with code 1, midway through the cleanup."""
-    return {sig: signal.signal(sig, _unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
-def _unwind(signum: int, _frame) -> None:
-    _hangups_received.append(signum)
-    raise Hangup(f"signal {signum}")
 
 
 @contextmanager
@@ -540,8 +480,8 @@ def _forget_client(sock: str, close: bool = True) -> None:
         client.close()
 
 
-def _request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
-    """Call a route; return its JSON; raise ServerError with the server's own
+def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
+    """Call any route (httpx's keyword arguments); return its JSON; raise ServerError with the server's own
     error text."""
     try:
         resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
@@ -558,7 +498,7 @@ def _request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TI
 
 def health(sock: str) -> bool:
     try:
-        _request(sock, "GET", "/health", timeout=5)  # (through _request: its rules for a failed call's connection)
+        request(sock, "GET", "/health", timeout=5)  # (through _request: its rules for a failed call's connection)
     except ServerError:
         return False
     return True
@@ -567,14 +507,14 @@ def health(sock: str) -> bool:
 def sleep(sock: str, level: int) -> dict:
     """POST /sleep: level 0 only pauses scheduling; level 1 also offloads the
     weights to CPU, level 2 discards them; both free the KV cache."""
-    return _request(sock, "POST", "/sleep", params={"level": level})
+    return request(sock, "POST", "/sleep", params={"level": level})
 
 
 def release_kv_cache(sock: str) -> dict:
     """POST /release_kv_cache_memory: after /sleep?level=0, give the KV
     cache's GPU memory back (the weights stay); /wake_up?tags=kv_cache maps it
     again. Resets the prefix cache, whose entries the old weights computed."""
-    return _request(sock, "POST", "/release_kv_cache_memory")
+    return request(sock, "POST", "/release_kv_cache_memory")
 
 
 def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
@@ -597,7 +537,7 @@ def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
 
 def reset_prefix_cache(sock: str) -> None:
     """POST /reset_prefix_cache: forget the cached prompts' KV entries."""
-    _request(sock, "POST", "/reset_prefix_cache")
+    request(sock, "POST", "/reset_prefix_cache")
 
 
 def wake_weights(sock: str, level: int) -> None:
@@ -610,7 +550,7 @@ def wake_weights(sock: str, level: int) -> None:
 def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
     """POST /wake_up?tags=...: map back the named memory pools (all if None)."""
     params = [("tags", t) for t in tags] if tags else None
-    return _request(sock, "POST", "/wake_up", params=params)
+    return request(sock, "POST", "/wake_up", params=params)
 
 
 def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
@@ -636,16 +576,9 @@ def wake_failure(error: str, kv_cache: bool) -> str:
 
 
 def is_sleeping(sock: str) -> bool:
-    return _request(sock, "GET", "/is_sleeping")["is_sleeping"]
+    return request(sock, "GET", "/is_sleeping")["is_sleeping"]
 
 
-def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict:
-    """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns
-    {key: sha256}, 'compare' checks against a baseline."""
-    body: dict[str, Any] = {"action": action}
-    if baseline is not None:
-        body["baseline"] = baseline
-    return _request(sock, "POST", "/weight_checker", json=body)
 
 
 @dataclass
@@ -658,7 +591,7 @@ class Completion:
 def _completions(sock: str, body: dict, dp_rank: int | None) -> dict:
     """POST /v1/completions; `dp_rank` pins it to one DP engine."""
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    return _request(sock, "POST", "/v1/completions", headers=headers, json=body)
+    return request(sock, "POST", "/v1/completions", headers=headers, json=body)
 
 
 def completions(
@@ -685,14 +618,6 @@ def completions(
     ]
 
 
-def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
-    """vLLM's log-probability of each prompt token given the ones before it
-    (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
-    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-    per_position = _completions(sock, body, dp_rank)["choices"][0]["prompt_logprobs"]
-    # Position 0 has no context (None); each later entry maps token id -> info
-    # and always holds the prompt's own token.
-    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
 
 
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
@@ -700,7 +625,7 @@ def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_C
     (string arguments only). Returns the first DP engine's results; an error
     on any engine fails the call."""
     body = {"method": method, "args": list(args), "timeout": timeout}
-    out = _request(sock, "POST", "/collective_rpc", timeout=timeout + 10, json=body)
+    out = request(sock, "POST", "/collective_rpc", timeout=timeout + 10, json=body)
     return out["results"] if out else []
 
 
@@ -717,7 +642,7 @@ def weight_sync_client(sock: str):
 
     class WeightSyncClient(HTTPVLLMWeightSyncClient):
         def _post(self, path: str, json: dict | None = None) -> None:
-            _request(sock, "POST", f"/{path}", timeout=self.timeout, json=json)
+            request(sock, "POST", f"/{path}", timeout=self.timeout, json=json)
 
     return WeightSyncClient(sock, timeout=SERVER_CALL_TIMEOUT_S)
 
@@ -839,27 +764,13 @@ class FailAfterSend:
         except ServerError as e:
             self._failure = self._failure or e
 
+
 # ===========================================================================
 # The trainer ranks: one Ray actor per GPU, in one process group
 # ===========================================================================
 
-# Placing, calling and stopping what the sync runs on the Ray cluster.
-#
-# Every rank of the trainer takes part in collectives, so a call is made on all
-# of them at once and must not wait on a rank that is gone:
-#
-#   start_trainers    one trainer rank per GPU (an actor of any class), on whole
-#                     nodes, rank 0 on this one, joined in one process group
-#   placements        which GPU of which node each rank got
-#   ray_get_all       every rank's result, failing at the first error (a dead
-#                     rank as TrainerDied, naming why; a server error as itself)
-#   send_all          one weight sync on every rank, sent again when the server
-#                     failed it part way (`retries`), unless `check_failure` finds why
-#   wait_until_ready  the trainers' weights filled, the server healthy
-#   init_ray          ray.init() with the driver's settings on every node (job_env),
-#                     SIGTERM still unwinding
-#   leave_ray         Ray left as we found it (the trainers' rendezvous directory too)
-#   cli               a program's failures as one `error:` line, not a traceback
+# Every rank takes part in collectives, so a call is made on all of them at
+# once and must not wait on a rank that is gone (ray_get_all).
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (SERVER_CALL_TIMEOUT_S)
 
@@ -1037,27 +948,8 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
     return trainers, pg
 
 
-def init_ray() -> None:
-    """ray.init() for the job: a running cluster if there is one (RAY_ADDRESS,
-    `ray start`), else a local Ray; every node's processes get the driver's
-    settings (job_env). Then SIGTERM and SIGHUP unwind again
-    (unwind_on_hangups): Ray's own handler would abort the cleanup."""
-    ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
-    unwind_on_hangups()
 
 
-def job_env() -> dict[str, str]:
-    """The driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for
-    ray.init(runtime_env=...): Ray's workers get the environment of the Ray
-    node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
-    `HF_HUB_OFFLINE` exported where the script runs would not reach the other
-    nodes' trainers and servers. Not VLLM_HOST_IP (each node's own address),
-    nor secrets (`HF_TOKEN`, `VLLM_API_KEY`: Ray keeps a job's runtime env
-    where its dashboard and job list show it). Interface names
-    (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`) set here hold on every node."""
-    prefixes, secret = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_"), ("TOKEN", "KEY", "SECRET", "PASSWORD")
-    return {k: v for k, v in os.environ.items()
-            if k.startswith(prefixes) and k != "VLLM_HOST_IP" and not any(s in k for s in secret)}  # fmt: skip
 
 
 def gloo_interface_env(node_ip: str) -> dict[str, str]:
@@ -1188,63 +1080,21 @@ def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check
     return filled_after_s
 
 
-def cli(main_fn) -> None:
-    """Run main_fn() and exit with its code; the failures we expect (a dead
-    rank or server, no room for the trainers) as one `error:` line, Ctrl-C as
-    one line too (the cleanup has run on the way out). Anything else keeps its
-    traceback."""
-    try:
-        sys.exit(main_fn())
-    except (PlacementError, TrainerDied, ServerError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("error: interrupted; the server and the trainers are stopped", file=sys.stderr)
-        sys.exit(130)
-
 # ===========================================================================
 # What a trainer rank sends: the tensors `save_pretrained` would write
 # ===========================================================================
 
-# What a trainer should send vLLM: the tensors `save_pretrained` would write.
-#
-# vLLM's loaders are written against checkpoints on disk, not against
-# transformers' in-memory modules, and transformers 5 keeps many models in a
-# different form in memory: Mixtral's `block_sparse_moe.experts.N.w1.weight`
-# files become one fused `mlp.experts.gate_up_proj`; DeepSeek-V3's
-# `mlp.gate.e_score_correction_bias` is a buffer, so `named_parameters()` never
-# yields it. Rather than a table per family, this module asks transformers
-# itself: `save_pretrained` takes `state_dict()` (parameters and persistent
-# buffers), drops tied copies, and runs `revert_weight_conversion`, the reverse
-# of the conversion `from_pretrained` applied. We do the same, one group of
-# tensors at a time, so a sharded trainer holds one FSDP module gathered at a time:
-#
-#     form = CheckpointForm(model, torch.bfloat16)  # once: names, shapes, groups (meta only)
-#     form.metadata                                 # [(name, shape, dtype)]
-#     for name, tensor in form: ...                 # every sync
-#
-# It works on the meta device and under FSDP2: each FSDP module's parameters
-# are gathered with one `unshard()` (one all-gather, not one per parameter) and
-# freed with `reshard()` once its tensors are sent; buffers are not sharded.
-#
-# Cost: `revert_weight_conversion` takes a whole state dict, and without a
-# `model._weight_conversions` (set by `from_pretrained`) it rebuilds the model's
-# conversion list (a walk over `named_modules()` plus a deepcopy) on every call.
-# We call it once per in-memory tensor group, so we attach that list once
-# (`_conversions`) the way `from_pretrained` does; what is left per call is
-# reversing a handful of regex transforms (tens of microseconds) plus the
-# conversion itself (for fused experts: one `chunk` per expert, and a copy of the
-# gate/up halves, which `Chunk` makes contiguous).
-#
-# The fast path (the direct loader copying a rank's own fused expert shard into
-# vLLM's `w13_weight`/`w2_weight`) needs more than vLLM accepting a name: the
-# in-memory tensor must already be in vLLM's layout. `fused_expert_tensors` says
-# which tensors are fused experts and in which layout (direct_loader_problem
-# uses it), and `expert_block_names` which vLLM expert layer each one belongs to
-# (tests/test_families.py checks both against vLLM's own models).
-
-# ---------------------------------------------------------------------------
-# Trainer side: the checkpoint form of a transformers model
-# ---------------------------------------------------------------------------
+# vLLM's loaders are written against checkpoints on disk, and transformers 5
+# keeps many models in another form in memory (Mixtral's per-expert w1/w2/w3
+# files become one fused `mlp.experts.gate_up_proj`; DeepSeek-V3's router bias
+# is a buffer, which `named_parameters()` never yields). Rather than a table
+# per family, ask transformers: what `save_pretrained` writes is `state_dict()`
+# minus tied copies, through `revert_weight_conversion`. CheckpointForm does
+# the same one group of tensors at a time, each FSDP2 module gathered once.
+# The direct loader's fast path also needs the in-memory fused experts in
+# vLLM's layout (fused_expert_tensors, direct_loader_problem) and the vLLM
+# layer each belongs to (expert_block_names); tests/test_families.py checks
+# both against vLLM's own models.
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

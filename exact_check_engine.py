@@ -25,8 +25,7 @@ import time
 
 import torch
 
-from direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank
-from vllm_compat import local_expert_ids
+from direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, local_expert_ids
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
     import triton

@@ -30,12 +30,13 @@ On the driver, with colocated_sync's names (start_trainers handles the nodes):
         stop_node_servers(node_servers)
 
 Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
-free_port. The model must be at the same path on every node (or each node builds it: resolve_model), and
+free_port, job_env (for ray.init: the driver's settings on every node). The model must be at the same path on every node (or each node builds it: resolve_model), and
 the job must run on a network you trust: vLLM's and the trainers' handshakes listen on the cluster network.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -168,3 +169,15 @@ def stop_node_servers(node_servers: list) -> list:
     return []
 
 
+def job_env() -> dict[str, str]:
+    """The driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for
+    ray.init(runtime_env=...): Ray's workers get the environment of the Ray
+    node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
+    `HF_HUB_OFFLINE` exported where the script runs would not reach the other
+    nodes' trainers and servers. Not VLLM_HOST_IP (each node's own address),
+    nor secrets (`HF_TOKEN`, `VLLM_API_KEY`: Ray keeps a job's runtime env
+    where its dashboard and job list show it). Interface names
+    (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`) set here hold on every node."""
+    prefixes, secret = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_"), ("TOKEN", "KEY", "SECRET", "PASSWORD")
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(prefixes) and k != "VLLM_HOST_IP" and not any(s in k for s in secret)}  # fmt: skip

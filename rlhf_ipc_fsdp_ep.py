@@ -39,11 +39,12 @@ import torch.distributed as dist
 import checks
 import colocated_sync
 import models
+import program
 import toy_rl
-from colocated_sync import (cli, gloo_interface_env, init_ray, leave_ray, placements, ray_get_all, send_all,
-                            start_trainers, wait_until_ready)  # fmt: skip
+from colocated_sync import (gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers,
+                            wait_until_ready)  # fmt: skip
 from multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
-from vllm_compat import untested_vllm_warning
+from direct_load import untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -279,14 +280,14 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
     NodeServer actor on each other node). On the way out (error, Ctrl-C,
     SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
     started it."""
-    with colocated_sync.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
+    with program.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
         workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
             model_path = models.resolve_model(args.model, workdir)
             checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
             if started_ray:
-                init_ray()
+                program.init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
             trainers, pg = start_trainers(trainer_cls or RLTrainer, args.num_gpus, args.num_nodes,
                                           placement_timeout_s=args.placement_timeout)  # fmt: skip
@@ -310,7 +311,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 env={**env, **network},
                 # A local Ray we started goes with us even if we are SIGKILLed (its agents would
                 # linger for minutes); by now, with the trainers started, all its processes are up.
-                also_stop=colocated_sync.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
+                also_stop=program.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
                 weights_in_after_s = wait_until_ready(server, filling, args.server_timeout,
                                                       also_check=partial(raise_node_failure, node_servers))
@@ -459,4 +460,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli(main)
+    program.cli(main)

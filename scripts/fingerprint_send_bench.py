@@ -10,12 +10,10 @@ itself does to each weight). Medians of 5 after a warm-up; JSON to ./trainer_fp.
 import json
 import sys
 import time
-import types
 
 import torch
 
 sys.path.insert(0, ".")
-sys.modules["vllm_compat"] = types.SimpleNamespace(local_expert_ids=None)  # (not used here; spares importing vLLM)
 import exact_check_engine as d  # noqa: E402
 
 H, L = 2048, 27

@@ -29,4 +29,4 @@ def serve_args_with_the_worker(*args, **kwargs):
 script.serve_args = serve_args_with_the_worker
 
 if __name__ == "__main__":
-    script.cli(script.main)
+    script.program.cli(script.main)

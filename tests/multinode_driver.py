@@ -32,6 +32,8 @@ import checks  # noqa: E402
 import colocated_sync  # noqa: E402
 import models  # noqa: E402
 import multinode  # noqa: E402
+import program  # noqa: E402
+import server_watchdog  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
@@ -110,8 +112,8 @@ def _left_of_node_servers() -> list[str]:
     private directory: its server, and the server's watchdog."""
     left = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        argv = colocated_sync.cmdline(pid)
-        if b"rlhf-ipc-node-" in argv and colocated_sync.start_time(pid) is not None:
+        argv = program.cmdline(pid)
+        if b"rlhf-ipc-node-" in argv and server_watchdog.start_time(pid) is not None:
             left.append(argv.replace(b"\0", b" ").decode(errors="replace")[:200])
     return left
 
@@ -193,7 +195,7 @@ def main(out_path: str, log_dir: str) -> None:
     cluster.add_node(num_cpus=2, num_gpus=1)
     # Set after the nodes started, as if exported only where the driver runs: job_env() carries them.
     os.environ.update(NCCL_SOCKET_IFNAME="from-the-driver", VLLM_HOST_IP="the-drivers-own")
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": colocated_sync.job_env()})
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": multinode.job_env()})
     try:
         seen["driver_node"] = ray.get_runtime_context().get_node_id()
         seen["one_node_for_two"] = _error_of(lambda: colocated_sync.start_trainers(
@@ -259,9 +261,9 @@ def main(out_path: str, log_dir: str) -> None:
         pid = ray.get(orphaned[0].__ray_call__.remote(_server_pid))
         ray.kill(orphaned[0])
         deadline = time.monotonic() + 30
-        while colocated_sync.start_time(pid) is not None and time.monotonic() < deadline:
+        while server_watchdog.start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
-        seen["orphan_alive_after_s"] = None if colocated_sync.start_time(pid) is None else 30
+        seen["orphan_alive_after_s"] = None if server_watchdog.start_time(pid) is None else 30
         time.sleep(2)
         seen["left_after_stops"] = _left_of_node_servers()
         seen["log_files"] = sorted(os.listdir(log_dir))

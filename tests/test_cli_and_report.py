@@ -507,17 +507,17 @@ def test_cli_ends_expected_failures_and_ctrl_c_with_one_line(capsys):
         return main
 
     with pytest.raises(SystemExit) as exit_:
-        script.cli(raises(KeyboardInterrupt()))
+        script.program.cli(raises(KeyboardInterrupt()))
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "error: interrupted; the server and the trainers are stopped\n"
     with pytest.raises(SystemExit) as exit_:
-        script.cli(raises(colocated_sync.ServerError("the send failed part way")))
+        script.program.cli(raises(colocated_sync.ServerError("the send failed part way")))
     assert exit_.value.code == "error: the send failed part way"  # printed by Python, exit status 1
     with pytest.raises(SystemExit) as exit_:
-        script.cli(lambda: 3)
+        script.program.cli(lambda: 3)
     assert exit_.value.code == 3
     with pytest.raises(ValueError):  # a bug keeps its traceback
-        script.cli(raises(ValueError("unexpected")))
+        script.program.cli(raises(ValueError("unexpected")))
 
 
 def test_packed_sends_need_sizes_that_keep_every_tensor_aligned():

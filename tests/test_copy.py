@@ -16,7 +16,7 @@ from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LIFT = ["colocated_sync.py"]
-NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "checks.py", "exact_check_engine.py", "toy_rl.py",
+NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "program.py", "checks.py", "exact_check_engine.py", "toy_rl.py",
               "benchmark.py"]  # the rows that say "nothing"
 
 

@@ -12,7 +12,6 @@ import torch
 import colocated_sync
 import direct_load
 import exact_check_engine
-import vllm_compat
 
 
 def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
@@ -147,8 +146,8 @@ def _experts(dp_rank: int, dp_size: int, num_experts: int, shape):
 
 
 def test_the_experts_an_engine_holds_come_from_vllms_expert_map():
-    assert vllm_compat.local_expert_ids(_experts(1, 2, 8, (4, 6, 5))) == [4, 5, 6, 7]
-    assert vllm_compat.local_expert_ids(_experts(0, 1, 8, (8, 6, 5))) == list(range(8))  # no EP: no map
+    assert direct_load.local_expert_ids(_experts(1, 2, 8, (4, 6, 5))) == [4, 5, 6, 7]
+    assert direct_load.local_expert_ids(_experts(0, 1, 8, (8, 6, 5))) == list(range(8))  # no EP: no map
 
 
 def test_only_the_engines_own_block_of_experts_is_accepted():
@@ -206,8 +205,7 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     from pathlib import Path
 
     code = """
-import sys, types, torch
-sys.modules["vllm_compat"] = types.SimpleNamespace(local_expert_ids=None)  # (not used here; spares importing vLLM)
+import sys, torch
 import exact_check_engine as d
 torch.manual_seed(0)
 cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16),

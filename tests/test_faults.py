@@ -17,8 +17,10 @@ import ray.cloudpickle
 import torch.distributed as dist
 from conftest import start_cpu_server
 
+import checks
 import colocated_sync
 import models
+import program
 import rlhf_ipc_fsdp_ep as script
 
 # Ray's workers cannot import this test module: ship its classes by value.
@@ -82,20 +84,20 @@ def test_weight_checker_on_a_dummy_weight_server(dummy_server):
     labels = [label for _, label in colocated_sync.START_MILESTONES]
     assert {"engines starting", "engines ready", "API server listening"} <= set(progress), progress
     assert progress == sorted(set(progress), key=labels.index), progress
-    dummy = colocated_sync.weight_checker(server.socket_path, "checksum")["checksums"]
+    dummy = checks.weight_checker(server.socket_path, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
-    assert colocated_sync.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
+    assert checks.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
     # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
     (stored,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
     assert stored == {"dp_rank": 0, "parameters": 21}
     (same,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
     assert same["differ"] == []
-    colocated_sync.weight_checker(server.socket_path, "reset")
+    checks.weight_checker(server.socket_path, "reset")
     with pytest.raises(colocated_sync.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
         colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
-    zeros = colocated_sync.weight_checker(server.socket_path, "checksum")["checksums"]
+    zeros = checks.weight_checker(server.socket_path, "checksum")["checksums"]
     assert set(zeros) == set(dummy)
-    changed = set(colocated_sync.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
+    changed = set(checks.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
     # Seen on CPU: reset leaves the attention and router linears' checksums as
     # they were (CPU-specific weight handling), so only these are asserted here;
     # --check-coverage itself needs a GPU.
@@ -118,7 +120,7 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, du
 
     def kill_the_engine_core():
         for pid in colocated_sync.group_members(server.pgid):
-            if b"EngineCore" in colocated_sync.cmdline(pid):
+            if b"EngineCore" in program.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
 
     try:

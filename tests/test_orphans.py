@@ -13,6 +13,8 @@ from pathlib import Path
 from conftest import private_socket_path
 
 import colocated_sync
+import program
+import server_watchdog
 
 TESTS = Path(__file__).resolve().parent
 
@@ -35,9 +37,9 @@ def _watchdogs_of(socket_path: str) -> list[int]:
     """PIDs of live watchdogs started for this socket (they run outside the group)."""
     pids = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        argv = colocated_sync.cmdline(pid).split(b"\0")
+        argv = program.cmdline(pid).split(b"\0")
         if any(a.endswith(b"server_watchdog.py") for a in argv) and socket_path.encode() in argv:
-            if colocated_sync.start_time(pid) is not None:  # not a zombie
+            if server_watchdog.start_time(pid) is not None:  # not a zombie
                 pids.append(pid)
     return pids
 
@@ -66,7 +68,7 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     sock = str(private_socket_path())
     driver = _driver(f"""
         import time
-        import colocated_sync, models
+        import colocated_sync, models, program, server_watchdog
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
@@ -133,7 +135,8 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     grace_s = 2.0
     driver = _driver(f"""
         import sys, time
-        import colocated_sync
+        import colocated_sync, program, server_watchdog
+import program
         colocated_sync._WATCHDOG_GRACE_S = {grace_s}
         server = colocated_sync.start_server(
             [], socket_path={sock!r}, log_path={str(log)!r},
@@ -220,7 +223,7 @@ def _ignored_signals(pid: int) -> set[int]:
 
 
 def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path):
-    """As the script does it (colocated_sync.hangups_unwind around colocated_sync.serving):
+    """As the script does it (program.hangups_unwind around colocated_sync.serving):
     SIGTERM exits with 143 through the finally blocks, which stop the
     server's whole group; a second SIGTERM during that shutdown is ignored.
 
@@ -233,7 +236,7 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
     go_on = tmp_path / "go-on"
     driver = _driver(f"""
         import time
-        import colocated_sync, models
+        import colocated_sync, models, program, server_watchdog
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
@@ -247,7 +250,7 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
             stop_server(server, **kwargs)
 
         colocated_sync.stop_server = stop_when_told
-        with colocated_sync.hangups_unwind(), colocated_sync.serving(
+        with program.hangups_unwind(), colocated_sync.serving(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
             env={{"PYTHONPATH": {str(TESTS.parent)!r}}},
@@ -276,21 +279,21 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
 def test_sigterm_still_unwinds_after_ray_starts():
     """ray.init() installs Ray's own SIGTERM handler, which prints a stack and
     aborts the process (exit 134) a few seconds into the cleanup; the script
-    starts Ray through colocated_sync.init_ray, after which SIGTERM unwinds with
+    starts Ray through program.init_ray, after which SIGTERM unwinds with
     143 and the cleanup runs to its end. The signal comes while the driver
     waits in Ray (as send_all does during a send), whose wait turns any
     exception from a signal handler but KeyboardInterrupt into exit code 1."""
     driver = _driver("""
         import time
-        import ray, colocated_sync
+        import ray, colocated_sync, program, server_watchdog
 
         @ray.remote
         def slow():
             time.sleep(120)
 
-        with colocated_sync.hangups_unwind():
+        with program.hangups_unwind():
             try:
-                colocated_sync.init_ray()
+                program.init_ray()
                 ref = slow.remote()
                 print("ready", flush=True)
                 colocated_sync.ray_get_all([ref], also_check=lambda: None)
@@ -318,7 +321,8 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     driver = _driver(f"""
         import os, sys, time
         import ray
-        import colocated_sync
+        import colocated_sync, program, server_watchdog
+import program
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
 
@@ -330,10 +334,10 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         worker = Worker.remote()
         ray.get(worker.pid.remote())  # a worker process is up
         def agents_up(processes):  # the raylet starts its agents on its own time
-            names = [colocated_sync.cmdline(int(p.split(":")[0])) for p in processes]
+            names = [program.cmdline(int(p.split(":")[0])) for p in processes]
             return all(any(agent in n for n in names) for agent in (b"DashboardAgent", b"RuntimeEnvAgent"))
         deadline = time.monotonic() + 30
-        while not agents_up(ray_processes := colocated_sync.descendants(os.getpid())) and time.monotonic() < deadline:
+        while not agents_up(ray_processes := program.descendants(os.getpid())) and time.monotonic() < deadline:
             time.sleep(0.2)
         server = colocated_sync.start_server(
             [], socket_path={sock!r}, log_path=Path({str(tmp_path)!r}) / "server.log",
@@ -347,14 +351,14 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         ray_processes = _read_until(driver, "ray").split(",")
-        names = [colocated_sync.cmdline(int(p.split(":")[0])) for p in ray_processes]
+        names = [program.cmdline(int(p.split(":")[0])) for p in ray_processes]
         assert any(b"DashboardAgent" in n for n in names) and any(b"RuntimeEnvAgent" in n for n in names), names
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
         deadline = time.monotonic() + 20
         left = ray_processes
         while left and time.monotonic() < deadline:
-            left = [p for p in ray_processes if colocated_sync.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+            left = [p for p in ray_processes if server_watchdog.start_time(int(p.split(":")[0])) == p.split(":")[1]]
             time.sleep(0.2)
         assert left == [], f"Ray processes outlived the driver: {left}"
         assert _gone_within(pgid, 20) is not None
@@ -370,17 +374,18 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
     driver = _driver(f"""
         import os, sys
         import ray
-        import colocated_sync
+        import colocated_sync, program, server_watchdog
+import program
         from conftest import private_socket_path
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
-        ray_processes = colocated_sync.descendants(os.getpid())
+        ray_processes = program.descendants(os.getpid())
         server = colocated_sync.start_server(
             [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
         )
         colocated_sync.stop_server(server)
-        alive = [p for p in ray_processes if colocated_sync.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+        alive = [p for p in ray_processes if server_watchdog.start_time(int(p.split(":")[0])) == p.split(":")[1]]
         print("alive", len(alive), len(ray_processes), flush=True)
         ray.shutdown()
     """)
@@ -397,20 +402,21 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     later: the watchdog still stops what the caller listed in `also_stop`."""
     driver = _driver(f"""
         import os, signal, subprocess, sys, time
-        import colocated_sync
+        import colocated_sync, program, server_watchdog
+import program
         from conftest import private_socket_path
         from pathlib import Path
         other = subprocess.Popen(["sleep", "300"])  # stands in for Ray's processes
         server = colocated_sync.start_server(
             [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
-            also_stop=colocated_sync.descendants(os.getpid(), "sleep"),
+            also_stop=program.descendants(os.getpid(), "sleep"),
         )
         time.sleep(1)  # the watchdog is forked off as the server starts
         os.killpg(server.pgid, signal.SIGKILL)  # the server dies first
         server.proc.wait()
         time.sleep(1)
-        print("other", other.pid, colocated_sync.start_time(other.pid), flush=True)
+        print("other", other.pid, server_watchdog.start_time(other.pid), flush=True)
         time.sleep(600)
     """)
     try:
@@ -418,9 +424,9 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
         driver.kill()
         driver.wait()
         deadline = time.monotonic() + 10
-        while colocated_sync.start_time(int(pid)) == start and time.monotonic() < deadline:
+        while server_watchdog.start_time(int(pid)) == start and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert colocated_sync.start_time(int(pid)) != start, "the listed process outlived the caller"
+        assert server_watchdog.start_time(int(pid)) != start, "the listed process outlived the caller"
     finally:
         _cleanup(driver, None)
 
@@ -432,9 +438,9 @@ def test_descendants_can_keep_to_what_was_started_from_one_place():
 
     unrelated = subprocess.Popen(["sleep", "30"])
     try:
-        listed = [int(p.split(":")[0]) for p in colocated_sync.descendants(os.getpid())]
+        listed = [int(p.split(":")[0]) for p in program.descendants(os.getpid())]
         assert unrelated.pid in listed
-        ray_only = [int(p.split(":")[0]) for p in colocated_sync.descendants(os.getpid(), os.path.dirname(ray.__file__))]
+        ray_only = [int(p.split(":")[0]) for p in program.descendants(os.getpid(), os.path.dirname(ray.__file__))]
         assert unrelated.pid not in ray_only
     finally:
         unrelated.kill()

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pathlib import Path
 
+import checks
 import colocated_sync
 from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
 
@@ -60,13 +61,13 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
 
 def test_prompt_logprobs_one_per_token_after_the_first(cpu_server):
     ids = [5, 17, 99, 300, 42, 7]
-    lps = colocated_sync.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
+    lps = checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
     assert len(lps) == len(ids) - 1
     assert all(lp <= 0 for lp in lps)
-    assert lps == colocated_sync.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
+    assert lps == checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
     # The header really picks an engine: this server has one, so DP rank 1 is refused.
     with pytest.raises(colocated_sync.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
-        colocated_sync.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
+        checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
 
 
 def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
@@ -265,13 +266,13 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
     try:
         colocated_sync.wait_until_healthy(server, timeout_s=30)
         sock = server.socket_path
-        seen = [colocated_sync._request(sock, "GET", "/connections")["connections"] for _ in range(5)]
+        seen = [colocated_sync.request(sock, "GET", "/connections")["connections"] for _ in range(5)]
         assert seen == [seen[0]] * 5, seen  # one connection for all five
         time.sleep(0.8)  # idle past half the keep-alive timeout
-        assert colocated_sync._request(sock, "GET", "/connections")["connections"] == seen[0] + 1
+        assert colocated_sync.request(sock, "GET", "/connections")["connections"] == seen[0] + 1
         with pytest.raises(colocated_sync.ServerError, match="HTTP 500"):
-            colocated_sync._request(sock, "GET", "/fail")
-        assert colocated_sync._request(sock, "GET", "/connections")["connections"] == seen[0] + 2
+            colocated_sync.request(sock, "GET", "/fail")
+        assert colocated_sync.request(sock, "GET", "/connections")["connections"] == seen[0] + 2
     finally:
         colocated_sync.stop_server(server)
     assert (os.getpid(), server.socket_path) not in colocated_sync._clients

@@ -109,7 +109,7 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     from test_families import build_model
 
     import colocated_sync
-    import vllm_compat
+    import direct_load
 
     hf = build_model("gpt_oss", device="cpu")
     fused = dict(colocated_sync.CheckpointForm(hf, torch.bfloat16))
@@ -117,9 +117,9 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     # FSDPGptOssForCausalLM, which must not matter. (This one instance only.)
     hf.__class__ = type(f"FSDP{type(hf).__name__}", (type(hf),), {})
     as_installed = dict(iter(colocated_sync.BF16Source(hf)))
-    if not vllm_compat._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
+    if not direct_load._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
         assert list(as_installed) == list(fused)
-    monkeypatch.setattr(vllm_compat, "_takes_gpt_oss_experts_one_by_one", lambda: True)
+    monkeypatch.setattr(direct_load, "_takes_gpt_oss_experts_one_by_one", lambda: True)
     source = colocated_sync.BF16Source(hf)
     split = dict(iter(source))
     assert [m.name for m in source.metadata] == list(split)
