@@ -136,7 +136,6 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     driver = _driver(f"""
         import sys, time
         import colocated_sync, program, server_watchdog
-import program
         colocated_sync._WATCHDOG_GRACE_S = {grace_s}
         server = colocated_sync.start_server(
             [], socket_path={sock!r}, log_path={str(log)!r},
@@ -322,7 +321,6 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         import os, sys, time
         import ray
         import colocated_sync, program, server_watchdog
-import program
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
 
@@ -375,7 +373,6 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
         import os, sys
         import ray
         import colocated_sync, program, server_watchdog
-import program
         from conftest import private_socket_path
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
@@ -403,7 +400,6 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     driver = _driver(f"""
         import os, signal, subprocess, sys, time
         import colocated_sync, program, server_watchdog
-import program
         from conftest import private_socket_path
         from pathlib import Path
         other = subprocess.Popen(["sleep", "300"])  # stands in for Ray's processes
