@@ -74,8 +74,8 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from server_watchdog import group_members  # (shared with the watchdog)
 from direct_load import TrainerSource, vllm_load_form
+from server_watchdog import group_members  # (shared with the watchdog)
 
 # Every call that can wait on the server (a chunk of weights included) gives
 # up after this long: well inside the trainers' 10-minute collective timeout,
@@ -481,8 +481,8 @@ def _forget_client(sock: str, close: bool = True) -> None:
 
 
 def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
-    """Call any route (httpx's keyword arguments); return its JSON; raise ServerError with the server's own
-    error text."""
+    """Call any route (httpx's keyword arguments); return its JSON; raise
+    ServerError with the server's own error text."""
     try:
         resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
     except httpx.HTTPError as e:
@@ -498,7 +498,7 @@ def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIM
 
 def health(sock: str) -> bool:
     try:
-        request(sock, "GET", "/health", timeout=5)  # (through _request: its rules for a failed call's connection)
+        request(sock, "GET", "/health", timeout=5)  # (through request: its rules for a failed call's connection)
     except ServerError:
         return False
     return True

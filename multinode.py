@@ -30,7 +30,8 @@ On the driver, with colocated_sync's names (start_trainers handles the nodes):
         stop_node_servers(node_servers)
 
 Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
-free_port, job_env (for ray.init: the driver's settings on every node). The model must be at the same path on every node (or each node builds it: resolve_model), and
+free_port, job_env (for ray.init: the driver's settings on every node). The model must be at the same
+path on every node (or each node builds it: resolve_model), and
 the job must run on a network you trust: vLLM's and the trainers' handshakes listen on the cluster network.
 """
 
