@@ -201,19 +201,13 @@ def start_server(
     also_stop: Sequence[str] = (),
 ) -> Server:
     """Start `vllm serve <serve_args>` listening on `socket_path`, in its own
-    process group, with its output in `log_path`.
-
-    The socket's directory must be private to this user (mode 0700, as
-    tempfile.mkdtemp makes it): other users cannot connect then. vLLM's
-    internal ZMQ sockets go there too (VLLM_RPC_BASE_PATH). `env` is
-    merged over SERVER_ENV_DEFAULTS, this process's environment and SERVER_ENV. Ray's GPU mask is
-    dropped (a caller inside Ray would otherwise hand the server one GPU):
-    pass `--device-ids` to choose GPUs instead.
-
-    The server cannot outlive this process: a watchdog (server_watchdog.py)
-    stops its whole group once this process is gone, however it ended, and
-    then also the processes in `also_stop` (from `descendants`).
-    """
+    process group, with its output in `log_path`. The socket's directory must
+    be private to this user (0700, as tempfile.mkdtemp makes it); vLLM's ZMQ
+    sockets go there too. `env` goes over SERVER_ENV_DEFAULTS, this process's
+    environment and SERVER_ENV; Ray's GPU mask is dropped (choose GPUs with
+    `--device-ids`). A watchdog (server_watchdog.py) stops the whole group
+    once this process is gone, however it ended, and then the processes in
+    `also_stop` ("PID:START" strings)."""
     socket_path = os.fspath(socket_path)
     folder = os.stat(os.path.dirname(os.path.abspath(socket_path)))
     if folder.st_uid != os.getuid() or stat.S_IMODE(folder.st_mode) & 0o077:
@@ -723,15 +717,13 @@ def _pickled(value) -> str:
 
 
 class FailAfterSend:
-    """Rank 0's weight sync client, made safe to retry. In a send, vLLM's IPC
-    trainer engine has every rank all-gather IPC handles and meet at a barrier
-    for each chunk, and only rank 0 calls the client: if a call raised there,
-    rank 0 would leave the send while the others wait at the next barrier (for
-    the 10-minute collective timeout), and no retry could start. So after a
-    failed call the send's remaining updates are skipped, `finish_weight_update`
-    is still called (the direct loader's finish closes its session; its own
-    failure is ignored), and `raise_failure()` raises the first error once the
-    send is over. Only the direct loader's sends are retried (send_all)."""
+    """Rank 0's weight sync client, made safe to retry. Every rank meets at a
+    barrier per chunk and only rank 0 calls the client: had a call raised,
+    rank 0 would leave while the others wait at the next barrier (for the
+    10-minute collective timeout). So after a failed call the send's other
+    updates are skipped, `finish_weight_update` still runs (the direct
+    loader's finish closes its session), and `raise_failure()` raises the
+    first error once every rank is through (send_all retries then)."""
 
     def __init__(self, client) -> None:
         self.client, self._failure = client, None  # (the client it wraps)
@@ -793,23 +785,13 @@ _listener = None  # rank 0 on more nodes: the TCP socket its store listens on
 
 def open_rendezvous(host: str, world_size: int) -> str | int:
     """Rank 0: open the store where the ranks meet; returns where the
-    others find it (for join_process_group).
-
-    One node (`host` 127.0.0.1): a torch FileStore, a file in a directory
-    of its own that tempfile.mkdtemp creates with mode 0700, so no other
-    user can read or write it, and nothing listens on a port that any
-    local user could connect to. Returns the file's path. Every rank
-    opens it, so the directory must stay while they run; it goes with
-    them (leave_ray, or remove_rendezvous).
-
-    More nodes (`host` rank 0's address, which the other nodes reach): a
-    TCPStore on a port the kernel picks; returns the port. Torch lets us
-    choose only where it listens, not who connects: it has no
-    authentication or encryption, so anyone who reaches that address can
-    read and write its keys. We bind the socket ourselves, on that one
-    address (torch's TCPStore alone listens on every interface); the job
-    needs a network you trust, as any multi-node torch.distributed job
-    does. (A port picked earlier and closed could be taken meanwhile.)"""
+    others find it (for join_process_group). One node (`host` 127.0.0.1):
+    a torch FileStore in a 0700 directory of its own (no port any local
+    user could connect to); returns the file's path, which must stay while
+    the ranks run (leave_ray, remove_rendezvous). More nodes (`host`: rank
+    0's address): a TCPStore, bound by us on that one address only (torch's
+    own listens on every interface, and has no authentication: the job
+    needs a network you trust); returns the port."""
     global _store, _listener
     if host == "127.0.0.1":
         folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
@@ -1457,14 +1439,12 @@ class PackedPart(TrainerSource):
 
 class ExpertsInPlace:
     """A rank's own expert blocks (LocalExpertSource), for the engine on its
-    GPU to copy straight from the trainer's memory: each block's CUDA IPC
-    handle, exported once while the block stays where it is (FSDP2 keeps a
-    shard's storage; an optimizer steps it in place), gathered to rank 0 for
-    every send after the rank's GPU is synchronized, so the engine reads the
-    last step's values. One copy per expert weight, and no chunk of the
-    packed buffer for them. Only for blocks the trainer holds as vLLM
-    does (bf16, contiguous, on its GPU); fp32 masters go through the packed
-    buffer, cast."""
+    GPU to copy straight from the trainer's memory (one copy per expert
+    weight, none through the packed buffer): each block's CUDA IPC handle,
+    exported once while the block stays where it is (FSDP2 keeps a shard's
+    storage; the optimizer steps it in place), gathered to rank 0 for every
+    send once the rank's GPU is synchronized. Only for blocks held as vLLM
+    holds them (bf16, contiguous, on the GPU); fp32 masters go packed, cast."""
 
     def __init__(self, blocks: dict[str, torch.nn.Parameter]) -> None:
         self.names = list(blocks)  # the names they are sent under, in send order
