@@ -43,9 +43,7 @@ def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | 
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
     body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    per_position = colocated_sync.request(sock, "POST", "/v1/completions", headers=headers,
-                                          json=body)["choices"][0]["prompt_logprobs"]  # fmt: skip
+    per_position = colocated_sync.post_completions(sock, body, dp_rank)["choices"][0]["prompt_logprobs"]
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.
     return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]

@@ -30,8 +30,8 @@ the server on the same GPUs, then each round:
 
 Public names:
   the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
-  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions, collective_rpc,
-                   request (any other route)
+  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions (post_completions),
+                   collective_rpc, request (any other route)
   the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, leave_ray
   a trainer rank   weight_source (BF16Source, LocalExpertSource), sync_client, weight_sender (WeightSender)
   more nodes       gloo_interface_env; the other nodes' servers are in multinode.py (optional, beside this)
@@ -582,8 +582,8 @@ class Completion:
     token_ids: list[int]
 
 
-def _completions(sock: str, body: dict, dp_rank: int | None) -> dict:
-    """POST /v1/completions; `dp_rank` pins it to one DP engine."""
+def post_completions(sock: str, body: dict, dp_rank: int | None = None) -> dict:
+    """POST /v1/completions with any body; `dp_rank` pins it to one DP engine."""
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
     return request(sock, "POST", "/v1/completions", headers=headers, json=body)
 
@@ -605,7 +605,7 @@ def completions(
         "temperature": temperature,
         "return_token_ids": True,
     }
-    by_index = {c["index"]: c for c in _completions(sock, body, dp_rank)["choices"]}
+    by_index = {c["index"]: c for c in post_completions(sock, body, dp_rank)["choices"]}
     return [
         Completion(c["text"], list(c["prompt_token_ids"]), list(c["token_ids"]))
         for c in (by_index[i] for i in range(len(prompts)))
