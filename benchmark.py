@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
                    "level and (optionally) packed buffer size in GiB of each variant, in order, e.g. direct:0 "
                    "direct:0:4 vllm:0 (default: --loaders at the script's --sleep-level and buffer size)")
     p.add_argument("--out", help="JSON path (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json)")
+    p.add_argument("--throughput", metavar="PROMPTSxTOKENS", type=_throughput, help="after the syncs, vLLM's "
+                   "generation throughput: this many greedy completions of this many tokens each (EOS ignored), "
+                   "split over the DP engines, e.g. 64x256; the median of 3 batches after one to warm up")
     bench, rest = p.parse_known_args(argv)
     if bench.help:
         p.print_help()
@@ -63,6 +66,44 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
         if problem := checks.loader_flag_problem(args, loader):
             p.error(problem)
     return bench, args
+
+
+def _throughput(text: str) -> tuple[int, int]:
+    prompts, _, tokens = text.partition("x")
+    if not (prompts.isdigit() and tokens.isdigit() and int(prompts) > 0 and int(tokens) > 0):
+        raise argparse.ArgumentTypeError(f"expected PROMPTSxTOKENS, e.g. 64x256, not {text!r}")
+    return int(prompts), int(tokens)
+
+
+def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: int = 3) -> dict:
+    """vLLM's generation throughput in tokens per second: `prompts` greedy
+    completions of `tokens` tokens each (EOS ignored), split evenly over the
+    DP engines and sent to them at once; the median of `repeats` batches,
+    after one that warms up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"{i}. {script.DEFAULT_PROMPTS[i % len(script.DEFAULT_PROMPTS)]}" for i in range(prompts)]
+    shares = [texts[rank::job.dp_size] for rank in range(job.dp_size)]
+
+    def batch() -> tuple[float, int]:
+        def one(rank: int) -> int:
+            body = {"model": job.served_name, "prompt": shares[rank], "max_tokens": tokens, "temperature": 0.0,
+                    "ignore_eos": True}  # fmt: skip
+            return colocated_sync.post_completions(job.server.socket_path, body, rank)["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(job.dp_size) as pool:
+            generated = sum(pool.map(one, [r for r in range(job.dp_size) if shares[r]]))
+        return time.perf_counter() - start, generated
+
+    batch()  # warm-up
+    timed = [batch() for _ in range(repeats)]
+    seconds = statistics.median(t for t, _ in timed)
+    result = {"prompts": prompts, "tokens_per_prompt": tokens, "generated_tokens": timed[0][1],
+              "seconds": [t for t, _ in timed], "tokens_per_s": timed[0][1] / seconds}  # fmt: skip
+    print(f"[throughput] {prompts} x {tokens} tokens: {result['tokens_per_s']:.0f} tokens/s "
+          f"(median of {repeats}: {seconds:.2f} s)", flush=True)  # fmt: skip
+    return result
 
 
 def _variant(text: str) -> tuple[str, int, int | None]:
@@ -206,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             print(checks.format_summary({**result, **variant}), flush=True)
         if set(bench.loaders) == set(LOADERS):
             result["loaders_agree"] = loaders_agree(job, args)
+            checks.write_json(out, result)
+        if bench.throughput:
+            result["generation"] = generation_throughput(job, *bench.throughput)
             checks.write_json(out, result)
         print(f"[json] {out}")
 

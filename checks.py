@@ -93,6 +93,8 @@ def loader_flag_problem(args, loader: str) -> str | None:
         return "--weight-loader direct reads packed buffers: drop --no-packed or pass --weight-loader vllm"
     if loader == "direct" and args.tensor_parallel_size != 1:
         return "--weight-loader direct needs --tensor-parallel-size 1; pass --weight-loader vllm"
+    if args.rollout_dtype == "fp8" and args.tensor_parallel_size != 1:
+        return "--rollout-dtype fp8 is tested with --tensor-parallel-size 1 only (the exact check proves its bytes)"
     return None
 
 
@@ -115,6 +117,22 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
             raise SystemExit(f"error: {problem}")
     if "direct" in loaders and (problem := colocated_sync.direct_loader_problem(meta, args.num_gpus)):
         raise SystemExit(f"error: {problem}")
+    if args.rollout_dtype == "fp8" and (problem := fp8_problem(meta)):
+        raise SystemExit(f"error: {problem}")
+
+
+def fp8_problem(model: torch.nn.Module) -> str | None:
+    """Why --rollout-dtype fp8 cannot serve this model (a meta model will do),
+    or None: it quantizes the routed experts, so a model without fused experts
+    would be served as it is; experts with biases are not quantized here
+    (vLLM's online FP8 refuses them when it pads the experts to 128)."""
+    experts = colocated_sync.fused_expert_tensors(model)
+    if not experts:
+        return "--rollout-dtype fp8 serves the routed experts in FP8, and this model has none; drop it"
+    if biased := sorted(n for n, p in model.named_parameters() if n.rpartition(".")[0] in
+                        {e.rpartition(".")[0] for e in experts} and p.dim() == 2 and n.endswith("_bias")):  # fmt: skip
+        return f"--rollout-dtype fp8 does not quantize experts with biases ({biased[0]}); drop it"
+    return None
 
 
 def placement_problem(placements: list[dict]) -> str | None:
@@ -769,6 +787,7 @@ def run_facts(args, job) -> dict:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
         "weight_loader": args.weight_loader,
+        "rollout_dtype": args.rollout_dtype,  # what vLLM serves the routed experts in
         "packed": args.packed,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "sleep_level": args.sleep_level,
@@ -952,7 +971,8 @@ class RankMeasurement:
         sync (seconds; it specializes on a few more of their arguments)."""
         self.fingerprinted.casts = casts
         kinds = {(casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
-                 for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())}  # fmt: skip
+                 for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())
+                 if not casts.get(i, "").startswith(exact_check_engine.FP8_BLOCKS)}  # fmt: skip
         exact_check_engine.exact_fingerprints(torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device)
                                               for dtype, width in kinds)  # fmt: skip
 
@@ -1184,6 +1204,7 @@ class FingerprintedSource(SourceWrapper):
         self._held = exact_check_engine.HeldFingerprints()
         self._started = None  # what waits for the fingerprints start() launched
         self._partial: list[int] = []
+        self._quantized: dict[int, torch.Tensor] = {}  # index -> sums of an FP8 expert block's weight and scales
 
     def tensors(self):
         if self._from_model is None:  # once, before the first send: the layout stays
@@ -1192,19 +1213,22 @@ class FingerprintedSource(SourceWrapper):
         self._sums, self._started = {}, None  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
-                held = exact_check_engine.held_as(tensor, self.casts.get(index))
-                self._sums[index] = exact_check_engine.exact_fingerprint_sums([held])[0]
+                self._sums[index] = exact_check_engine.held_fingerprint_sums(tensor, self.casts.get(index))
             yield name, tensor
 
     def start(self) -> None:
         """Start fingerprinting, from the model, the tensors the last send
         took from it: on a GPU on a CUDA stream of its own, beside whatever
         the rank does next (fingerprints() waits for it)."""
-        tensors, offsets, casts, self._partial = [], [], [], []
+        tensors, offsets, casts, self._partial, self._quantized = [], [], [], [], {}
         for index, (module, attribute, block) in (self._from_model or {}).items():
             if (shard := _shard_of(getattr(module, attribute), block)) is None:
                 raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
             local, offset, is_partial = shard
+            held = self.casts.get(index)
+            if held and held.startswith(exact_check_engine.FP8_BLOCKS):  # a rank's own block, quantized as vLLM does
+                self._quantized[index] = exact_check_engine.held_fingerprint_sums(local, held)
+                continue
             tensors.append(local)
             offsets.append(offset)
             casts.append(_casts(local.dtype, self.metadata[index].dtype, self.casts.get(index)))
@@ -1218,8 +1242,10 @@ class FingerprintedSource(SourceWrapper):
         if self._started is None:
             self.start()
         started, self._started = self._started, None
-        from_model = dict(zip(self._from_model or {}, started(), strict=True))
-        taken = dict(zip(self._sums, torch.stack(list(self._sums.values())).cpu().tolist() if self._sums else []))
+        graphed = [i for i in (self._from_model or {}) if i not in self._quantized]
+        from_model = dict(zip(graphed, started(), strict=True))
+        from_model.update({i: sums.cpu().tolist() for i, sums in self._quantized.items()})
+        taken = {i: sums.cpu().tolist() for i, sums in self._sums.items()}
         return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
                 "partial": self._partial}  # fmt: skip
 

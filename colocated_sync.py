@@ -142,7 +142,8 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
                kv_cache_tokens: int | None = None, enforce_eager: bool = False, max_model_len: int | None = None,
                node: int = 0,
                head: tuple[str, int] | None = None,
-               worker_extension: str = "direct_load.DirectLoadWorker") -> list[str]:  # fmt: skip
+               worker_extension: str = "direct_load.DirectLoadWorker",
+               rollout_dtype: str = "bf16") -> list[str]:  # fmt: skip
     """`vllm serve` flags after the model's path, for the engines on one
     node's GPUs (`gpu_ids`, as many on each of `num_nodes` nodes): one DP
     engine per TP group, experts (if the model has them) split over every GPU
@@ -151,6 +152,10 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
     loader (`worker_extension`, reached through /collective_rpc). On more
     nodes, node 0 runs the API server and its engines, every other node its
     engines alone (--headless), which reach node 0's at `head` (address, port).
+    `rollout_dtype` "fp8": vLLM serves the routed experts in block-wise FP8
+    (e4m3, one scale per 128 x 128 block, quantized from the bf16 weights it
+    receives at every sync), through its Triton MoE kernel, the layout the
+    direct loader writes; everything else stays bf16.
 
     The KV cache: `kv_cache_memory_bytes`, or `kv_cache_tokens` (counted in
     vLLM's smallest blocks, 16 tokens; a backend with larger blocks holds
@@ -180,6 +185,11 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
         if node > 0:
             flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
     # fmt: on
+    if rollout_dtype == "fp8":
+        flags += ["--quantization", "online", "--quantization-config", json.dumps({"moe": "fp8_per_block"}),
+                  "--moe-backend", "triton"]
+    elif rollout_dtype != "bf16":
+        raise ValueError(f"rollout_dtype must be 'bf16' or 'fp8', not {rollout_dtype!r}")
     if enforce_eager:
         flags.append("--enforce-eager")
     if max_model_len:

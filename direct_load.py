@@ -37,7 +37,10 @@ engine, but:
   * at the end, each layer that received weights runs its
     `process_weights_after_loading`, as vLLM's reload does.
 
-It is written for unquantized models. exact_check_engine.py adds the proof on the
+It is written for bf16 models, and for routed experts that vLLM serves in
+block-wise FP8 (`--quantization-config '{"moe": "fp8_per_block"}'`): then each
+expert block is quantized into vLLM's FP8 weight and scales as it is written
+(the FP8 section below). exact_check_engine.py adds the proof on the
 engine's side (every parameter against what the trainer sent, bit for bit;
 every parameter against vLLM's own loader's result).
 
@@ -311,6 +314,8 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
             method = getattr(module, "quant_method", None)
             if method is None or not hasattr(method, "process_weights_after_loading"):
                 continue
+            if fp8_scales(module, "w13_weight") is not None:  # quantized as written: nothing left to process
+                continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
             method.process_weights_after_loading(module)
@@ -497,10 +502,15 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
     sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
     if not held or not sent:
         return f"{name}: this engine holds experts {held} and the trainer rank on its GPU sends {n}"
+    param_name = EXPERT_TENSORS.get(name.rpartition(".")[2], "")
+    quantized = fp8_scales(experts, param_name) is not None  # held in FP8: padded, from a bf16 block
+    want_shape = fp8_padded_shape(shape, fp8_shards(experts, param_name)) if quantized else tuple(shape)
+    if quantized and (problem := fp8_backend_problem(experts)):
+        return f"{name}: {problem}"
     if (
         held != sent
-        or tuple(param.shape) != tuple(shape)
-        or param.dtype != dtype
+        or tuple(param.shape) != tuple(want_shape)
+        or (param.dtype != dtype if not quantized else dtype != torch.bfloat16)
         or getattr(experts, "is_fused_checkpoint_transposed", False)
     ):
         return (
@@ -520,7 +530,10 @@ def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tenso
     param = getattr(experts, param_name)
     if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank, held):
         raise ValueError(problem)
-    param.data.copy_(tensor)
+    if (scales := fp8_scales(experts, param_name)) is not None:
+        fp8_quantize_blocks(tensor, fp8_shards(experts, param_name), param.data, scales.data)
+    else:
+        param.data.copy_(tensor)
 
 
 def _unpickle(payload: str) -> dict:
@@ -530,6 +543,128 @@ def _unpickle(payload: str) -> dict:
     if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
         raise ValueError("refusing to unpickle the update without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
     return pickle.loads(base64.b64decode(payload))
+
+
+# ---------------------------------------------------------------------------
+# Routed experts in FP8: quantized as they are written
+# ---------------------------------------------------------------------------
+#
+# Started with `--quantization online --quantization-config '{"moe":
+# "fp8_per_block"}'` (serve_args' rollout_dtype="fp8"), vLLM holds each fused
+# expert weight as float8_e4m3fn, each shard (gate, up) padded with zeros to a
+# multiple of 128 rows and the columns to a multiple of 128, with one fp32 scale
+# per 128 x 128 block beside it (`w13_weight_scale_inv`), and quantizes a bf16
+# load with `per_block_cast_to_fp8` (vllm/utils/deep_gemm.py). The direct loader
+# writes both itself, from the trainer's bf16 block: fp8_quantize_blocks, that
+# function's arithmetic in one Triton kernel on a GPU (the exact check compares
+# its bytes with vLLM's function's every sync), vLLM's function itself
+# elsewhere. vLLM's MoE kernel must then read the tensors as they are
+# quantized: the Triton backends do (`--moe-backend triton`); FlashInfer's
+# swaps gate and up, DeepGEMM's rescales, and those are refused.
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_AS_QUANTIZED_BACKENDS = ("TRITON", "BATCHED_TRITON")  # vLLM's Fp8MoeBackend names
+
+
+def fp8_scales(experts: torch.nn.Module, param_name: str) -> torch.Tensor | None:
+    """The block scales of a fused expert weight (`w13_weight`, `w2_weight`)
+    that vLLM serves in block-wise FP8, or None if it serves it unquantized."""
+    method = getattr(experts, "quant_method", None)
+    if param_name not in EXPERT_TENSORS.values() or getattr(method, "weight_block_size", None) != [FP8_BLOCK] * 2:
+        return None
+    return getattr(experts, f"{param_name}_scale_inv", None)
+
+
+def fp8_shards(experts: torch.nn.Module, param_name: str) -> int:
+    """How many row blocks (gate, up) a fused expert weight stacks, each padded alone."""
+    return getattr(experts.moe_config, "w13_num_shards", 2) if param_name == "w13_weight" else 1
+
+
+def fp8_padded_shape(shape, shards: int) -> tuple[int, ...]:
+    """The shape vLLM holds a block of `shape` ([experts, shards x rows, columns]) in, in FP8."""
+    rows, columns = shape[-2] // shards, shape[-1]
+    return (*shape[:-2], shards * -(-rows // FP8_BLOCK) * FP8_BLOCK, -(-columns // FP8_BLOCK) * FP8_BLOCK)
+
+
+def fp8_backend_problem(experts: torch.nn.Module) -> str | None:
+    """Why this FP8 expert layer's kernel would not read the quantized tensors as written, or None."""
+    backend = getattr(getattr(experts.quant_method, "fp8_backend", None), "name", None)
+    if backend in FP8_AS_QUANTIZED_BACKENDS:
+        return None
+    return (f"vLLM's FP8 MoE backend here is {backend}, which lays the quantized experts out its own way; the "
+            "direct loader writes them for the Triton backend: start the server with --moe-backend triton")  # fmt: skip
+
+
+def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own quantization of a bf16 expert block ([experts, shards x rows,
+    columns]): (the FP8 weight, padded as vLLM holds it; the fp32 block scales),
+    as its online per-block MoE method makes them, through its own function.
+    One call for all experts: no 128 x 128 block straddles two experts or
+    shards once each is padded, and every block is quantized alone."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    padded_shape = fp8_padded_shape(block.shape, shards)
+    experts, rows, columns = block.shape[0], block.shape[1] // shards, block.shape[2]
+    padded = block.new_zeros(padded_shape)
+    step = padded_shape[1] // shards
+    for shard in range(shards):
+        padded[:, shard * step : shard * step + rows, :columns] = block[:, shard * rows : (shard + 1) * rows]
+    weight, scales = per_block_cast_to_fp8(padded.reshape(-1, padded_shape[2]), [FP8_BLOCK, FP8_BLOCK])
+    return weight.view(padded_shape), scales.view(experts, padded_shape[1] // FP8_BLOCK, -1)
+
+
+def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write fp8_reference(block, shards) into `weight` and `scales` (vLLM's
+    parameters): on a GPU in one Triton kernel that reads the block once."""
+    if triton is None or not block.is_cuda:
+        quantized, block_scales = fp8_reference(block, shards)
+        weight.copy_(quantized)
+        scales.copy_(block_scales)
+        return
+    _launch_fp8_blocks(block, shards, weight, scales)
+
+
+def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False) -> None:
+    """The kernel over every 128 x 128 block of every expert (`divide`: the scale as amax / 448, IEEE,
+    as PyTorch computes it on a CPU, instead of amax times fp32(1 / 448), as on CUDA)."""
+    rows, columns = block.shape[1] // shards, block.shape[2]
+    grid = (weight.shape[1] // FP8_BLOCK, weight.shape[2] // FP8_BLOCK, block.shape[0])
+    _fp8_blocks_kernel[grid](block, weight, scales, rows, weight.shape[1] // shards, columns, *block.stride(),
+                             *weight.stride()[:2], *scales.stride()[:2], BLOCK=FP8_BLOCK, DIVIDE=divide)  # fmt: skip
+
+
+try:  # vLLM's GPU builds depend on Triton; without it, vLLM's own function quantizes
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_blocks_kernel(block, weight, scales, rows, padded_rows, columns, block_e, block_r, block_c,
+                           weight_e, weight_r, scales_e, scales_r, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):  # fmt: skip
+        # One 128 x 128 block of one expert's padded weight, in per_block_cast_to_fp8's arithmetic
+        # on CUDA: amax in fp32, at least 1e-4; scale = amax * fp32(1/448) (PyTorch divides by a
+        # Python number so; DIVIDE: amax / 448); the elements times 1 / scale (IEEE), cast to
+        # e4m3 rounding to nearest (saturating: |x| <= 448 * (1 + 2**-23) here).
+        expert = tl.program_id(2).to(tl.int64)
+        row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # in the padded layout
+        column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        shard = row // padded_rows
+        in_shard = row - shard * padded_rows
+        inside = (in_shard < rows)[:, None] & (column < columns)[None, :]
+        source = block + expert * block_e + (shard * rows + in_shard)[:, None] * block_r + column[None, :] * block_c
+        x = tl.load(source, mask=inside, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
+        if DIVIDE:
+            scale = tl.math.div_rn(amax, 448.0)
+        else:
+            scale = amax * (1.0 / 448.0)
+        quantized = (x * tl.math.div_rn(1.0, scale)).to(tl.float8e4nv)
+        tl.store(weight + expert * weight_e + row[:, None] * weight_r + column[None, :], quantized)
+        tl.store(scales + expert * scales_e + tl.program_id(0) * scales_r + tl.program_id(1), scale)
 
 
 # ---------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, local_expert_ids
+from direct_load import (EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, fp8_reference,
+                         fp8_scales, fp8_shards, local_expert_ids)  # fmt: skip
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
     import triton
@@ -75,10 +76,12 @@ class ExactCheckWorker(DirectLoadWorker):
         model = self.model_runner.get_model()
         self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
             model, json.loads(sent), self.vllm_config)
+        self._exact_unchecked = quantized_by_vllms_loader(model, json.loads(sent))
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
-                "parameters": len({t for ts in self._exact_targets for t in ts})}  # fmt: skip
+                "parameters": len({t for ts in self._exact_targets for t in ts}),
+                "unchecked": self._exact_unchecked}  # fmt: skip
 
     def exact_check_start(self) -> dict:
         """Start fingerprinting what this engine holds, after a sync, on a CUDA
@@ -109,7 +112,7 @@ class ExactCheckWorker(DirectLoadWorker):
             return started() if started is not None else self._held_fingerprints(tensors)
 
         checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole,
-                                           fingerprints)  # fmt: skip
+                                           fingerprints, unchecked=getattr(self, "_exact_unchecked", ()))  # fmt: skip
         if problems:
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip
@@ -150,12 +153,20 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     layers = _expert_layers(model)  # by vLLM's layer name
     where = {id(module): prefix for prefix, module in model.named_modules()}  # the parameters' prefix
     by_prefix = {where[id(layer)]: layer for layer in layers.values()}
-    targets = []
+    targets, quantized = [], {}
+    unchecked_layers = tuple(f"{n.rpartition('.')[0]}." for n in quantized_by_vllms_loader(model, sent))
     with torch.no_grad(), set_current_vllm_config(vllm_config):
-        for name, dtype, shape, block in sent:
+        for index, (name, dtype, shape, block) in enumerate(sent):
             if block:
                 layer_name, _, tensor_name = name.rpartition(".")
-                targets.append([f"{where[id(layers[layer_name])]}.{EXPERT_TENSORS[tensor_name]}"])
+                layer, param_name = layers[layer_name], EXPERT_TENSORS[tensor_name]
+                targets.append([f"{where[id(layer)]}.{param_name}"])
+                if fp8_scales(layer, param_name) is not None:  # FP8: its weight and its scales, each whole
+                    targets[-1].append(f"{targets[-1][0]}_scale_inv")
+                    quantized[index] = f"{FP8_BLOCKS}{fp8_shards(layer, param_name)}"
+                continue
+            if unchecked_layers and name.startswith(unchecked_layers):  # an FP8 expert layer's: not probed
+                targets.append([])
                 continue
             zeros = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
             loaded = sorted(model.load_weights([(name, zeros)]) or ())
@@ -164,14 +175,16 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     casts = {}
     for index, ((_, dtype, _, _), names) in enumerate(zip(sent, targets, strict=True)):
         held = {str(params[n].dtype).removeprefix("torch.") for n in names if n in params}
-        if held and held != {dtype}:
+        if index in quantized:
+            casts[index] = quantized[index]
+        elif held and held != {dtype}:
             casts[index] = held.pop()
     pieces: dict[str, list[int]] = {}
     for index, names in enumerate(targets):
         for n in names:
             pieces.setdefault(n, []).append(index)
     whole = sorted(n for n, idx in pieces.items() if len(idx) == 1 and n in params
-                   and tuple(sent[idx[0]][2]) == tuple(params[n].shape))  # fmt: skip
+                   and (tuple(sent[idx[0]][2]) == tuple(params[n].shape) or idx[0] in quantized))  # fmt: skip
     return targets, casts, _relaid_out(sent, targets, by_prefix), whole
 
 
@@ -202,23 +215,56 @@ def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
     return tensor.to(getattr(torch, dtype)) if dtype else tensor
 
 
+# The cast of an expert block vLLM holds in FP8: "fp8_blocks:<shards>" (exact_targets' casts).
+FP8_BLOCKS = "fp8_blocks:"
+
+
+def held_fingerprint_sums(tensor: torch.Tensor, held: str | None) -> torch.Tensor:
+    """The fingerprint sums of what vLLM holds of a sent tensor (`held`, exact_targets' cast):
+    of the tensor in that dtype, an int64 tensor of 3; of an expert block vLLM holds in FP8,
+    vLLM's own quantization of it (direct_load.fp8_reference), [[weight's], [scales']]."""
+    if held and held.startswith(FP8_BLOCKS):
+        quantized = fp8_reference(tensor.to(torch.bfloat16), int(held.removeprefix(FP8_BLOCKS)))
+        return torch.stack(exact_fingerprint_sums(quantized))
+    return _fingerprint_sums(held_as(tensor, held))
+
+
+def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
+    """The FP8 expert layers' parameters (weights and scales, by name) that vLLM's
+    own loader writes from what is sent (not the direct loader's blocks): it
+    quantizes each expert from its pieces, so they are not compared with the
+    trainer's (benchmark.py's loaders_agree compares them with the direct
+    loader's, which the exact check proves)."""
+    blocks = {name.rpartition(".")[0] for name, _, _, block in sent if block}
+    out = []
+    for prefix, module in model.named_modules():
+        if getattr(module, "layer_name", None) in blocks or fp8_scales(module, "w13_weight") is None:
+            continue
+        out += [f"{prefix}.{n}" for n, _ in module.named_parameters(recurse=False)]
+    return out
+
+
 def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
-                   values_only=(), whole=(), fingerprints=None) -> tuple[int, list[str]]:  # fmt: skip
+                   values_only=(), whole=(), fingerprints=None, unchecked=()) -> tuple[int, list[str]]:  # fmt: skip
     """(parameters checked, what is wrong with them): each parameter's
     fingerprint against the sum of those of the tensors written into it
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
     for those in `values_only` (exact_targets), their values alone; for
     those in `whole`, every element in its place. `fingerprints` takes the
-    parameters' (exact_fingerprints, or a HeldFingerprints)."""
+    parameters' (exact_fingerprints, or a HeldFingerprints). A sent tensor
+    vLLM holds as several parameters (an FP8 expert block: weight, scales)
+    comes with one fingerprint per target; `unchecked` are skipped."""
     if len(sent) != len(targets):
         raise ValueError(f"{len(sent)} fingerprints for the {len(targets)} tensors exact_check_prepare was given")
     want: dict[str, list[int]] = {}
     for sums, names in zip(sent, targets, strict=True):
-        for name in names:  # a stacked parameter's fingerprint is the sum of its pieces'
+        per_target = sums if sums and isinstance(sums[0], list) else [sums] * len(names)
+        for name, target_sums in zip(names, per_target, strict=True):  # a stacked parameter's: its pieces' summed
             total = want.setdefault(name, [0, 0, 0])
-            want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, sums, strict=True)]
+            want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, target_sums, strict=True)]
     params = dict(model.named_parameters())
-    derived, values_only, whole = set(derived_parameters(model)), set(values_only), set(whole)
+    derived = set(derived_parameters(model)) | set(unchecked)
+    values_only, whole = set(values_only), set(whole)
     checked = checked_parameters(model, targets)
     held = dict(zip(checked, (fingerprints or exact_fingerprints)([params[n] for n in checked]), strict=True))
     problems = []
@@ -387,11 +433,11 @@ def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
 @torch.no_grad()
 def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
     """exact_fingerprint as an int64 tensor of 3 on the tensor's device: on a
-    GPU, for 2- and 4-byte elements, in one pass of one kernel
+    GPU, for 1-, 2- and 4-byte elements, in one pass of one kernel
     (_fingerprint_kernel); else with torch, in pieces of bounded size.
     `row_offset`: where the tensor's first row sits in a tensor it is a
     shard of (dim 0), so that the shards' sums add up to the whole's."""
-    if triton is not None and tensor.is_cuda and tensor.element_size() in (2, 4) and tensor.numel():
+    if triton is not None and tensor.is_cuda and tensor.element_size() in (1, 2, 4) and tensor.numel():
         return fingerprint_sums_triton(tensor, row_offset=row_offset)
     flat = tensor.detach()
     columns = _columns(flat)
@@ -443,7 +489,7 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset:
     flat = tensor.detach().contiguous().reshape(-1)
     columns = _columns(tensor)
     rows = flat.numel() // columns
-    bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
     block_c = min(triton.next_power_of_2(columns), block)
     block_r = block // block_c
     grid = (triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))
@@ -471,7 +517,9 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
         column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
         inside = (row < rows) & (column < columns)
         raw = tl.load(bits_ptr + row * columns + column, mask=inside, other=0)
-        if ELEMENT_BITS == 16:
+        if ELEMENT_BITS == 8:
+            bits = raw.to(tl.uint8, bitcast=True).to(tl.uint32)
+        elif ELEMENT_BITS == 16:
             bits = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
         else:
             bits = raw.to(tl.uint32, bitcast=True)

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     add("--weight-loader", choices=("direct", "vllm"), default="direct", help="direct: the server's direct "
         "loader (direct_load.py), each GPU gets its own experts in one copy per layer; vllm: vLLM's "
         "/update_weights route. direct needs --tensor-parallel-size 1 and an unquantized model")
+    add("--rollout-dtype", choices=("bf16", "fp8"), default="bf16", help="what vLLM serves the routed experts in: "
+        "fp8: block-wise e4m3 with a scale per 128 x 128 block, quantized from the trainer's bf16 at every sync "
+        "(the rest stays bf16); the trainer keeps its own dtype")
     add("--packed", action=argparse.BooleanOptionalAction, default=True,
         help="pack parameters into one reusable IPC buffer per rank (else one IPC handle per parameter)")
     add("--packed-buffer-size-bytes", type=int, default=4 * 1024**3, help="each rank's packed IPC buffer; "
@@ -236,6 +239,7 @@ def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head
         experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
         enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, node=node, head=head,
+        rollout_dtype=args.rollout_dtype,
         worker_extension="exact_check_engine.ExactCheckWorker",  # the direct loader, and the exact check's engine half
     )
 

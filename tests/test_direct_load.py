@@ -195,7 +195,7 @@ def test_the_shards_fingerprints_add_up_to_the_wholes():
 
 
 def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
-    """On a GPU the exact check fingerprints 2- and 4-byte tensors with one
+    """On a GPU the exact check fingerprints 1-, 2- and 4-byte tensors with one
     Triton kernel; here it runs in Triton's interpreter on CPU, against the
     torch code: the same three sums for every shape that matters (rows and
     columns, one column, 1-D, non-contiguous, a last partial tile, a row
@@ -212,7 +212,9 @@ cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=tor
          torch.randn(5, 7, 64), torch.randn(64, 1, dtype=torch.float16),
          torch.randn(300, 3, dtype=torch.bfloat16).t(), torch.zeros(4096 + 5, 2, dtype=torch.bfloat16),
          torch.randint(-2**31, 2**31 - 1, (17, 33), dtype=torch.int32),
-         torch.randn(3, 700, dtype=torch.bfloat16)]  # columns over several programs, the last one partial
+         torch.randn(3, 700, dtype=torch.bfloat16),  # columns over several programs, the last one partial
+         torch.randn(2, 256, 130).to(torch.float8_e4m3fn),  # FP8 experts
+         torch.randint(0, 255, (300,), dtype=torch.uint8)]
 for t in cases:
     assert d._fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
 for t in cases[:3]:  # a shard that starts at row 3 of dim 0 of a larger tensor

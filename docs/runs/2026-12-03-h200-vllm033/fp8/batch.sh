@@ -1,0 +1,29 @@
+# FP8 experts on one H200 (vLLM 0.33.0): the quantizer against vLLM's function, the families
+# side by side (eager, small servers), then the Moonlight shape alone, bf16 and FP8 (compiled).
+# Started detached on the GPU machine: setsid bash docs/runs/.../batch.sh; results in /root/res/fp8.
+set -u
+R=/root/res/fp8; mkdir -p $R/seq
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > $R/nvidia-smi.txt 2>&1
+export PYTHONUNBUFFERED=1
+stamp() { while IFS= read -r l; do printf '%(%H:%M:%S)T %s\n' -1 "$l"; done; }
+run() {  # name seconds program flags...
+  n=$1; t=$2; shift 2; s=$(date +%s)
+  timeout -s INT -k 30 $t python3 "$@" --server-log $R/seq/$n.server.log 2>&1 | stamp > $R/seq/$n.out
+  echo "=== $n rc=${PIPESTATUS[0]} after $(( $(date +%s) - s ))s: $*" >> $R/seq.txt
+  grep -E "^\S+ \[(gate|exact|throughput|server\] healthy|send\]|agree|coverage)|FAILED|rror|time to the first|median" $R/seq/$n.out | grep -v "\.\.\.$" | cut -c1-300 | tail -40 >> $R/seq.txt
+  echo "leftover: $(pgrep -fc 'vllm.entrypoints|EngineCore' || true)" >> $R/seq.txt
+}
+python3 scripts/fp8_quantizer_check.py --json $R/quantizer.json > $R/quantizer.txt 2>&1
+touch $R/M1
+E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
+STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par 300 \
+ "tiny-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
+ "dsv3-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-deepseek-v3 --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
+ "mixtral-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
+ "mixtral-fp8-loaders|benchmark.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" \
+ "tiny-fp8-loaders|benchmark.py --model tiny --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" > $R/par.txt 2>&1
+touch $R/M2
+M="--model moonlight-16b-a3b-shape --num-gpus 1 --rounds 5 --kv-cache-tokens 32768 --throughput 64x256"
+run moon-bf16 420 benchmark.py $M --loaders direct --out $R/seq/moon-bf16.json
+run moon-fp8 480 benchmark.py $M --rollout-dtype fp8 --loaders direct vllm --out $R/seq/moon-fp8.json
+touch $R/DONE

@@ -1,0 +1,98 @@
+"""On a GPU: the direct loader's FP8 quantizer (direct_load.fp8_quantize_blocks,
+one Triton kernel) against vLLM's own per-block quantization
+(direct_load.fp8_reference, through vllm.utils.deep_gemm.per_block_cast_to_fp8),
+bit for bit, on expert blocks of the presets' shapes (padded and not) filled
+with normal values, with zeros, with values too small for e4m3's normal range,
+with a few large outliers; and the time of each.
+
+    python scripts/fp8_quantizer_check.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import direct_load  # noqa: E402
+
+SHAPES = {  # name: (experts, shards x rows, columns), shards
+    "moonlight w13": ((64, 2 * 1408, 2048), 2),
+    "moonlight w2": ((64, 2048, 1408), 1),
+    "tiny w13 (padded)": ((8, 2 * 64, 128), 2),
+    "tiny w2 (padded)": ((8, 128, 64), 1),
+    "odd (padded both ways)": ((3, 2 * 200, 300), 2),
+}
+
+
+def fills(shape, generator):
+    normal = torch.randn(shape, generator=generator, device="cuda") * 0.02
+    outliers = normal.clone()
+    outliers.view(-1)[:: 9973] = 30.0
+    yield "normal", normal
+    yield "zeros", torch.zeros(shape, device="cuda")
+    yield "subnormal range", normal * 1e-6
+    yield "outliers", outliers
+    yield "mixed scales", normal * torch.logspace(-8, 2, shape[-1], device="cuda")
+
+
+def timed(fn, repeats=5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    results, failures = [], 0
+    for name, (shape, shards) in SHAPES.items():
+        for fill, values in fills(shape, generator):
+            block = values.to(torch.bfloat16)
+            want_w, want_s = direct_load.fp8_reference(block, shards)
+            got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
+            direct_load.fp8_quantize_blocks(block, shards, got_w, got_s)
+            other_w, other_s = torch.empty_like(want_w), torch.empty_like(want_s)  # the scale as amax / 448
+            direct_load._launch_fp8_blocks(block, shards, other_w, other_s, divide=True)
+            same_w = torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8))
+            same_s = torch.equal(got_s.view(torch.int32), want_s.view(torch.int32))
+            row = {"shape": name, "fill": fill, "weight_identical": same_w, "scales_identical": same_s,
+                   "weight_bytes_differing": int((got_w.view(torch.uint8) != want_w.view(torch.uint8)).sum()),
+                   "scales_differing": int((got_s.view(torch.int32) != want_s.view(torch.int32)).sum()),
+                   "dividing_kernel_identical": torch.equal(other_w.view(torch.uint8), want_w.view(torch.uint8))
+                   and torch.equal(other_s.view(torch.int32), want_s.view(torch.int32))}
+            if fill == "normal":
+                row["kernel_s"] = timed(lambda: direct_load.fp8_quantize_blocks(block, shards, got_w, got_s))
+                row["vllm_function_s"] = timed(lambda: direct_load.fp8_reference(block, shards))
+                copy = torch.empty_like(block)
+                row["copy_bf16_s"] = timed(lambda: copy.copy_(block))  # the bf16 sync's copy of the same block
+            failures += not (same_w and same_s)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    # Does PyTorch on CUDA divide by a Python number as a multiplication by its fp32 reciprocal?
+    amax = torch.rand(1 << 24, device="cuda") * 100
+    division = {"divide_equals_times_reciprocal": torch.equal(amax / 448.0, amax * (1.0 / 448.0)),
+                "divide_equals_ieee": torch.equal(amax / 448.0, amax / torch.full_like(amax, 448.0))}
+    print(json.dumps(division))
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "command": "python scripts/fp8_quantizer_check.py", "cases": results, "torch_division": division,
+           "all_identical": failures == 0}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    print("all identical" if failures == 0 else f"{failures} cases differ")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
