@@ -570,9 +570,8 @@ FP8_AS_QUANTIZED_BACKENDS = ("TRITON", "BATCHED_TRITON")  # vLLM's Fp8MoeBackend
 def fp8_scales(experts: torch.nn.Module, param_name: str) -> torch.Tensor | None:
     """The block scales of a fused expert weight (`w13_weight`, `w2_weight`)
     that vLLM serves in block-wise FP8, or None if it serves it unquantized."""
-    method = getattr(experts, "quant_method", None)
-    if param_name not in EXPERT_TENSORS.values() or getattr(method, "weight_block_size", None) != [FP8_BLOCK] * 2:
-        return None
+    if param_name not in EXPERT_TENSORS.values() or list(getattr(experts, "weight_block_size", None) or ()) != [FP8_BLOCK] * 2:
+        return None  # (vLLM's per-block method sets weight_block_size on the layer it quantizes)
     return getattr(experts, f"{param_name}_scale_inv", None)
 
 
@@ -589,7 +588,9 @@ def fp8_padded_shape(shape, shards: int) -> tuple[int, ...]:
 
 def fp8_backend_problem(experts: torch.nn.Module) -> str | None:
     """Why this FP8 expert layer's kernel would not read the quantized tensors as written, or None."""
-    backend = getattr(getattr(experts.quant_method, "fp8_backend", None), "name", None)
+    method = experts.quant_method
+    method = getattr(method, "old_quant_method", method)  # (vLLM may wrap it in a modular kernel's method)
+    backend = getattr(getattr(method, "fp8_backend", None), "name", None)
     if backend in FP8_AS_QUANTIZED_BACKENDS:
         return None
     return (f"vLLM's FP8 MoE backend here is {backend}, which lays the quantized experts out its own way; the "
