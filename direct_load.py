@@ -631,7 +631,8 @@ def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False)
     as PyTorch computes it on a CPU, instead of amax times fp32(1 / 448), as on CUDA)."""
     rows, columns = block.shape[1] // shards, block.shape[2]
     grid = (weight.shape[1] // FP8_BLOCK, weight.shape[2] // FP8_BLOCK, block.shape[0])
-    _fp8_blocks_kernel[grid](block, weight, scales, rows, weight.shape[1] // shards, columns, *block.stride(),
+    _fp8_blocks_kernel[grid](block, weight.view(torch.uint8), scales, rows, weight.shape[1] // shards, columns,
+                             *block.stride(),
                              *weight.stride()[:2], *scales.stride()[:2], BLOCK=FP8_BLOCK, DIVIDE=divide)  # fmt: skip
 
 
@@ -644,12 +645,26 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
+    def _e4m3_bits(x):
+        # float32 -> float8_e4m3fn's bits as PyTorch casts (c10's fp8e4m3fn_from_fp32_value: round
+        # to nearest even, below e4m3's normal range through a float addition), for |x| < 464.
+        # (Triton's own cast, through half precision on some GPUs, rounds a few values otherwise.)
+        bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
+        sign = bits & 0x80000000
+        magnitude = bits ^ sign
+        subnormal = (magnitude.to(tl.uint32).to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True)
+        subnormal = subnormal.to(tl.int64) - (141 << 23)
+        normal = ((magnitude + 0xC407FFFF + ((magnitude >> 20) & 1)) & 0xFFFFFFFF) >> 20  # exponent 127 -> 7
+        out = tl.where(magnitude < (121 << 23), subnormal, normal) | (sign >> 24)
+        return (out & 0xFF).to(tl.uint8)
+
+    @triton.jit
     def _fp8_blocks_kernel(block, weight, scales, rows, padded_rows, columns, block_e, block_r, block_c,
                            weight_e, weight_r, scales_e, scales_r, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):  # fmt: skip
         # One 128 x 128 block of one expert's padded weight, in per_block_cast_to_fp8's arithmetic
         # on CUDA: amax in fp32, at least 1e-4; scale = amax * fp32(1/448) (PyTorch divides by a
         # Python number so; DIVIDE: amax / 448); the elements times 1 / scale (IEEE), cast to
-        # e4m3 rounding to nearest (saturating: |x| <= 448 * (1 + 2**-23) here).
+        # e4m3 as PyTorch casts (_e4m3_bits: |x| <= 448 * (1 + 2**-23) here).
         expert = tl.program_id(2).to(tl.int64)
         row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # in the padded layout
         column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -663,7 +678,7 @@ if triton is not None:
             scale = tl.math.div_rn(amax, 448.0)
         else:
             scale = amax * (1.0 / 448.0)
-        quantized = (x * tl.math.div_rn(1.0, scale)).to(tl.float8e4nv)
+        quantized = _e4m3_bits(x * tl.math.div_rn(1.0, scale))
         tl.store(weight + expert * weight_e + row[:, None] * weight_r + column[None, :], quantized)
         tl.store(scales + expert * scales_e + tl.program_id(0) * scales_r + tl.program_id(1), scale)
 

@@ -20,10 +20,10 @@ STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par 300 \
  "tiny-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
  "dsv3-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-deepseek-v3 --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
  "mixtral-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
- "mixtral-fp8-loaders|benchmark.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" \
- "tiny-fp8-loaders|benchmark.py --model tiny --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" > $R/par.txt 2>&1
+ "mixtral-fp8-loaders|benchmark.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" > $R/par.txt 2>&1
 touch $R/M2
 M="--model moonlight-16b-a3b-shape --num-gpus 1 --rounds 5 --kv-cache-tokens 32768 --throughput 64x256"
+run moon-fp8 420 benchmark.py $M --rollout-dtype fp8 --loaders direct --out $R/seq/moon-fp8.json
+touch $R/M3
 run moon-bf16 420 benchmark.py $M --loaders direct --out $R/seq/moon-bf16.json
-run moon-fp8 480 benchmark.py $M --rollout-dtype fp8 --loaders direct vllm --out $R/seq/moon-fp8.json
 touch $R/DONE
