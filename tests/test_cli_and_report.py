@@ -42,6 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--kv-cache-tokens", "-1"], "--kv-cache-tokens must be 0 or more"),
         (["--kv-cache-tokens", "9", "--kv-cache-memory-bytes", "9"], "both size the KV cache: pass one"),
         (["--no-free-kv-cache", "--sleep-level", "2"], "--no-free-kv-cache needs --sleep-level 0"),
+        (["--rollout-dtype", "fp8", "--num-gpus", "2", "--tensor-parallel-size", "2", "--weight-loader", "vllm"],
+         "--rollout-dtype fp8 is tested with --tensor-parallel-size 1 only"),
+        (["--rollout-dtype", "int4"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -169,6 +172,42 @@ def test_direct_loader_refuses_what_it_cannot_serve_before_gpu_work(preset, refu
         with pytest.raises(SystemExit, match=refusal + r".*; pass --weight-loader vllm"):
             checks.before_gpu_work(args, path, ["direct"])
     checks.before_gpu_work(args, path, ["vllm"])
+
+
+@pytest.mark.parametrize(
+    "preset, refusal",
+    [
+        ("tiny-qwen3", "this model has none"),  # dense: nothing to serve in FP8
+        ("tiny-gpt-oss", r"experts with biases \(model\.layers\.0\.mlp\.experts\.down_proj_bias\)"),
+        ("tiny", None),
+        ("tiny-deepseek-v3", None),
+        ("tiny-mixtral", None),
+    ],
+)
+def test_fp8_rollout_refuses_what_it_cannot_quantize_before_gpu_work(preset, refusal, tmp_path):
+    """--rollout-dtype fp8 quantizes the routed experts: a model without them,
+    or experts with biases, end the run in one line before any GPU work."""
+    path = models.resolve_model(preset, tmp_path)
+    args = script.parse_args(["--model", preset, "--num-gpus", "1", "--rollout-dtype", "fp8", "--weight-loader", "vllm"])
+    if refusal is None:
+        checks.before_gpu_work(args, path, ["vllm"])
+    else:
+        with pytest.raises(SystemExit, match=r"^error: --rollout-dtype fp8 .*" + refusal):
+            checks.before_gpu_work(args, path, ["vllm"])
+    args.rollout_dtype = "bf16"
+    checks.before_gpu_work(args, path, ["vllm"])
+
+
+def test_fp8_rollout_serve_flags():
+    """vLLM quantizes the MoE layers alone, per 128 x 128 block, and serves them through its Triton
+    MoE kernel (the layout the direct loader writes); bf16 passes no quantization flag."""
+    fp8 = colocated_sync.serve_args("m", ["0"], rollout_dtype="fp8")
+    at = fp8.index("--quantization")
+    assert fp8[at : at + 6] == ["--quantization", "online", "--quantization-config", '{"moe": "fp8_per_block"}',
+                                "--moe-backend", "triton"]  # fmt: skip
+    assert not {"--quantization", "--quantization-config", "--moe-backend"} & set(colocated_sync.serve_args("m", ["0"]))
+    with pytest.raises(ValueError, match="rollout_dtype must be 'bf16' or 'fp8'"):
+        colocated_sync.serve_args("m", ["0"], rollout_dtype="fp16")
 
 
 def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):

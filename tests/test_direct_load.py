@@ -228,3 +228,105 @@ print("same sums")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0 and "same sums" in out.stdout, out.stderr[-3000:]
+
+
+def test_the_fp8_kernel_quantizes_as_vllms_function():
+    """--rollout-dtype fp8: the direct loader's Triton kernel (on a GPU) writes
+    each expert block's FP8 weight and scales as vLLM's per_block_cast_to_fp8
+    makes them (fp8_reference, vLLM's function on the block padded as vLLM
+    holds it). Here in Triton's interpreter on CPU, where PyTorch computes
+    the scale as amax / 448 (`divide`; on CUDA it multiplies by fp32(1/448),
+    as the kernel does by default): every byte the same, for blocks padded in
+    rows, columns and both, and values from zeros through e4m3's subnormal
+    range to outliers; and its e4m3 cast alone is PyTorch's, value for value."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import torch, triton, triton.language as tl
+import direct_load as d
+torch.manual_seed(0)
+for shape, shards in [((2, 256, 256), 2), ((3, 128, 64), 1), ((2, 2 * 200, 300), 2)]:
+    normal = torch.randn(shape) * 0.02
+    outliers = normal.clone()
+    outliers.view(-1)[::97] = 30.0
+    for name, x in [("normal", normal), ("zeros", torch.zeros(shape)), ("subnormal", normal * 1e-6),
+                    ("outliers", outliers), ("mixed", normal * torch.logspace(-8, 2, shape[-1]))]:
+        block = x.to(torch.bfloat16)
+        want_w, want_s = d.fp8_reference(block, shards)
+        got_w, got_s = torch.full_like(want_w, 1.0), torch.zeros_like(want_s)
+        d._launch_fp8_blocks(block, shards, got_w, got_s, divide=True)
+        assert torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8)), (shape, name)
+        assert torch.equal(got_s, want_s), (shape, name)
+
+@triton.jit
+def cast(x, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + i, d._e4m3_bits(tl.load(x + i, mask=i < n)), mask=i < n)
+
+values = torch.cat([torch.linspace(-463, 463, 100001), torch.randn(50000) * 1e-2, torch.randn(50000) * 1e-3,
+                    torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 448.0 * (1 + 2.0**-23)])])
+out = torch.empty(values.numel(), dtype=torch.uint8)
+cast[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
+assert torch.equal(out, values.to(torch.float8_e4m3fn).view(torch.uint8))
+print("same bytes")
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0 and "same bytes" in out.stdout, out.stderr[-3000:]
+
+
+def test_fp8_reference_is_vllms_per_expert_quantization_of_vllms_layout():
+    """fp8_reference quantizes all experts in one call of vLLM's function: the
+    same bytes as vLLM's online MoE method, which calls it per expert, on the
+    layout vLLM's loader writes (each shard's rows, then zeros up to a
+    multiple of 128; the columns likewise)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    block = (torch.randn(3, 2 * 200, 300) * 0.02).to(torch.bfloat16)
+    weight, scales = direct_load.fp8_reference(block, 2)
+    assert weight.shape == (3, 2 * 256, 384) and scales.shape == (3, 4, 3)
+    assert direct_load.fp8_padded_shape(block.shape, 2) == (3, 512, 384)
+    assert direct_load.fp8_padded_shape((3, 2048, 1408), 1) == (3, 2048, 1408)  # the Moonlight shape: no padding
+    for e in range(3):
+        laid_out = torch.zeros(512, 384, dtype=torch.bfloat16)
+        laid_out[:200, :300], laid_out[256:456, :300] = block[e, :200], block[e, 200:]
+        want_w, want_s = per_block_cast_to_fp8(laid_out, [128, 128], use_ue8m0=False)
+        assert torch.equal(weight[e].view(torch.uint8), want_w.view(torch.uint8)) and torch.equal(scales[e], want_s)
+
+
+def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
+    """An expert block vLLM holds in FP8 is written into two parameters (the
+    weight and its scales): the trainer sends one fingerprint for each, of its
+    own quantization of what it sent (held_fingerprint_sums), and each is
+    compared whole. A block quantized from other values, a scale from another
+    block, or weight and scales swapped: each fails, naming the parameter."""
+    torch.manual_seed(0)
+    block = (torch.randn(2, 256, 128) * 0.02).to(torch.bfloat16)
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(torch.empty(2, 256, 128, dtype=torch.float8_e4m3fn), requires_grad=False)
+    layer.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, 1), requires_grad=False)
+    model = torch.nn.Module()
+    model.experts = layer
+    targets = [["experts.w13_weight", "experts.w13_weight_scale_inv"]]
+    sent = [exact_check_engine.held_fingerprint_sums(block, f"{exact_check_engine.FP8_BLOCKS}2").tolist()]
+    whole = ["experts.w13_weight", "experts.w13_weight_scale_inv"]
+
+    def problems():
+        return exact_check_engine.exact_problems(model, targets, sent, whole=whole)[1]
+
+    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    assert problems() == []
+    direct_load.fp8_quantize_blocks(block * 2, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]  # x2: the same fp8, scales x2
+    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    layer.w13_weight_scale_inv.data[0, 0, 0] = layer.w13_weight_scale_inv.data[1, 0, 0]
+    assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]
+    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    layer.w13_weight.data.view(torch.uint8)[1, 7, 3] ^= 1
+    assert problems() == ["experts.w13_weight: not what the trainer sent"]
+    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    sent = [sent[0][::-1]]  # each target's fingerprint given to the other
+    assert len(problems()) == 2

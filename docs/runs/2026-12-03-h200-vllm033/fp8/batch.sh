@@ -1,5 +1,5 @@
-# FP8 experts on one H200 (vLLM 0.33.0): the quantizer against vLLM's function, the families
-# side by side (eager, small servers), then the Moonlight shape alone, bf16 and FP8 (compiled).
+# FP8 experts on one H200 (vLLM 0.33.0): the quantizer against vLLM's function, then the families
+# side by side (eager, small servers).
 # Started detached on the GPU machine: setsid bash docs/runs/.../batch.sh; results in /root/res/fp8.
 set -u
 R=/root/res/fp8; mkdir -p $R/seq
@@ -16,14 +16,10 @@ run() {  # name seconds program flags...
 python3 scripts/fp8_quantizer_check.py --json $R/quantizer.json > $R/quantizer.txt 2>&1
 touch $R/M1
 E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
-STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par 300 \
+STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par 270 \
  "tiny-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
  "dsv3-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-deepseek-v3 --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
  "mixtral-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
  "mixtral-fp8-loaders|benchmark.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" > $R/par.txt 2>&1
 touch $R/M2
-M="--model moonlight-16b-a3b-shape --num-gpus 1 --rounds 5 --kv-cache-tokens 32768 --throughput 64x256"
-run moon-fp8 420 benchmark.py $M --rollout-dtype fp8 --loaders direct --out $R/seq/moon-fp8.json
-touch $R/M3
-run moon-bf16 420 benchmark.py $M --loaders direct --out $R/seq/moon-bf16.json
 touch $R/DONE
