@@ -154,7 +154,9 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     where = {id(module): prefix for prefix, module in model.named_modules()}  # the parameters' prefix
     by_prefix = {where[id(layer)]: layer for layer in layers.values()}
     targets, quantized = [], {}
-    unchecked_layers = tuple(f"{n.rpartition('.')[0]}." for n in quantized_by_vllms_loader(model, sent))
+    # (vLLM names an expert layer as the checkpoint does, e.g. model.layers.0.mlp.experts; its
+    # parameters may sit deeper, e.g. model.layers.0.mlp.experts.routed_experts.w13_weight)
+    unchecked_layers = tuple(f"{layer.layer_name}." for _, layer in _fp8_layers_by_vllms_loader(model, sent))
     with torch.no_grad(), set_current_vllm_config(vllm_config):
         for index, (name, dtype, shape, block) in enumerate(sent):
             if block:
@@ -235,13 +237,15 @@ def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
     quantizes each expert from its pieces, so they are not compared with the
     trainer's (benchmark.py's loaders_agree compares them with the direct
     loader's, which the exact check proves)."""
+    return [f"{prefix}.{n}" for prefix, layer in _fp8_layers_by_vllms_loader(model, sent)
+            for n, _ in layer.named_parameters(recurse=False)]  # fmt: skip
+
+
+def _fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:
+    """(module prefix, layer) of each FP8 expert layer that no direct-loader block is sent to."""
     blocks = {name.rpartition(".")[0] for name, _, _, block in sent if block}
-    out = []
-    for prefix, module in model.named_modules():
-        if getattr(module, "layer_name", None) in blocks or fp8_scales(module, "w13_weight") is None:
-            continue
-        out += [f"{prefix}.{n}" for n, _ in module.named_parameters(recurse=False)]
-    return out
+    return [(prefix, module) for prefix, module in model.named_modules()
+            if fp8_scales(module, "w13_weight") is not None and module.layer_name not in blocks]  # fmt: skip
 
 
 def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],

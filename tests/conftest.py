@@ -68,12 +68,13 @@ def private_socket_path():
     return Path(tempfile.mkdtemp(prefix="vllm-test-")) / "vllm.sock"
 
 
-def start_cpu_server(model_dir, tmp_path, *extra, wait=True):
+def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "exact_check_engine.ExactCheckWorker"):
+    """`worker`: the worker extension, from here or from tests/."""
     server = colocated_sync.start_server(
-        cpu_serve_args(model_dir, *extra),
+        cpu_serve_args(model_dir, *extra, worker=worker),
         socket_path=private_socket_path(),
         log_path=tmp_path / "server.log",
-        env={"PYTHONPATH": str(ROOT)},
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
         launcher=CPU_LAUNCHER,
     )
     if wait:

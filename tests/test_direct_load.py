@@ -330,3 +330,48 @@ def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
     direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
     sent = [sent[0][::-1]]  # each target's fingerprint given to the other
     assert len(problems()) == 2
+
+
+def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_refuses_its_backend(
+        tiny_checkpoint, tmp_path):  # fmt: skip
+    """vLLM's CPU build serves the routed experts in FP8 (--rollout-dtype
+    fp8's flags, less --moe-backend triton, which it has not): its own
+    loader quantizes the checkpoint's experts, padded as fp8_padded_shape
+    says, with the block scales fp8_reference computes from the same
+    tensors (the FP8 weights themselves its CPU kernel repacks). The direct
+    loader writes the Triton kernel's layout and refuses this one, naming
+    the backend, before any send."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import start_cpu_server
+
+    fp8 = colocated_sync.serve_args("tiny", ["0"], rollout_dtype="fp8")
+    at = fp8.index("--quantization")
+    server = start_cpu_server(tiny_checkpoint, tmp_path, *fp8[at : at + 4],
+                              worker="parameter_reader_worker.ParameterReader")  # fmt: skip
+    try:
+        sock = server.socket_path
+        assert len(colocated_sync.completions(sock, "tiny", ["Hello"], 4)[0].token_ids) == 4
+        (layout,) = colocated_sync.collective_rpc(sock, "direct_load_layout")
+        checkpoint = load_file(tiny_checkpoint / "model.safetensors")
+        blocks = {}
+        for name, layer in layout["expert_layers"].items():
+            experts = range(layer["local_experts"][1])  # the checkpoint's per-expert tensors, fused as vLLM fuses them
+            gate_up = torch.stack([torch.cat([checkpoint[f"{name}.{e}.gate_proj.weight"],
+                                              checkpoint[f"{name}.{e}.up_proj.weight"]]) for e in experts])  # fmt: skip
+            down = torch.stack([checkpoint[f"{name}.{e}.down_proj.weight"] for e in experts])
+            assert tuple(layer["w13_weight"]) == direct_load.fp8_padded_shape(gate_up.shape, 2)
+            assert tuple(layer["w2_weight"]) == direct_load.fp8_padded_shape(down.shape, 1)
+            (names,) = colocated_sync.collective_rpc(sock, "parameter_names", f"{name}.")  # (a module or two deeper)
+            for tensor, param, shards in ((gate_up, "w13_weight", 2), (down, "w2_weight", 1)):
+                (scales,) = [n for n in names if n.endswith(f".{param}_scale_inv")]
+                (held,) = colocated_sync.collective_rpc(sock, "read_parameter", scales)
+                assert torch.equal(torch.tensor(held), direct_load.fp8_reference(tensor, shards)[1]), (name, param)
+            blocks.update({f"{name}.gate_up_proj": list(gate_up.shape), f"{name}.down_proj": list(down.shape)})
+        expected = json.dumps({"blocks": blocks, "trainer_gpu_uuids": [""], "dtype": "bfloat16"})
+        with pytest.raises(colocated_sync.ServerError, match="FP8 MoE backend here is CPU.*--moe-backend triton"):
+            colocated_sync.collective_rpc(sock, "direct_load_check", expected)
+    finally:
+        colocated_sync.stop_server(server)
