@@ -2,17 +2,9 @@
 # side by side (eager, small servers).
 # Run from the repository's root on the GPU machine; results in /root/res/fp8.
 set -u
-R=/root/res/fp8; mkdir -p $R/seq
+R=/root/res/fp8; mkdir -p $R
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > $R/nvidia-smi.txt 2>&1
 export PYTHONUNBUFFERED=1
-stamp() { while IFS= read -r l; do printf '%(%H:%M:%S)T %s\n' -1 "$l"; done; }
-run() {  # name seconds program flags...
-  n=$1; t=$2; shift 2; s=$(date +%s)
-  timeout -s INT -k 30 $t python3 "$@" --server-log $R/seq/$n.server.log 2>&1 | stamp > $R/seq/$n.out
-  echo "=== $n rc=${PIPESTATUS[0]} after $(( $(date +%s) - s ))s: $*" >> $R/seq.txt
-  grep -E "^\S+ \[(gate|exact|throughput|server\] healthy|send\]|agree|coverage)|FAILED|rror|time to the first|median" $R/seq/$n.out | grep -v "\.\.\.$" | cut -c1-300 | tail -40 >> $R/seq.txt
-  echo "leftover: $(pgrep -fc 'vllm.entrypoints|EngineCore' || true)" >> $R/seq.txt
-}
 python3 scripts/fp8_quantizer_check.py --json $R/quantizer.json > $R/quantizer.txt 2>&1
 touch $R/M1
 E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
