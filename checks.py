@@ -24,6 +24,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+import direct_load
 import exact_check_engine
 import colocated_sync
 import models
@@ -247,9 +248,11 @@ def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[fl
     return colocated_sync.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
-def kernel_noise(trainers: list, sequences: list[list[int]]) -> KernelNoise | None:
+def kernel_noise(trainers: list, sequences: list[list[int]], fp8_experts: bool = False) -> KernelNoise | None:
     """KernelNoise on `sequences` (one extra forward, through the other
-    attention implementation), printed; None where the model has only one."""
+    attention implementation; with `fp8_experts`, one more with the experts
+    as vLLM serves them in FP8), printed; None where the model has only one
+    attention implementation."""
     reference = trainer_logprobs(trainers, sequences)
     refs = [t.__ray_call__.remote(other_attention_logprobs, sequences) for t in trainers]
     other = colocated_sync.ray_get_all(refs)[0]
@@ -260,6 +263,12 @@ def kernel_noise(trainers: list, sequences: list[list[int]]) -> KernelNoise | No
     noise = KernelNoise(dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps), attention)
     print(f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
           f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}", flush=True)  # fmt: skip
+    if fp8_experts:
+        lps = colocated_sync.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
+        noise.fp8_mean, noise.fp8_quantile = dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps)
+        print(f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "
+              f"{noise.fp8_mean:.4f}, p{QUANTILE * 100:.0f} {noise.fp8_quantile:.4f} (added to the above: the "
+              "gate's basis)", flush=True)  # fmt: skip
     return noise
 
 
@@ -301,6 +310,19 @@ class KernelNoise:
     mean: float
     quantile: float  # the QUANTILE of |dlogp|
     attention: str  # which two implementations, e.g. "sdpa vs eager"
+    # --rollout-dtype fp8: the same between the trainer's model and itself with its experts
+    # quantized as vLLM holds them (fp8_experts_logprobs): what FP8 alone moves
+    fp8_mean: float | None = None
+    fp8_quantile: float | None = None
+
+    @property
+    def bound_mean(self) -> float:
+        """The gap a correct sync may show: the kernels' noise, plus FP8's where vLLM serves FP8."""
+        return self.mean + (self.fp8_mean or 0.0)
+
+    @property
+    def bound_quantile(self) -> float:
+        return self.quantile + (self.fp8_quantile or 0.0)
 
 
 @dataclass
@@ -329,8 +351,8 @@ class Tolerances:
         k = self.kernel_noise
         if noise is not None and not (math.isfinite(noise.mean) and math.isfinite(noise.quantile)):
             noise = None
-        return (self._widened(self.mean, k and k.mean, noise and noise.mean),
-                self._widened(self.quantile, k and k.quantile, noise and noise.quantile))
+        return (self._widened(self.mean, k and k.bound_mean, noise and noise.mean),
+                self._widened(self.quantile, k and k.bound_quantile, noise and noise.quantile))
 
     def _widened(self, absolute: float, kernel: float | None, noise: float | None) -> float:
         """One of given()'s tolerances, from its absolute value, the kernel
@@ -1059,6 +1081,36 @@ def parameter_fingerprints(params) -> list[list[int]]:
     the bits did not: an AdamW step can move a norm's few elements by amounts
     that cancel.)"""
     return exact_check_engine.exact_fingerprints(p.to_local() if hasattr(p, "to_local") else p for p in params)
+
+
+def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float]]:
+    """In a rank: token_logprobs with every fused expert tensor as vLLM serves
+    it in FP8 (this rank's block of experts quantized through vLLM's own
+    function and back, in place), then the weights put back from a copy in
+    host memory: what FP8 alone does to the trainer's log-probabilities."""
+    params, saved = dict(trainer.model.named_parameters()), {}
+    try:
+        with torch.no_grad():
+            for name in colocated_sync.fused_expert_tensors(trainer.model):
+                local = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
+                saved[name] = (local, local.detach().to("cpu", copy=True))
+                local.copy_(fp8_dequantized(local.to(torch.bfloat16), 2 if name.endswith("gate_up_proj") else 1))
+        return trainer.token_logprobs(sequences)
+    finally:
+        with torch.no_grad():
+            for local, original in saved.values():
+                local.copy_(original)
+
+
+def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:
+    """An expert block ([experts, shards x rows, columns]) as vLLM serves it in
+    FP8, back in float32: direct_load.fp8_reference's weight times its block
+    scales, without the padding."""
+    weight, scales = direct_load.fp8_reference(block, shards)
+    block_size = direct_load.FP8_BLOCK
+    values = weight.float() * scales.repeat_interleave(block_size, 1).repeat_interleave(block_size, 2)
+    rows, step = block.shape[1] // shards, weight.shape[1] // shards
+    return torch.cat([values[:, k * step : k * step + rows, : block.shape[2]] for k in range(shards)], dim=1)
 
 
 def other_attention_logprobs(trainer, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:

@@ -638,6 +638,17 @@ def test_the_trainers_own_kernel_noise_sets_the_floor_and_the_cap():
     assert checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=quiet).given(loud) == (0.2, 2.0)  # as without
 
 
+def test_fp8s_own_noise_adds_to_the_kernel_noise_in_the_gates_basis():
+    """--rollout-dtype fp8: vLLM's FP8 experts move its log-probabilities away
+    from the trainer's bf16 ones by what FP8 alone does (measured on the
+    trainer's own model before the first sync): the floor widens by that."""
+    kernel = checks.KernelNoise(mean=0.01, quantile=0.03, attention="sdpa vs eager", fp8_mean=0.09, fp8_quantile=0.47)
+    assert (kernel.bound_mean, kernel.bound_quantile) == pytest.approx((0.10, 0.50))
+    assert checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel).given(None) == pytest.approx((0.2, 1.0))
+    plain = checks.KernelNoise(mean=0.01, quantile=0.03, attention="sdpa vs eager")
+    assert checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=plain).given(None) == (0.1, 1.0)
+
+
 def test_the_change_test_tells_a_stale_engine_from_one_that_followed_the_step():
     before_t = [[-1.0, -2.0, -3.0, -1.5] * 10]
     after_t = [[v - 0.5 * ((i % 3) - 1) for i, v in enumerate(before_t[0])]]  # the step moved the trainer

@@ -338,6 +338,15 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     kernel = checks.kernel_noise(cpu_trainers, sequences)
     assert kernel.attention == "sdpa vs eager" and 0 < kernel.mean < 0.01, kernel
     assert checks.trainer_logprobs(cpu_trainers, sequences) == reference
+    # --rollout-dtype fp8: one more forward with each rank's experts as vLLM serves them in FP8; what
+    # FP8 alone moves is larger than the kernels' noise, and the weights are put back bit for bit.
+    held = [t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters())) for t in cpu_trainers]
+    held = script.ray_get_all(held)
+    fp8 = checks.kernel_noise(cpu_trainers, sequences, fp8_experts=True)
+    assert fp8.fp8_mean > kernel.mean and fp8.fp8_quantile > 0 and fp8.bound_mean > fp8.mean, fp8
+    assert script.ray_get_all([t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters()))
+                               for t in cpu_trainers]) == held  # fmt: skip
+    assert checks.trainer_logprobs(cpu_trainers, sequences) == reference
     tolerances = checks.Tolerances.from_args(script.parse_args([]), kernel)
     assert tolerances.given(None) == (tolerances.mean, tolerances.quantile)  # a small noise widens nothing
     same = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
