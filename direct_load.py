@@ -617,13 +617,28 @@ def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch
 
 def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, scales: torch.Tensor) -> None:
     """Write fp8_reference(block, shards) into `weight` and `scales` (vLLM's
-    parameters): on a GPU in one Triton kernel that reads the block once."""
-    if triton is None or not block.is_cuda:
+    parameters): on a GPU in one Triton kernel that reads the block once,
+    once its first block here came out as vLLM's own function makes it, byte
+    for byte (else, with a warning, through vLLM's function from then on)."""
+    if triton is None or not block.is_cuda or _KERNEL_AGREES.get(block.device) is False:
         quantized, block_scales = fp8_reference(block, shards)
         weight.copy_(quantized)
         scales.copy_(block_scales)
         return
     _launch_fp8_blocks(block, shards, weight, scales)
+    if block.device not in _KERNEL_AGREES:  # the first block on this GPU: the kernel against vLLM's function
+        quantized, block_scales = fp8_reference(block, shards)
+        agrees = torch.equal(weight.view(torch.uint8), quantized.view(torch.uint8)) and torch.equal(
+            scales.view(torch.int32), block_scales.view(torch.int32))  # fmt: skip
+        _KERNEL_AGREES[block.device] = agrees
+        if not agrees:
+            print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on "
+                  f"{torch.cuda.get_device_name(block.device)}: quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
+            weight.copy_(quantized)
+            scales.copy_(block_scales)
+
+
+_KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first block match vLLM's function?
 
 
 def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False) -> None:
@@ -662,9 +677,10 @@ if triton is not None:
     def _fp8_blocks_kernel(block, weight, scales, rows, padded_rows, columns, block_e, block_r, block_c,
                            weight_e, weight_r, scales_e, scales_r, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):  # fmt: skip
         # One 128 x 128 block of one expert's padded weight, in per_block_cast_to_fp8's arithmetic
-        # on CUDA: amax in fp32, at least 1e-4; scale = amax * fp32(1/448) (PyTorch divides by a
-        # Python number so; DIVIDE: amax / 448); the elements times 1 / scale (IEEE), cast to
-        # e4m3 as PyTorch casts (_e4m3_bits: |x| <= 448 * (1 + 2**-23) here).
+        # (vLLM compiles that function with torch.compile): amax in fp32, at least 1e-4; the scale
+        # amax / 448, the elements times 1 / scale, cast to e4m3 rounding to nearest even
+        # (_e4m3_bits: |x| <= 448 * (1 + 2**-23) here). How the two divisions round is where a
+        # CPU and a GPU differ (DIVIDE: IEEE, as on a CPU); fp8_quantize_blocks checks it once.
         expert = tl.program_id(2).to(tl.int64)
         row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # in the padded layout
         column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -674,11 +690,12 @@ if triton is not None:
         source = block + expert * block_e + (shard * rows + in_shard)[:, None] * block_r + column[None, :] * block_c
         x = tl.load(source, mask=inside, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
-        if DIVIDE:
+        if DIVIDE:  # as on a CPU
             scale = tl.math.div_rn(amax, 448.0)
-        else:
+            quantized = _e4m3_bits(x * tl.math.div_rn(1.0, scale))
+        else:  # as the code TorchInductor generates for it on CUDA: Triton's own division
             scale = amax * (1.0 / 448.0)
-        quantized = _e4m3_bits(x * tl.math.div_rn(1.0, scale))
+            quantized = _e4m3_bits(x * (1.0 / scale))
         tl.store(weight + expert * weight_e + row[:, None] * weight_r + column[None, :], quantized)
         tl.store(scales + expert * scales_e + tl.program_id(0) * scales_r + tl.program_id(1), scale)
 
