@@ -373,5 +373,22 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         expected = json.dumps({"blocks": blocks, "trainer_gpu_uuids": [""], "dtype": "bfloat16"})
         with pytest.raises(colocated_sync.ServerError, match="FP8 MoE backend here is CPU.*--moe-backend triton"):
             colocated_sync.collective_rpc(sock, "direct_load_check", expected)
+
+        # The exact check on this engine: an FP8 block sent to the direct loader is compared as two
+        # parameters, its weight and its scales, against the trainer's quantization ("fp8_blocks:<shards>");
+        # FP8 layers that vLLM's own loader fills (per-expert tensors) are left out, named.
+        sent = [[name, "bfloat16", shape, True] for name, shape in blocks.items()] + [["model.norm.weight", "bfloat16",
+                                                                                       [128], False]]  # fmt: skip
+        (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
+        assert prepared["unchecked"] == [] and prepared["tensors"] == len(sent)
+        assert prepared["casts"] == {str(i): f"fp8_blocks:{2 if n.endswith('gate_up_proj') else 1}"
+                                     for i, (n, *_) in enumerate(sent[:-1])}  # fmt: skip
+        assert prepared["parameters"] == 2 * len(blocks) + 1  # each block's weight and scales, and the norm
+        per_expert = [[f"model.layers.{i}.mlp.experts.{e}.{p}.weight", "bfloat16", [64, 128] if p != "down_proj"
+                       else [128, 64], False] for i in (0, 1) for e in range(8) for p in ("gate_proj", "up_proj",
+                                                                                          "down_proj")]  # fmt: skip
+        (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(per_expert))
+        assert len(prepared["unchecked"]) == 8 and prepared["parameters"] == 0, prepared  # 2 layers x 2 weights, 2 scales
+        assert all(n.startswith("model.layers.") and ".mlp.experts." in n for n in prepared["unchecked"])
     finally:
         colocated_sync.stop_server(server)
