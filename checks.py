@@ -24,8 +24,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-import direct_load
 import exact_check_engine
+import fp8_experts
 import colocated_sync
 import models
 import multinode
@@ -1104,10 +1104,10 @@ def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float
 
 def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:
     """An expert block ([experts, shards x rows, columns]) as vLLM serves it in
-    FP8, back in float32: direct_load.fp8_reference's weight times its block
+    FP8, back in float32: fp8_experts.fp8_reference's weight times its block
     scales, without the padding."""
-    weight, scales = direct_load.fp8_reference(block, shards)
-    block_size = direct_load.FP8_BLOCK
+    weight, scales = fp8_experts.fp8_reference(block, shards)
+    block_size = fp8_experts.FP8_BLOCK
     values = weight.float() * scales.repeat_interleave(block_size, 1).repeat_interleave(block_size, 2)
     rows, step = block.shape[1] // shards, weight.shape[1] // shards
     return torch.cat([values[:, k * step : k * step + rows, : block.shape[2]] for k in range(shards)], dim=1)

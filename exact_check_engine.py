@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from direct_load import (EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, fp8_reference,
-                         fp8_scales, fp8_shards, local_expert_ids)  # fmt: skip
+from direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, fp8_scales, local_expert_ids
+from fp8_experts import fp8_reference, fp8_shards
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
     import triton
@@ -224,7 +224,7 @@ FP8_BLOCKS = "fp8_blocks:"
 def held_fingerprint_sums(tensor: torch.Tensor, held: str | None) -> torch.Tensor:
     """The fingerprint sums of what vLLM holds of a sent tensor (`held`, exact_targets' cast):
     of the tensor in that dtype, an int64 tensor of 3; of an expert block vLLM holds in FP8,
-    vLLM's own quantization of it (direct_load.fp8_reference), [[weight's], [scales']]."""
+    vLLM's own quantization of it (fp8_experts.fp8_reference), [[weight's], [scales']]."""
     if held and held.startswith(FP8_BLOCKS):
         quantized = fp8_reference(tensor.to(torch.bfloat16), int(held.removeprefix(FP8_BLOCKS)))
         return torch.stack(exact_fingerprint_sums(quantized))

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import direct_load  # noqa: E402
+import fp8_experts  # noqa: E402
 
 generator = torch.Generator(device="cuda").manual_seed(0)
 block = (torch.randn((64, 2816, 2048), generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
-want_w, want_s = direct_load.fp8_reference(block, 2)
+want_w, want_s = fp8_experts.fp8_reference(block, 2)
 got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
-direct_load._launch_fp8_blocks(block, 2, got_w, got_s)
+fp8_experts._launch_fp8_blocks(block, 2, got_w, got_s)
 differ = (got_w.view(torch.uint8) != want_w.view(torch.uint8)).nonzero()
 print(f"{len(differ)} of {want_w.numel()} bytes differ; scales identical: {torch.equal(got_s, want_s)}")
 for e, r, c in differ[:8].tolist():

@@ -1,6 +1,6 @@
-"""On a GPU: the direct loader's FP8 quantizer (direct_load.fp8_quantize_blocks,
+"""On a GPU: the direct loader's FP8 quantizer (fp8_experts.fp8_quantize_blocks,
 one Triton kernel) against vLLM's own per-block quantization
-(direct_load.fp8_reference, through vllm.utils.deep_gemm.per_block_cast_to_fp8),
+(fp8_experts.fp8_reference, through vllm.utils.deep_gemm.per_block_cast_to_fp8),
 bit for bit, on expert blocks of the presets' shapes (padded and not) filled
 with normal values, with zeros, with values too small for e4m3's normal range,
 with a few large outliers; and the time of each.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import direct_load  # noqa: E402
+import fp8_experts  # noqa: E402
 
 SHAPES = {  # name: (experts, shards x rows, columns), shards
     "moonlight w13": ((64, 2 * 1408, 2048), 2),
@@ -60,11 +60,11 @@ def main() -> int:
     for name, (shape, shards) in SHAPES.items():
         for fill, values in fills(shape, generator):
             block = values.to(torch.bfloat16)
-            want_w, want_s = direct_load.fp8_reference(block, shards)
+            want_w, want_s = fp8_experts.fp8_reference(block, shards)
             got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
-            direct_load._launch_fp8_blocks(block, shards, got_w, got_s)  # the kernel alone (no first-block check)
+            fp8_experts._launch_fp8_blocks(block, shards, got_w, got_s)  # the kernel alone (no first-block check)
             other_w, other_s = torch.empty_like(want_w), torch.empty_like(want_s)  # the scale as amax / 448
-            direct_load._launch_fp8_blocks(block, shards, other_w, other_s, divide=True)
+            fp8_experts._launch_fp8_blocks(block, shards, other_w, other_s, divide=True)
             same_w = torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8))
             same_s = torch.equal(got_s.view(torch.int32), want_s.view(torch.int32))
             row = {"shape": name, "fill": fill, "weight_identical": same_w, "scales_identical": same_s,
@@ -73,8 +73,8 @@ def main() -> int:
                    "dividing_kernel_identical": torch.equal(other_w.view(torch.uint8), want_w.view(torch.uint8))
                    and torch.equal(other_s.view(torch.int32), want_s.view(torch.int32))}
             if fill == "normal":
-                row["kernel_s"] = timed(lambda: direct_load._launch_fp8_blocks(block, shards, got_w, got_s))
-                row["vllm_function_s"] = timed(lambda: direct_load.fp8_reference(block, shards))
+                row["kernel_s"] = timed(lambda: fp8_experts._launch_fp8_blocks(block, shards, got_w, got_s))
+                row["vllm_function_s"] = timed(lambda: fp8_experts.fp8_reference(block, shards))
                 copy = torch.empty_like(block)
                 row["copy_bf16_s"] = timed(lambda: copy.copy_(block))  # the bf16 sync's copy of the same block
             failures += not (same_w and same_s)

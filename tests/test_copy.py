@@ -24,7 +24,7 @@ def copy_table() -> list[tuple[list[str], list[str]]]:
     """(the files of a row, the files it needs beside them), per row of the table."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Copy it into your RL code") :].split("\n## ", 1)[0]
-    py, rows = re.compile(r"`([a-z_]+\.py)`"), []
+    py, rows = re.compile(r"`([a-z0-9_]+\.py)`"), []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`"):

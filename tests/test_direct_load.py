@@ -12,6 +12,7 @@ import torch
 import colocated_sync
 import direct_load
 import exact_check_engine
+import fp8_experts
 
 
 def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
@@ -245,7 +246,7 @@ def test_the_fp8_kernel_quantizes_as_vllms_function():
 
     code = """
 import torch, triton, triton.language as tl
-import direct_load as d
+import fp8_experts as d
 torch.manual_seed(0)
 for shape, shards in [((2, 256, 256), 2), ((3, 128, 64), 1), ((2, 2 * 200, 300), 2)]:
     normal = torch.randn(shape) * 0.02
@@ -286,10 +287,10 @@ def test_fp8_reference_is_vllms_per_expert_quantization_of_vllms_layout():
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
     block = (torch.randn(3, 2 * 200, 300) * 0.02).to(torch.bfloat16)
-    weight, scales = direct_load.fp8_reference(block, 2)
+    weight, scales = fp8_experts.fp8_reference(block, 2)
     assert weight.shape == (3, 2 * 256, 384) and scales.shape == (3, 4, 3)
-    assert direct_load.fp8_padded_shape(block.shape, 2) == (3, 512, 384)
-    assert direct_load.fp8_padded_shape((3, 2048, 1408), 1) == (3, 2048, 1408)  # the Moonlight shape: no padding
+    assert fp8_experts.fp8_padded_shape(block.shape, 2) == (3, 512, 384)
+    assert fp8_experts.fp8_padded_shape((3, 2048, 1408), 1) == (3, 2048, 1408)  # the Moonlight shape: no padding
     for e in range(3):
         laid_out = torch.zeros(512, 384, dtype=torch.bfloat16)
         laid_out[:200, :300], laid_out[256:456, :300] = block[e, :200], block[e, 200:]
@@ -317,17 +318,17 @@ def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
     def problems():
         return exact_check_engine.exact_problems(model, targets, sent, whole=whole)[1]
 
-    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
     assert problems() == []
-    direct_load.fp8_quantize_blocks(block * 2, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    fp8_experts.fp8_quantize_blocks(block * 2, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
     assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]  # x2: the same fp8, scales x2
-    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
     layer.w13_weight_scale_inv.data[0, 0, 0] = layer.w13_weight_scale_inv.data[1, 0, 0]
     assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]
-    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
     layer.w13_weight.data.view(torch.uint8)[1, 7, 3] ^= 1
     assert problems() == ["experts.w13_weight: not what the trainer sent"]
-    direct_load.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
     sent = [sent[0][::-1]]  # each target's fingerprint given to the other
     assert len(problems()) == 2
 
@@ -362,13 +363,13 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
             gate_up = torch.stack([torch.cat([checkpoint[f"{name}.{e}.gate_proj.weight"],
                                               checkpoint[f"{name}.{e}.up_proj.weight"]]) for e in experts])  # fmt: skip
             down = torch.stack([checkpoint[f"{name}.{e}.down_proj.weight"] for e in experts])
-            assert tuple(layer["w13_weight"]) == direct_load.fp8_padded_shape(gate_up.shape, 2)
-            assert tuple(layer["w2_weight"]) == direct_load.fp8_padded_shape(down.shape, 1)
+            assert tuple(layer["w13_weight"]) == fp8_experts.fp8_padded_shape(gate_up.shape, 2)
+            assert tuple(layer["w2_weight"]) == fp8_experts.fp8_padded_shape(down.shape, 1)
             (names,) = colocated_sync.collective_rpc(sock, "parameter_names", f"{name}.")  # (a module or two deeper)
             for tensor, param, shards in ((gate_up, "w13_weight", 2), (down, "w2_weight", 1)):
                 (scales,) = [n for n in names if n.endswith(f".{param}_scale_inv")]
                 (held,) = colocated_sync.collective_rpc(sock, "read_parameter", scales)
-                assert torch.equal(torch.tensor(held), direct_load.fp8_reference(tensor, shards)[1]), (name, param)
+                assert torch.equal(torch.tensor(held), fp8_experts.fp8_reference(tensor, shards)[1]), (name, param)
             blocks.update({f"{name}.gate_up_proj": list(gate_up.shape), f"{name}.down_proj": list(down.shape)})
         expected = json.dumps({"blocks": blocks, "trainer_gpu_uuids": [""], "dtype": "bfloat16"})
         with pytest.raises(colocated_sync.ServerError, match="FP8 MoE backend here is CPU.*--moe-backend triton"):

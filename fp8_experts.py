@@ -1,0 +1,149 @@
+"""Routed experts served in FP8 (--rollout-dtype fp8): the direct loader's
+quantization of each expert block as it writes it. Optional: copy it beside
+direct_load.py (which imports it when vLLM serves an expert layer in FP8).
+
+Started with `--quantization online --quantization-config '{"moe":
+"fp8_per_block"}'` (serve_args' rollout_dtype="fp8"), vLLM holds each fused
+expert weight as float8_e4m3fn, each shard (gate, up) padded with zeros to a
+multiple of 128 rows and the columns to a multiple of 128, with one fp32 scale
+per 128 x 128 block beside it (`w13_weight_scale_inv`), and quantizes a bf16
+load with `per_block_cast_to_fp8` (vllm/utils/deep_gemm.py). The direct loader
+writes both itself, from the trainer's bf16 block: fp8_quantize_blocks, that
+function's arithmetic in one Triton kernel on a GPU (its first block there
+checked against vLLM's function, byte for byte), vLLM's function itself
+elsewhere. vLLM's MoE kernel must then read the tensors as they are
+quantized: the Triton backends do (`--moe-backend triton`); FlashInfer's
+swaps gate and up, DeepGEMM's rescales, and those are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = 128
+FP8_AS_QUANTIZED_BACKENDS = ("TRITON", "BATCHED_TRITON")  # vLLM's Fp8MoeBackend names
+
+
+def fp8_shards(experts: torch.nn.Module, param_name: str) -> int:
+    """How many row blocks (gate, up) a fused expert weight stacks, each padded alone."""
+    return getattr(experts.moe_config, "w13_num_shards", 2) if param_name == "w13_weight" else 1
+
+
+def fp8_padded_shape(shape, shards: int) -> tuple[int, ...]:
+    """The shape vLLM holds a block of `shape` ([experts, shards x rows, columns]) in, in FP8."""
+    rows, columns = shape[-2] // shards, shape[-1]
+    return (*shape[:-2], shards * -(-rows // FP8_BLOCK) * FP8_BLOCK, -(-columns // FP8_BLOCK) * FP8_BLOCK)
+
+
+def fp8_backend_problem(experts: torch.nn.Module) -> str | None:
+    """Why this FP8 expert layer's kernel would not read the quantized tensors as written, or None."""
+    method = experts.quant_method
+    method = getattr(method, "old_quant_method", method)  # (vLLM may wrap it in a modular kernel's method)
+    backend = getattr(getattr(method, "fp8_backend", None), "name", None)
+    if backend in FP8_AS_QUANTIZED_BACKENDS:
+        return None
+    return (f"vLLM's FP8 MoE backend here is {backend}, which lays the quantized experts out its own way; the "
+            "direct loader writes them for the Triton backend: start the server with --moe-backend triton")  # fmt: skip
+
+
+def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own quantization of a bf16 expert block ([experts, shards x rows,
+    columns]): (the FP8 weight, padded as vLLM holds it; the fp32 block scales),
+    as its online per-block MoE method makes them, through its own function.
+    One call for all experts: no 128 x 128 block straddles two experts or
+    shards once each is padded, and every block is quantized alone."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    padded_shape = fp8_padded_shape(block.shape, shards)
+    experts, rows, columns = block.shape[0], block.shape[1] // shards, block.shape[2]
+    padded = block.new_zeros(padded_shape)
+    step = padded_shape[1] // shards
+    for shard in range(shards):
+        padded[:, shard * step : shard * step + rows, :columns] = block[:, shard * rows : (shard + 1) * rows]
+    weight, scales = per_block_cast_to_fp8(padded.reshape(-1, padded_shape[2]), [FP8_BLOCK, FP8_BLOCK])
+    return weight.view(padded_shape), scales.view(experts, padded_shape[1] // FP8_BLOCK, -1)
+
+
+def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write fp8_reference(block, shards) into `weight` and `scales` (vLLM's
+    parameters): on a GPU in one Triton kernel that reads the block once,
+    once its first block here came out as vLLM's own function makes it, byte
+    for byte (else, with a warning, through vLLM's function from then on)."""
+    if triton is None or not block.is_cuda or _KERNEL_AGREES.get(block.device) is False:
+        quantized, block_scales = fp8_reference(block, shards)
+        weight.copy_(quantized)
+        scales.copy_(block_scales)
+        return
+    _launch_fp8_blocks(block, shards, weight, scales)
+    if block.device not in _KERNEL_AGREES:  # the first block on this GPU: the kernel against vLLM's function
+        quantized, block_scales = fp8_reference(block, shards)
+        agrees = torch.equal(weight.view(torch.uint8), quantized.view(torch.uint8)) and torch.equal(
+            scales.view(torch.int32), block_scales.view(torch.int32))  # fmt: skip
+        _KERNEL_AGREES[block.device] = agrees
+        if not agrees:
+            print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on "
+                  f"{torch.cuda.get_device_name(block.device)}: quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
+            weight.copy_(quantized)
+            scales.copy_(block_scales)
+
+
+_KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first block match vLLM's function?
+
+
+def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False) -> None:
+    """The kernel over every 128 x 128 block of every expert (`divide`: the scale as amax / 448, IEEE,
+    as PyTorch computes it on a CPU, instead of amax times fp32(1 / 448), as on CUDA)."""
+    rows, columns = block.shape[1] // shards, block.shape[2]
+    grid = (weight.shape[1] // FP8_BLOCK, weight.shape[2] // FP8_BLOCK, block.shape[0])
+    _fp8_blocks_kernel[grid](block, weight.view(torch.uint8), scales, rows, weight.shape[1] // shards, columns,
+                             *block.stride(),
+                             *weight.stride()[:2], *scales.stride()[:2], BLOCK=FP8_BLOCK, DIVIDE=divide)  # fmt: skip
+
+
+try:  # vLLM's GPU builds depend on Triton; without it, vLLM's own function quantizes
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_bits(x):
+        # float32 -> float8_e4m3fn's bits as PyTorch casts (c10's fp8e4m3fn_from_fp32_value: round
+        # to nearest even, below e4m3's normal range through a float addition), for |x| < 464.
+        # (Triton's own cast, through half precision on some GPUs, rounds a few values otherwise.)
+        bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
+        sign = bits & 0x80000000
+        magnitude = bits ^ sign
+        subnormal = (magnitude.to(tl.uint32).to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True)
+        subnormal = subnormal.to(tl.int64) - (141 << 23)
+        normal = ((magnitude + 0xC407FFFF + ((magnitude >> 20) & 1)) & 0xFFFFFFFF) >> 20  # exponent 127 -> 7
+        out = tl.where(magnitude < (121 << 23), subnormal, normal) | (sign >> 24)
+        return (out & 0xFF).to(tl.uint8)
+
+    @triton.jit
+    def _fp8_blocks_kernel(block, weight, scales, rows, padded_rows, columns, block_e, block_r, block_c,
+                           weight_e, weight_r, scales_e, scales_r, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):  # fmt: skip
+        # One 128 x 128 block of one expert's padded weight, in per_block_cast_to_fp8's arithmetic
+        # (vLLM compiles that function with torch.compile): amax in fp32, at least 1e-4; the scale
+        # amax / 448, the elements times 1 / scale, cast to e4m3 rounding to nearest even
+        # (_e4m3_bits: |x| <= 448 * (1 + 2**-23) here). How the two divisions round is where a
+        # CPU and a GPU differ (DIVIDE: IEEE, as on a CPU); fp8_quantize_blocks checks it once.
+        expert = tl.program_id(2).to(tl.int64)
+        row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # in the padded layout
+        column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        shard = row // padded_rows
+        in_shard = row - shard * padded_rows
+        inside = (in_shard < rows)[:, None] & (column < columns)[None, :]
+        source = block + expert * block_e + (shard * rows + in_shard)[:, None] * block_r + column[None, :] * block_c
+        x = tl.load(source, mask=inside, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
+        if DIVIDE:  # as on a CPU
+            scale = tl.math.div_rn(amax, 448.0)
+            quantized = _e4m3_bits(x * tl.math.div_rn(1.0, scale))
+        else:  # as the code TorchInductor generates for it on CUDA: Triton's own division
+            scale = amax * (1.0 / 448.0)
+            quantized = _e4m3_bits(x * (1.0 / scale))
+        tl.store(weight + expert * weight_e + row[:, None] * weight_r + column[None, :], quantized)
+        tl.store(scales + expert * scales_e + tl.program_id(0) * scales_r + tl.program_id(1), scale)
