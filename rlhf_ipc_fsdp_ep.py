@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     add("--tensor-parallel-size", type=int, default=1, help="vLLM TP; data parallel size is num-gpus / this")
     add("--weight-loader", choices=("direct", "vllm"), default="direct", help="direct: the server's direct "
         "loader (direct_load.py), each GPU gets its own experts in one copy per layer; vllm: vLLM's "
-        "/update_weights route. direct needs --tensor-parallel-size 1 and an unquantized model")
+        "/update_weights route. direct needs --tensor-parallel-size 1")
     add("--rollout-dtype", choices=("bf16", "fp8"), default="bf16", help="what vLLM serves the routed experts in: "
         "fp8: block-wise e4m3 with a scale per 128 x 128 block, quantized from the trainer's bf16 at every sync "
         "(the rest stays bf16); the trainer keeps its own dtype")
