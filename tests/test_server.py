@@ -335,3 +335,23 @@ def test_a_socket_directory_too_long_for_vllms_own_sockets_is_refused(tmp_path):
             colocated_sync.start_server(["m"], socket_path=deep / "s", log_path=tmp_path / "log")
     finally:
         deep.rmdir()
+
+
+def test_the_benchmarks_generation_throughput_counts_every_token_it_asked_for(cpu_server):
+    """benchmark.py --throughput PROMPTSxTOKENS: that many completions of that
+    many tokens each (EOS ignored), through the real server; tokens per
+    second from the median batch. A malformed value is refused."""
+    import argparse
+    import statistics
+    from types import SimpleNamespace
+
+    import benchmark
+
+    assert benchmark._throughput("64x256") == (64, 256)
+    for bad in ("64", "0x8", "8x", "ax8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="PROMPTSxTOKENS"):
+            benchmark._throughput(bad)
+    job = SimpleNamespace(server=cpu_server, served_name=SERVED_NAME, dp_size=1)
+    result = benchmark.generation_throughput(job, 3, 5, repeats=2)
+    assert result["generated_tokens"] == 15 and len(result["seconds"]) == 2, result
+    assert result["tokens_per_s"] == pytest.approx(15 / statistics.median(result["seconds"]))
