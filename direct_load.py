@@ -508,6 +508,8 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
         fp8 = _fp8_experts()
         if problem := fp8.fp8_backend_problem(experts):
             return f"{name}: {problem}"
+        if problem := fp8.fp8_layout_problem(experts, param_name, shape):
+            return f"{name}: {problem}"
     want_shape = fp8.fp8_padded_shape(shape, fp8.fp8_shards(experts, param_name)) if quantized else tuple(shape)
     if (
         held != sent

@@ -46,6 +46,22 @@ def fp8_backend_problem(experts: torch.nn.Module) -> str | None:
             "direct loader writes them for the Triton backend: start the server with --moe-backend triton")  # fmt: skip
 
 
+def fp8_layout_problem(experts: torch.nn.Module, param_name: str, shape) -> str | None:
+    """Why this FP8 layer's weight and scales are not laid out as the kernel
+    writes them for a block of `shape` (float8_e4m3fn padded as
+    fp8_padded_shape says, fp32 scales of one per 128 x 128 block, both with
+    rows of adjacent elements), or None."""
+    weight, scales = getattr(experts, param_name), getattr(experts, f"{param_name}_scale_inv")
+    padded = fp8_padded_shape(shape, fp8_shards(experts, param_name))
+    want = (*padded[:-2], padded[-2] // FP8_BLOCK, padded[-1] // FP8_BLOCK)
+    if (weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != padded or weight.stride(-1) != 1
+            or scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.stride(-1) != 1):  # fmt: skip
+        return (f"vLLM holds it as {tuple(weight.shape)} {weight.dtype} with scales {tuple(scales.shape)} "
+                f"{scales.dtype}, not as the direct loader writes a block of {tuple(shape)} ({padded} "
+                f"float8_e4m3fn, scales {want} float32)")  # fmt: skip
+    return None
+
+
 def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's own quantization of a bf16 expert block ([experts, shards x rows,
     columns]): (the FP8 weight, padded as vLLM holds it; the fp32 block scales),
@@ -68,7 +84,8 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     """Write fp8_reference(block, shards) into `weight` and `scales` (vLLM's
     parameters): on a GPU in one Triton kernel that reads the block once,
     once its first block here came out as vLLM's own function makes it, byte
-    for byte (else, with a warning, through vLLM's function from then on)."""
+    for byte (else, with a warning, through vLLM's function from then on, as
+    also after an exact check that failed: exact_check_engine.py)."""
     if triton is None or not block.is_cuda or _KERNEL_AGREES.get(block.device) is False:
         quantized, block_scales = fp8_reference(block, shards)
         weight.copy_(quantized)

@@ -198,6 +198,17 @@ def test_fp8_rollout_refuses_what_it_cannot_quantize_before_gpu_work(preset, ref
     checks.before_gpu_work(args, path, ["vllm"])
 
 
+def test_fp8_rollout_refuses_experts_laid_out_otherwise_than_vllm(tmp_path):
+    """The trainer's own FP8 noise quantizes its fused experts as vLLM lays them out ([E, 2I, H], gate
+    rows then up rows): transformers' marker of another layout ([E, H, 2I]) is refused."""
+    meta = models.meta_model(models.resolve_model("tiny", tmp_path))
+    assert checks.fp8_problem(meta) is None
+    experts = next(m for m in meta.modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts"))
+    experts.is_transposed = True
+    assert re.match(r"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout .*, not "
+                    r"model\.layers\.0\.mlp\.experts\.", checks.fp8_problem(meta))  # fmt: skip
+
+
 def test_fp8_rollout_serve_flags():
     """vLLM quantizes the MoE layers alone, per 128 x 128 block, and serves them through its Triton
     MoE kernel (the layout the direct loader writes); bf16 passes no quantization flag."""

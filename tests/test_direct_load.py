@@ -393,3 +393,20 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         assert all(n.startswith("model.layers.") and ".mlp.experts." in n for n in prepared["unchecked"])
     finally:
         colocated_sync.stop_server(server)
+
+
+def test_the_fp8_kernel_writes_only_into_the_layout_it_was_written_for():
+    """The kernel stores without bounds checks: a block is written only into
+    float8_e4m3fn weights padded as fp8_padded_shape says and fp32 scales of
+    one per 128 x 128 block, each with adjacent elements along its rows."""
+    layer = torch.nn.Module()
+    layer.moe_config = SimpleNamespace(w13_num_shards=2)
+    layer.w13_weight = torch.nn.Parameter(torch.empty(2, 256, 128, dtype=torch.float8_e4m3fn), requires_grad=False)
+    layer.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, 1), requires_grad=False)
+    assert fp8_experts.fp8_layout_problem(layer, "w13_weight", (2, 128, 128)) is None  # I = 64, padded to 128
+    assert "not as the direct loader writes" in fp8_experts.fp8_layout_problem(layer, "w13_weight", (2, 512, 128))
+    layer.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(2, 1, 2).transpose(1, 2), requires_grad=False)
+    assert fp8_experts.fp8_layout_problem(layer, "w13_weight", (2, 128, 128)) is not None  # rows not adjacent
+    layer.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, 1), requires_grad=False)
+    layer.w13_weight = torch.nn.Parameter(torch.empty(2, 256, 128, dtype=torch.bfloat16), requires_grad=False)
+    assert fp8_experts.fp8_layout_problem(layer, "w13_weight", (2, 128, 128)) is not None
