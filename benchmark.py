@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
         greedy = colocated_sync.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy],
-                                               fp8_experts=args.rollout_dtype == "fp8")
+                                               fp8=args.rollout_dtype == "fp8")
         result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).
         result["device_copy_gb_per_s"] = script.ray_get_all([t.__ray_call__.remote(checks.device_copy_gb_per_s)

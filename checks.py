@@ -251,9 +251,9 @@ def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[fl
     return colocated_sync.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
-def kernel_noise(trainers: list, sequences: list[list[int]], fp8_experts: bool = False) -> KernelNoise | None:
+def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) -> KernelNoise | None:
     """KernelNoise on `sequences` (one extra forward, through the other
-    attention implementation; with `fp8_experts`, one more with the experts
+    attention implementation; with `fp8`, one more with the experts
     as vLLM serves them in FP8), printed; None where the model has only one
     attention implementation."""
     reference = trainer_logprobs(trainers, sequences)
@@ -261,7 +261,7 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8_experts: bool =
     other = colocated_sync.ray_get_all(refs)[0]
     if other is None:
         print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
-        if not fp8_experts:
+        if not fp8:
             return None
         noise = KernelNoise(0.0, 0.0, "one implementation")
     else:
@@ -269,7 +269,7 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8_experts: bool =
         noise = KernelNoise(dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps), attention)
         print(f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
               f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}", flush=True)  # fmt: skip
-    if fp8_experts:
+    if fp8:
         lps = colocated_sync.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
         noise.fp8_mean, noise.fp8_quantile = dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps)
         print(f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "

@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         greedy = colocated_sync.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy],
-                                               fp8_experts=args.rollout_dtype == "fp8")
+                                               fp8=args.rollout_dtype == "fp8")
         rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
         while more_rounds(args, len(rounds), time.monotonic() - first_round_at):
             i = len(rounds) + 1

@@ -342,7 +342,7 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     # FP8 alone moves is larger than the kernels' noise, and the weights are put back bit for bit.
     held = [t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters())) for t in cpu_trainers]
     held = script.ray_get_all(held)
-    fp8 = checks.kernel_noise(cpu_trainers, sequences, fp8_experts=True)
+    fp8 = checks.kernel_noise(cpu_trainers, sequences, fp8=True)
     assert fp8.fp8_mean > kernel.mean and fp8.fp8_quantile > 0 and fp8.bound_mean > fp8.mean, fp8
     assert script.ray_get_all([t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters()))
                                for t in cpu_trainers]) == held  # fmt: skip
