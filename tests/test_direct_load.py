@@ -201,10 +201,6 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     torch code: the same three sums for every shape that matters (rows and
     columns, one column, 1-D, non-contiguous, a last partial tile, a row
     wider than a tile)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = """
 import sys, torch
 import exact_check_engine as d
@@ -225,10 +221,19 @@ swapped[0], swapped[1] = cases[0].view(-1)[1], cases[0].view(-1)[0]
 assert d.fingerprint_sums_triton(swapped.view(37, 129), block=256)[2] != d.fingerprint_sums_triton(cases[0], block=256)[2]
 print("same sums")
 """
+    in_triton_interpreter(code, "same sums")
+
+
+def in_triton_interpreter(code: str, done: str) -> None:
+    """Run `code` in a Python of its own under Triton's interpreter (on CPU); it must print `done`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0 and "same sums" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and done in out.stdout, out.stderr[-3000:]
 
 
 def test_the_fp8_kernel_quantizes_as_vllms_function():
@@ -240,10 +245,6 @@ def test_the_fp8_kernel_quantizes_as_vllms_function():
     as the kernel does by default): every byte the same, for blocks padded in
     rows, columns and both, and values from zeros through e4m3's subnormal
     range to outliers; and its e4m3 cast alone is PyTorch's, value for value."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = """
 import torch, triton, triton.language as tl
 import fp8_experts as d
@@ -273,10 +274,7 @@ cast[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=10
 assert torch.equal(out, values.to(torch.float8_e4m3fn).view(torch.uint8))
 print("same bytes")
 """
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0 and "same bytes" in out.stdout, out.stderr[-3000:]
+    in_triton_interpreter(code, "same bytes")
 
 
 def test_fp8_reference_is_vllms_per_expert_quantization_of_vllms_layout():
