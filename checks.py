@@ -1308,10 +1308,20 @@ class FingerprintedSource(SourceWrapper):
         started, self._started = self._started, None
         graphed = [i for i in (self._from_model or {}) if i not in self._quantized]
         from_model = dict(zip(graphed, started(), strict=True))
-        from_model.update({i: sums.cpu().tolist() for i, sums in self._quantized.items()})
-        taken = {i: sums.cpu().tolist() for i, sums in self._sums.items()}
+        from_model.update(_read_back(self._quantized))
+        taken = _read_back(self._sums)
         return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
                 "partial": self._partial}  # fmt: skip
+
+
+def _read_back(sums: dict[int, torch.Tensor]) -> dict[int, list]:
+    """{index: fingerprint sums on the device} -> {index: as lists}, one copy per shape (a tensor's
+    [3], an FP8 block's [2, 3]) rather than a wait for the device per tensor."""
+    out = {}
+    for shape in {tuple(t.shape) for t in sums.values()}:
+        same = [i for i, t in sums.items() if tuple(t.shape) == shape]
+        out.update(zip(same, torch.stack([sums[i] for i in same]).cpu().tolist()))
+    return out
 
 
 def _casts(held: torch.dtype, sent: torch.dtype, vllm_holds: str | None) -> tuple[torch.dtype, ...]:

@@ -504,17 +504,13 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
         return f"{name}: this engine holds experts {held} and the trainer rank on its GPU sends {n}"
     param_name = EXPERT_TENSORS.get(name.rpartition(".")[2], "")
     quantized = fp8_scales(experts, param_name) is not None  # held in FP8: padded, from a bf16 block
-    if quantized:
+    if quantized:  # (its shape and dtype: fp8_layout_problem)
         fp8 = _fp8_experts()
-        if problem := fp8.fp8_backend_problem(experts):
+        if problem := fp8.fp8_backend_problem(experts) or fp8.fp8_layout_problem(experts, param_name, shape):
             return f"{name}: {problem}"
-        if problem := fp8.fp8_layout_problem(experts, param_name, shape):
-            return f"{name}: {problem}"
-    want_shape = fp8.fp8_padded_shape(shape, fp8.fp8_shards(experts, param_name)) if quantized else tuple(shape)
     if (
         held != sent
-        or tuple(param.shape) != tuple(want_shape)
-        or (param.dtype != dtype if not quantized else dtype != torch.bfloat16)
+        or (dtype != torch.bfloat16 if quantized else tuple(param.shape) != tuple(shape) or param.dtype != dtype)
         or getattr(experts, "is_fused_checkpoint_transposed", False)
     ):
         return (

@@ -86,22 +86,22 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     once its first block here came out as vLLM's own function makes it, byte
     for byte (else, with a warning, through vLLM's function from then on, as
     also after an exact check that failed: exact_check_engine.py)."""
-    if triton is None or not block.is_cuda or _KERNEL_AGREES.get(block.device) is False:
-        quantized, block_scales = fp8_reference(block, shards)
-        weight.copy_(quantized)
-        scales.copy_(block_scales)
-        return
-    _launch_fp8_blocks(block, shards, weight, scales)
-    if block.device not in _KERNEL_AGREES:  # the first block on this GPU: the kernel against vLLM's function
-        quantized, block_scales = fp8_reference(block, shards)
+    kernel = triton is not None and block.is_cuda and _KERNEL_AGREES.get(block.device) is not False
+    if kernel:
+        _launch_fp8_blocks(block, shards, weight, scales)
+        if block.device in _KERNEL_AGREES:
+            return
+    quantized, block_scales = fp8_reference(block, shards)
+    if kernel:  # the first block on this GPU: the kernel against vLLM's function
         agrees = torch.equal(weight.view(torch.uint8), quantized.view(torch.uint8)) and torch.equal(
             scales.view(torch.int32), block_scales.view(torch.int32))  # fmt: skip
         _KERNEL_AGREES[block.device] = agrees
-        if not agrees:
-            print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on "
-                  f"{torch.cuda.get_device_name(block.device)}: quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
-            weight.copy_(quantized)
-            scales.copy_(block_scales)
+        if agrees:
+            return
+        print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on "
+              f"{torch.cuda.get_device_name(block.device)}: quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
+    weight.copy_(quantized)
+    scales.copy_(block_scales)
 
 
 _KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first block match vLLM's function?
@@ -129,7 +129,8 @@ if triton is not None:
     def _e4m3_bits(x):
         # float32 -> float8_e4m3fn's bits as PyTorch casts (c10's fp8e4m3fn_from_fp32_value: round
         # to nearest even, below e4m3's normal range through a float addition), for |x| < 464.
-        # (Triton's own cast, through half precision on some GPUs, rounds a few values otherwise.)
+        # On an H200 it gave the same bytes as Triton's own cast; it is written out so that the
+        # kernel is tested on CPU too, where Triton's interpreter casts powers of two wrongly.
         bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
         sign = bits & 0x80000000
         magnitude = bits ^ sign

@@ -766,3 +766,13 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
     trainer.sender = checks.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None
     assert list(seconds) == ["total"] and seconds["total"] >= 0.02
+
+
+def test_fingerprints_read_back_each_under_its_own_index():
+    """The trainer reads the sums taken in a send back in one copy per shape
+    (a tensor's three sums, an FP8 block's two rows of three): each stays
+    with the tensor it is of, whatever the order of the indices."""
+    sums = {3: torch.tensor([1, 2, 3]), 0: torch.tensor([[4, 5, 6], [7, 8, 9]]), 1: torch.tensor([10, 11, 12]),
+            5: torch.tensor([[13, 14, 15], [16, 17, 18]])}  # fmt: skip
+    assert checks._read_back(sums) == {i: t.tolist() for i, t in sums.items()}
+    assert checks._read_back({}) == {}
