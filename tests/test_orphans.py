@@ -408,7 +408,10 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
             also_stop=program.descendants(os.getpid(), "sleep"),
         )
-        time.sleep(1)  # the watchdog is forked off as the server starts
+        # The watchdog leaves the server's group before the server execs its
+        # command: killing the group sooner would kill the watchdog with it.
+        while b"server_watchdog" in program.cmdline(server.proc.pid):
+            time.sleep(0.05)
         os.killpg(server.pgid, signal.SIGKILL)  # the server dies first
         server.proc.wait()
         time.sleep(1)
