@@ -280,10 +280,6 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
     return proc, (alive_w, done_r)
 
 
-
-
-
-
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
 _WATCHDOG_GRACE_S = 10.0
 _WATCHDOG_SCRIPT = str(Path(__file__).resolve().with_name("server_watchdog.py"))
@@ -426,16 +422,6 @@ def serving(serve_args: Sequence[str], **start_kwargs):
                 stop_server(server)
             except ServerError as e:  # say it, and keep the error that brought us here
                 print(f"[shutdown] {e}", flush=True)
-
-
-
-
-
-
-
-
-
-
 
 
 @contextmanager
@@ -583,8 +569,6 @@ def is_sleeping(sock: str) -> bool:
     return request(sock, "GET", "/is_sleeping")["is_sleeping"]
 
 
-
-
 @dataclass
 class Completion:
     text: str
@@ -620,8 +604,6 @@ def completions(
         Completion(c["text"], list(c["prompt_token_ids"]), list(c["token_ids"]))
         for c in (by_index[i] for i in range(len(prompts)))
     ]
-
-
 
 
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
@@ -938,10 +920,6 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
         remove_rendezvous(pg)
         raise
     return trainers, pg
-
-
-
-
 
 
 def gloo_interface_env(node_ip: str) -> dict[str, str]:

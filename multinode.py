@@ -155,8 +155,6 @@ def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> 
         raise NodeServerFailed("\n".join(failures) + (f"\n(seen here as: {seen_as})" if seen_as else "")) from None
 
 
-
-
 def stop_node_servers(node_servers: list) -> list:
     """Stop every node's server and wait until its processes are gone; what
     cannot be stopped this way (its node or actor lost) its watchdog stops.

@@ -266,7 +266,7 @@ def fresh_cpu_trainers(ray_cluster):
         for t in trainers:
             ray_cluster.kill(t)
         pids += trainer_pids
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # ray.kill is asynchronous, and a loaded machine slow to end a process
     while live(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     for group_id, group in placement_group_table().items():

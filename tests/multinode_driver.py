@@ -237,18 +237,25 @@ def main(out_path: str, log_dir: str) -> None:
         node1_model = node1_model[node1_model.index("serve") + 1]
         seen["node1_preset_config"] = (Path(node1_model) / "config.json").is_file() and node1_model
         seen["running_failure"] = ray.get(running[0].failure.remote())
-        time.sleep(1)
-        seen["node1_log"] = (Path(log_dir) / "server.node1.log").read_text()
+        # Not a fixed wait: on a loaded machine the server may take seconds to print its first line.
+        node1_log = Path(log_dir) / "server.node1.log"
+        deadline = time.monotonic() + 60
+        while "engines starting" not in node1_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen["node1_log"] = node1_log.read_text()
         ip = placements[1]["node_ip"]
         seen["node1_interface"] = os.environ.get("GLOO_SOCKET_IFNAME") or _interface_with(ip)
         os.kill(pid, 9)
-        time.sleep(1)
+        deadline = time.monotonic() + 60  # until node 1's actor sees its server gone, not a fixed wait
+        while ray.get(running[0].failure.remote()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         seen["died_mid_run"] = _error_of(lambda: multinode.raise_node_failure(
             running, seen_as=colocated_sync.ServerError("POST /sleep failed")))  # fmt: skip
         # A send the server fails part way while node 1's server is dead (the first node's still
         # answers): not sent again, and node 1 named at once, as run_round calls send_all.
         with _healthy_api() as sock:
             senders = [_SendFailsPartWay.remote() for _ in range(2)]
+            ray.get([s.__ray_ready__.remote() for s in senders])  # their workers' start is not the send's time
             begin = time.monotonic()
             seen["send_with_a_dead_node"] = _error_of(lambda: colocated_sync.send_all(
                 senders, sock, 2, check_failure=partial(multinode.raise_node_failure, running)))  # fmt: skip
@@ -260,11 +267,13 @@ def main(out_path: str, log_dir: str) -> None:
         orphaned = multinode.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=SLEEPS)
         pid = ray.get(orphaned[0].__ray_call__.remote(_server_pid))
         ray.kill(orphaned[0])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while server_watchdog.start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
-        seen["orphan_alive_after_s"] = None if server_watchdog.start_time(pid) is None else 30
-        time.sleep(2)
+        seen["orphan_alive_after_s"] = None if server_watchdog.start_time(pid) is None else 60
+        deadline = time.monotonic() + 30  # the watchdog exits once it sees the group empty: not a fixed wait
+        while _left_of_node_servers() and time.monotonic() < deadline:
+            time.sleep(0.2)
         seen["left_after_stops"] = _left_of_node_servers()
         seen["log_files"] = sorted(os.listdir(log_dir))
 

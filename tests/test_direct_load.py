@@ -277,6 +277,33 @@ print("same bytes")
     in_triton_interpreter(code, "same bytes")
 
 
+def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_does():
+    """On a GPU vLLM's per_block_cast_to_fp8 runs as TorchInductor compiles it:
+    the scale amax times fp32(1/448) (Inductor turns a division by a constant
+    into that product), then `1 / scale` as Triton's own division (PTX
+    div.full.f32, an approximate reciprocal; IEEE division only with
+    TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING), then the elements times it.
+    The kernel, compiled for an H100/H200 (sm_90) without a GPU, must do the
+    same: one div.full.f32, the 1/448 constant, no IEEE division, no fused
+    multiply-add that would round the product otherwise."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = ["block", "weight", "scales", "rows", "padded_rows", "columns", "block_e", "block_r", "block_c",
+             "weight_e", "weight_r", "scales_e", "scales_r"]  # fmt: skip
+    types = ["*bf16", "*u8", "*fp32"] + ["i32"] * 3 + ["i64"] * 7
+    source = ASTSource(fp8_experts._fp8_blocks_kernel, {**dict(zip(names, types, strict=True)),
+                       "BLOCK": "constexpr", "DIVIDE": "constexpr"}, {"BLOCK": 128, "DIVIDE": False})  # fmt: skip
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    float_ops = re.findall(r"\b((?:div|rcp|fma|mul|add|sub)\.[a-z.]*f32)\b", ptx)
+    assert float_ops.count("div.full.f32") == 1 and "div.rn.f32" not in float_ops, float_ops
+    assert not [op for op in float_ops if op.startswith(("fma", "rcp"))], float_ops
+    assert "0f3B124925" in ptx  # fp32(1 / 448), the multiplier of amax
+
+
 def test_fp8_reference_is_vllms_per_expert_quantization_of_vllms_layout():
     """fp8_reference quantizes all experts in one call of vLLM's function: the
     same bytes as vLLM's online MoE method, which calls it per expert, on the

@@ -59,7 +59,7 @@ def send_and_expect_failure(start_trainers, sock, mode, during=None, retries=0):
 
 def test_a_refused_chunk_stops_the_send_at_once(fresh_cpu_trainers, cpu_server):
     message, seconds = send_and_expect_failure(fresh_cpu_trainers, cpu_server.socket_path, "refused")
-    assert seconds < 30  # not the 10-minute collective timeout rank 1 is waiting in
+    assert seconds < 120  # not the 10-minute collective timeout rank 1 is waiting in
     assert message.startswith("the send failed part way (not retried); vLLM holds a mix of old and new weights")
     assert "direct_load_start was not called" in message  # the server's own words
 
@@ -129,7 +129,7 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, du
         )
     finally:
         colocated_sync.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
-    assert seconds < 60  # never the 300 s call timeout, nor the 10-minute collective timeout
+    assert seconds < 150  # never the 300 s call timeout, nor the 10-minute collective timeout
     assert message.startswith("the send failed part way (not retried: the server does not answer)")
     assert colocated_sync.group_members(server.pgid) == [] and not colocated_sync.health(server.socket_path)
 
@@ -194,7 +194,7 @@ def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cp
     begin = time.monotonic()
     with pytest.raises(colocated_sync.ServerError) as error:
         script.send_all(trainers, cpu_server.socket_path, retries=2)
-    assert time.monotonic() - begin < 60  # not the 10-minute collective timeout
+    assert time.monotonic() - begin < 150  # not the 10-minute collective timeout
     assert str(error.value).startswith("the send failed part way (3 tries); vLLM holds a mix of old and new")
     assert "every engine needs a trainer rank on its own GPU" in str(error.value)
     assert script.ray_get_all([t.send_count.remote() for t in trainers]) == [3, 3]
@@ -233,7 +233,7 @@ def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_tr
             colocated_sync.wait_until_ready(server, filling, timeout_s=240)
     finally:
         colocated_sync.stop_server(server)
-    assert time.monotonic() - begin < 60
+    assert time.monotonic() - begin < 120  # not the 240 s timeout
 
 
 def _sleep(seconds):
@@ -248,6 +248,6 @@ def test_a_server_that_dies_while_the_trainers_fill_ends_the_start_at_once(ray_c
     begin = time.monotonic()
     with pytest.raises(colocated_sync.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
         colocated_sync.wait_until_ready(server, [slow_fill], timeout_s=240)
-    assert time.monotonic() - begin < 30
+    assert time.monotonic() - begin < 90  # not the fill's 120 s
     colocated_sync.stop_server(server)
     ray.cancel(slow_fill, force=True)

@@ -68,7 +68,7 @@ def test_a_node_server_that_exits_at_start_ends_the_wait_naming_the_node(seen):
     error = seen["failed_start"]
     assert error.startswith("NodeServerFailed: the vLLM server on node 1 (")  # a ServerError
     assert "exited with code 3" in error and "no GPU on this node" in error
-    assert seen["failed_start_s"] < 30
+    assert seen["failed_start_s"] < 60  # not wait_until_ready's 120 s
 
 
 def test_a_node_server_that_dies_mid_run_is_named_with_the_request_that_saw_it(seen):

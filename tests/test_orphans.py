@@ -92,11 +92,11 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
         assert len(_watchdogs_of(sock)) == 1
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
-        took = _gone_within(pgid, 25)
+        took = _gone_within(pgid, 60)  # the watchdog's 10 s grace, then SIGKILL: a loaded machine adds more
         assert took is not None, f"processes {colocated_sync.group_members(pgid)} of the server outlived the driver"
         print(f"server group gone {took:.1f}s after the driver's SIGKILL")
         assert not colocated_sync.health(sock)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while _watchdogs_of(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _watchdogs_of(sock) == []
@@ -118,7 +118,7 @@ time.sleep(120)
 """
 
 
-def _wait_for_line(path: Path, line: str, timeout_s: float = 20) -> None:
+def _wait_for_line(path: Path, line: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while line not in (path.read_text().splitlines() if path.exists() else []):
         assert time.monotonic() < deadline, f"no line {line!r} in {path}"
@@ -150,10 +150,10 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
         _wait_for_line(log, "ready")  # the stubborn child is up, its handler in place
         members = colocated_sync.group_members(pgid)
         assert len(members) == 2 and pgid in members, members  # the leader and the stubborn child
+        killed_at = time.monotonic()  # before the kill: the watchdog may act before this process runs again
         driver.kill()
         driver.wait()
-        killed_at = time.monotonic()
-        took = _gone_within(pgid, grace_s + 10)
+        took = _gone_within(pgid, grace_s + 30)
         assert took is not None, "SIGKILL did not follow"
         assert time.monotonic() - killed_at >= grace_s - 0.5  # it waited out the grace first
         text = log.read_text()
@@ -164,7 +164,7 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
         _cleanup(driver, pgid)
 
 
-def _gone_within_watchdog(sock: str, timeout_s: float = 5) -> bool:
+def _gone_within_watchdog(sock: str, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while _watchdogs_of(sock):
         if time.monotonic() > deadline:
@@ -181,7 +181,7 @@ def test_stop_server_also_ends_the_watchdog(tmp_path):
         [], socket_path=sock, log_path=tmp_path / "log", launcher=(sys.executable, "-c", STUBBORN_SERVER)
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while len(colocated_sync.group_members(server.pgid)) < 2 or not _watchdogs_of(sock):
             assert time.monotonic() < deadline
             time.sleep(0.1)
@@ -204,7 +204,7 @@ def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
         launcher=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"),
     )  # fmt: skip
     try:
-        colocated_sync.wait_until_healthy(server, timeout_s=20, poll_s=0.1)
+        colocated_sync.wait_until_healthy(server, timeout_s=120, poll_s=0.1)  # it exits long before
     except colocated_sync.ServerError as e:
         assert "exited with code 3" in str(e) and "bad flag" in str(e)
     else:
@@ -268,7 +268,7 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         driver.send_signal(signal.SIGTERM)  # while it stops the server
         assert colocated_sync.health(sock)  # not stopped yet
         go_on.touch()
-        assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+        assert driver.wait(timeout=120) == 128 + signal.SIGTERM  # stop_server: 20 s grace, SIGKILL, the watchdog
         assert colocated_sync.group_members(pgid) == []  # gone before the driver exited
         assert not colocated_sync.health(sock) and _watchdogs_of(sock) == []
     finally:
@@ -334,7 +334,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         def agents_up(processes):  # the raylet starts its agents on its own time
             names = [program.cmdline(int(p.split(":")[0])) for p in processes]
             return all(any(agent in n for n in names) for agent in (b"DashboardAgent", b"RuntimeEnvAgent"))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not agents_up(ray_processes := program.descendants(os.getpid())) and time.monotonic() < deadline:
             time.sleep(0.2)
         server = colocated_sync.start_server(
@@ -353,13 +353,13 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         assert any(b"DashboardAgent" in n for n in names) and any(b"RuntimeEnvAgent" in n for n in names), names
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         left = ray_processes
         while left and time.monotonic() < deadline:
             left = [p for p in ray_processes if server_watchdog.start_time(int(p.split(":")[0])) == p.split(":")[1]]
             time.sleep(0.2)
         assert left == [], f"Ray processes outlived the driver: {left}"
-        assert _gone_within(pgid, 20) is not None
+        assert _gone_within(pgid, 60) is not None
         assert "stopping" in (tmp_path / "server.log").read_text()
     finally:
         _cleanup(driver, pgid)

@@ -3,9 +3,11 @@
 import errno
 import json
 import os
+import signal
 import socket
 import stat
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -209,16 +211,36 @@ time.sleep(120)
 """
 
 
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether process `pid` ignores SIGTERM now (SigIgn in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
 def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
     server = colocated_sync.start_server(
         [], socket_path=private_socket_path(), log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", FAKE_SERVER),
     )  # fmt: skip
-    with pytest.raises(colocated_sync.ServerError, match="not healthy after"):
-        colocated_sync.wait_until_healthy(server, timeout_s=2)
-    assert len(colocated_sync.group_members(server.pgid)) == 2
-    colocated_sync.stop_server(server, grace_s=1)
-    assert colocated_sync.group_members(server.pgid) == []
+    try:
+        with pytest.raises(colocated_sync.ServerError, match="not healthy after"):
+            colocated_sync.wait_until_healthy(server, timeout_s=2)
+        # Not a fixed wait: on a loaded machine the fake server may not have started its child
+        # yet, or the child not yet ignored SIGTERM (a SIGTERM would then end it, proving nothing).
+        deadline = time.monotonic() + 60
+        while not ((members := colocated_sync.group_members(server.pgid)) and len(members) == 2
+                   and all(_ignores_sigterm(pid) for pid in members if pid != server.pgid)):  # fmt: skip
+            assert time.monotonic() < deadline, f"the fake server's group is {members}"
+            time.sleep(0.1)
+        colocated_sync.stop_server(server, grace_s=1)
+        assert colocated_sync.group_members(server.pgid) == []
+    finally:
+        if colocated_sync.group_members(server.pgid):
+            os.killpg(server.pgid, signal.SIGKILL)
 
 
 COUNTING_SERVER = """
@@ -258,17 +280,17 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
     half the server's keep-alive timeout is not reused (the server may be
     closing it), nor one that brought an error reply; stopping the server
     drops this process's client for it."""
-    import time
-
-    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "1")
+    # 4 s: connections idle over 2 s are dropped, so that a loaded machine's pauses between the
+    # five calls below (a few hundred ms at worst) do not drop one; the idle wait is 2.5 s.
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "4")
     server = colocated_sync.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
                                          launcher=(sys.executable, "-c", COUNTING_SERVER))  # fmt: skip
     try:
-        colocated_sync.wait_until_healthy(server, timeout_s=30)
+        colocated_sync.wait_until_healthy(server, timeout_s=120)
         sock = server.socket_path
         seen = [colocated_sync.request(sock, "GET", "/connections")["connections"] for _ in range(5)]
         assert seen == [seen[0]] * 5, seen  # one connection for all five
-        time.sleep(0.8)  # idle past half the keep-alive timeout
+        time.sleep(2.5)  # idle past half the keep-alive timeout
         assert colocated_sync.request(sock, "GET", "/connections")["connections"] == seen[0] + 1
         with pytest.raises(colocated_sync.ServerError, match="HTTP 500"):
             colocated_sync.request(sock, "GET", "/fail")
@@ -288,7 +310,7 @@ print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 def _server_env(tmp_path, **start_kwargs) -> dict:
     server = colocated_sync.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
                                          launcher=(sys.executable, "-c", ENV_SERVER), **start_kwargs)  # fmt: skip
-    server.proc.wait(timeout=30)
+    server.proc.wait(timeout=120)
     colocated_sync.stop_server(server)
     line = next(line for line in server.log_path.read_text().splitlines() if line.startswith("ENV "))
     return json.loads(line[4:])

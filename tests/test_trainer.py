@@ -275,7 +275,7 @@ def test_ray_get_all_raises_at_the_first_failure(ray_cluster):
     start = time.monotonic()
     with pytest.raises(ValueError, match="rank 0 died"):
         script.ray_get_all([stuck, fails.remote()])
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 90  # not the 120 s of `hangs` (a loaded machine is slow to start workers)
     ray_cluster.cancel(stuck, force=True)
 
 
@@ -292,10 +292,10 @@ def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(
     ray_cluster.kill(trainers[0])
     with pytest.raises(colocated_sync.TrainerDied, match="a trainer rank's process died"):
         script.ray_get_all([_call_on_a_killed_actor(ray_cluster, trainers[0]), waiting])
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 120  # not the collective's 10-minute timeout
 
 
-def _call_on_a_killed_actor(ray_cluster, actor, timeout_s=30):
+def _call_on_a_killed_actor(ray_cluster, actor, timeout_s=60):
     """A call that reaches `actor` after its kill. ray.kill is asynchronous:
     a call sent right after it can still run (seen here once in ~8 runs), and
     then only the other rank's collective error would be left to report."""
@@ -449,7 +449,7 @@ def _groups_not_removed() -> dict[str, dict]:
     return {group_id: g for group_id, g in placement_group_table().items() if g["state"] != "REMOVED"}
 
 
-def _groups_left_since(before: set[str], timeout_s: float = 10) -> list[dict]:
+def _groups_left_since(before: set[str], timeout_s: float = 30) -> list[dict]:
     """The groups created since `before` and not removed; waits up to
     `timeout_s` for a removal Ray has not finished."""
     deadline = time.monotonic() + timeout_s
@@ -531,7 +531,7 @@ def test_a_trainer_that_fails_to_start_leaves_no_placement_group(ray_cluster):
     try:
         with pytest.raises(colocated_sync.TrainerDied, match="CUDA out of memory"):
             script.start_trainers(RankThatCannotStart, 1, gpus_per_trainer=0)
-        assert _groups_left_since(before, timeout_s=2) == []
+        assert _groups_left_since(before) == []
     finally:
         _remove_groups_left_since(before)
 
@@ -598,9 +598,9 @@ def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leave
     job = SimpleNamespace(trainers=[ray.remote(SlowToFingerprint).remote()], gpu_uuids=[""], dp_size=1,
                           server=SimpleNamespace(socket_path="/nonexistent/vllm.sock"))  # fmt: skip
     ray.get(job.trainers[0].__ray_ready__.remote())
+    begin = time.monotonic()  # before the check starts: its 2 s then surely fall after `begin`
     started = checks.start_exact_check(job)
-    begin = time.monotonic()
-    checks.settle_exact_checks(timeout_s=30)
+    checks.settle_exact_checks(timeout_s=120)
     assert started.done() and time.monotonic() - begin > 1
     with pytest.raises(colocated_sync.ServerError):  # no server there: the verdict is that error
         checks.exact_check(started)

@@ -5,7 +5,7 @@ set -u
 R=/root/res/fp8; mkdir -p $R
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > $R/nvidia-smi.txt 2>&1
 export PYTHONUNBUFFERED=1
-python3 scripts/fp8_quantizer_check.py --json $R/quantizer.json > $R/quantizer.txt 2>&1
+TORCH_LOGS=output_code python3 scripts/fp8_quantizer_check.py --json $R/quantizer.json > $R/quantizer.txt 2> $R/inductor-code.txt
 touch $R/M1
 E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
 STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par ${PAR_S:-270} \
