@@ -363,6 +363,7 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
         if also_check:  # after our own server's exit: that one we name for sure
             also_check()
         if health(server.socket_path):
+            print_progress(server)  # the lines the log reached since this poll's first look
             return time.monotonic() - server.started_at
         if time.monotonic() > deadline:
             raise ServerError(

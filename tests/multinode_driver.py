@@ -240,7 +240,8 @@ def main(out_path: str, log_dir: str) -> None:
         # Not a fixed wait: on a loaded machine the server may take seconds to print its first line.
         node1_log = Path(log_dir) / "server.node1.log"
         deadline = time.monotonic() + 60
-        while "engines starting" not in node1_log.read_text() and time.monotonic() < deadline:
+        while (not any(line.startswith("engines starting") for line in node1_log.read_text().splitlines())
+               and time.monotonic() < deadline):  # (the log's first line, the command, names it too)
             time.sleep(0.1)
         seen["node1_log"] = node1_log.read_text()
         ip = placements[1]["node_ip"]
