@@ -3,7 +3,11 @@ one Triton kernel) against vLLM's own per-block quantization
 (fp8_experts.fp8_reference, through vllm.utils.deep_gemm.per_block_cast_to_fp8),
 bit for bit, on expert blocks of the presets' shapes (padded and not) filled
 with normal values, with zeros, with values too small for e4m3's normal range,
-with a few large outliers; and the time of each.
+with a few large outliers; and the time of each: the kernel where the
+engine quantizes as it writes (the direct loader), vLLM's function, the bf16
+copy the sync makes otherwise, and quantizing on the trainer's side instead
+(the kernel into the send's buffer, then the engine's copy of the FP8 bytes
+and scales; fewer bytes through IPC, one more pass over them).
 
     python scripts/fp8_quantizer_check.py [--json OUT]
 """
@@ -77,6 +81,13 @@ def main() -> int:
                 row["vllm_function_s"] = timed(lambda: fp8_experts.fp8_reference(block, shards))
                 copy = torch.empty_like(block)
                 row["copy_bf16_s"] = timed(lambda: copy.copy_(block))  # the bf16 sync's copy of the same block
+
+                def trainer_side():  # the trainer quantizes into its send buffer, the engine copies FP8 bytes and scales
+                    fp8_experts._launch_fp8_blocks(block, shards, other_w, other_s)
+                    got_w.copy_(other_w)
+                    got_s.copy_(other_s)
+
+                row["trainer_side_s"] = timed(trainer_side)
             failures += not (same_w and same_s)
             results.append(row)
             print(json.dumps(row), flush=True)
