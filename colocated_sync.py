@@ -1540,16 +1540,16 @@ class LocalExpertSource(BF16Source):
 
 
 def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
-    """Why --weight-loader direct cannot sync this model over `world_size`
+    """Why the direct loader cannot sync this model over `world_size`
     GPUs, or None. It sends what vLLM's loader gets (the checkpoint form),
     except that each rank sends its own block of each fused expert tensor
     (expert_block_names), which the server copies as it is into
     its own experts. So each fused expert tensor must be one the server knows
     (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
     rows), with experts that split evenly over the GPUs."""
-    from direct_load import EXPERT_TENSORS
+    from direct_load import EXPERT_TENSORS, USE_VLLMS_LOADER
 
-    fix = "; pass --weight-loader vllm"
+    fix = f"; {USE_VLLMS_LOADER}"
     for name, layout in fused_expert_tensors(model).items():
         if name.rpartition(".")[2] not in EXPERT_TENSORS:
             return f"the direct loader copies fused {'/'.join(EXPERT_TENSORS)} experts only, not {name}{fix}"
@@ -1557,5 +1557,5 @@ def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None
             return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
         if layout["shape"][0] % world_size:
             return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
-                    f"{world_size} GPUs as --weight-loader direct needs{fix}")  # fmt: skip
+                    f"{world_size} GPUs as the direct loader needs{fix}")  # fmt: skip
     return None

@@ -68,6 +68,8 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+# What the direct loader's refusals advise: vLLM's own loader takes any layout.
+USE_VLLMS_LOADER = 'sync through vLLM\'s loader instead (loader "vllm"; the script: --weight-loader vllm)'
 
 
 @dataclass
@@ -185,14 +187,14 @@ class DirectLoadWorker:
         sent_to = {name.rpartition(".")[0] for name in expected["blocks"]}
         if missed := sorted(set(layers) - sent_to):
             raise ValueError(f"this engine's fused expert layers {missed[:2]} would get no expert block; "
-                             "use --weight-loader vllm")  # fmt: skip
+                             f"{USE_VLLMS_LOADER}")  # fmt: skip
         for name, shape in expected["blocks"].items():
             layer_name, _, tensor_name = name.rpartition(".")
             if layer_name not in layers or tensor_name not in EXPERT_TENSORS:
                 raise ValueError(
                     f"the trainer will send expert block {name}, but this engine has no fused expert "
                     f"tensor of that name (its expert layers: {sorted(layers)[:2] or 'none'}; "
-                    f"tensors {list(EXPERT_TENSORS)}); use --weight-loader vllm"
+                    f"tensors {list(EXPERT_TENSORS)}); {USE_VLLMS_LOADER}"
                 )
             param = getattr(layers[layer_name], EXPERT_TENSORS[tensor_name])
             if problem := _block_problem(layers[layer_name], name, param, shape, dtype, trainer_rank):
@@ -517,7 +519,7 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
             f"{name}: this engine holds experts {held[0]}..{held[-1]} as {tuple(param.shape)} {param.dtype}, "
             f"but the trainer rank on its GPU sends experts {sent[0]}..{sent[-1]} as {tuple(shape)} {dtype}. "
             "The direct loader needs tensor parallel size 1, experts split evenly over the GPUs, and "
-            "trainer rank r on the GPU of DP rank r; use --weight-loader vllm otherwise"
+            f"trainer rank r on the GPU of DP rank r; otherwise {USE_VLLMS_LOADER}"
         )
     return None
 

@@ -169,7 +169,7 @@ def test_direct_loader_refuses_what_it_cannot_serve_before_gpu_work(preset, refu
     if refusal is None:
         checks.before_gpu_work(args, path, ["direct"])
     else:
-        with pytest.raises(SystemExit, match=refusal + r".*; pass --weight-loader vllm"):
+        with pytest.raises(SystemExit, match=refusal + r".*; sync through vLLM's loader instead .*--weight-loader vllm"):
             checks.before_gpu_work(args, path, ["direct"])
     checks.before_gpu_work(args, path, ["vllm"])
 
