@@ -317,6 +317,7 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
             if method is None or not hasattr(method, "process_weights_after_loading"):
                 continue
             if fp8_scales(module, "w13_weight") is not None:  # quantized as written: nothing left to process
+                _fp8_experts().fp8_scales_to_kernel(module)
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")

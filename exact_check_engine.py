@@ -115,7 +115,10 @@ class ExactCheckWorker(DirectLoadWorker):
         checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole,
                                            fingerprints, unchecked=getattr(self, "_exact_unchecked", ()))  # fmt: skip
         if problems:
-            if any(fp8_scales(m, "w13_weight") is not None for m in _expert_layers(model).values()):
+            fp8_parameters = {f"{layer}.{name}{suffix}" for layer, m in _expert_layers(model).items()
+                              if fp8_scales(m, "w13_weight") is not None
+                              for name in ("w13_weight", "w2_weight") for suffix in ("", "_scale_inv")}  # fmt: skip
+            if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
                 fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False  # from the next sync on
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                                f"differ: " + "; ".join(problems[:4]))  # fmt: skip

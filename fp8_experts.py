@@ -9,11 +9,12 @@ multiple of 128 rows and the columns to a multiple of 128, with one fp32 scale
 per 128 x 128 block beside it (`w13_weight_scale_inv`), and quantizes a bf16
 load with `per_block_cast_to_fp8` (vllm/utils/deep_gemm.py). The direct loader
 writes both itself, from the trainer's bf16 block: fp8_quantize_blocks, that
-function's arithmetic in one Triton kernel on a GPU (its first block there
-checked against vLLM's function, byte for byte), vLLM's function itself
-elsewhere. vLLM's MoE kernel must then read the tensors as they are
-quantized: the Triton backends do (`--moe-backend triton`); FlashInfer's
-swaps gate and up, DeepGEMM's rescales, and those are refused.
+function's arithmetic in one Triton kernel on a GPU (checked there once
+against vLLM's function, byte for byte, on every case of that arithmetic),
+vLLM's function itself elsewhere. vLLM's MoE kernel must then read the
+tensors as they are quantized: the Triton backends do (`--moe-backend
+triton`); FlashInfer's swaps gate and up, DeepGEMM's rescales, and those are
+refused.
 """
 
 from __future__ import annotations
@@ -62,6 +63,28 @@ def fp8_layout_problem(experts: torch.nn.Module, param_name: str, shape) -> str 
     return None
 
 
+def fp8_scales_to_kernel(experts: torch.nn.Module) -> None:
+    """After a sync wrote this layer's scales: copy them into the scale
+    tensors vLLM's MoE kernel reads, where those are others. A sync through
+    vLLM's own loader rebuilds the kernel around new scale tensors, then
+    copies them into the layer's original ones and puts those back on the
+    layer (which captured CUDA graphs read): the kernel's quantization config
+    keeps the new ones, and without this copy every forward outside a graph
+    would read the scales of the last sync through vLLM's loader."""
+    method = experts.quant_method
+    methods = (method, getattr(method, "old_quant_method", None))  # (a modular kernel's method wraps the other)
+    for quant_method in {id(m): m for m in methods if m is not None}.values():
+        config = getattr(quant_method, "moe_quant_config", None)
+        for config_name, param_name in (("w1_scale", "w13_weight_scale_inv"), ("w2_scale", "w2_weight_scale_inv")):
+            in_use, written = getattr(config, config_name, None), getattr(experts, param_name)
+            if not isinstance(in_use, torch.Tensor) or in_use.data_ptr() == written.data_ptr():
+                continue
+            if in_use.shape != written.shape or in_use.dtype != written.dtype:
+                raise RuntimeError(f"vLLM's FP8 MoE kernel reads {config_name} as {tuple(in_use.shape)} "
+                                   f"{in_use.dtype}, not as the layer's {param_name} {tuple(written.shape)}")  # fmt: skip
+            in_use.copy_(written)
+
+
 def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's own quantization of a bf16 expert block ([experts, shards x rows,
     columns]): (the FP8 weight, padded as vLLM holds it; the fp32 block scales),
@@ -80,21 +103,43 @@ def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch
     return weight.view(padded_shape), scales.view(experts, padded_shape[1] // FP8_BLOCK, -1)
 
 
+def fp8_every_case_block(device: torch.device | str = "cpu") -> torch.Tensor:
+    """A bf16 block [129, 128, 128] (one 128 x 128 tile per expert) that holds
+    every case of per_block_cast_to_fp8's arithmetic, up to sign and powers of
+    two: a tile's FP8 bytes depend only on its largest magnitude A and each
+    element x, and scaling both by 2**k changes neither the quotient x / scale
+    nor how it rounds. Tile t < 128: A = 1 + t/128 (every bf16 mantissa), then
+    every bf16 x from A * 2**-21 up to A (smaller ones are 0 in e4m3 whatever
+    the rounding); tile 128: A just under the scale's floor of 1e-4, then
+    every x up to it. A quantizer that gives vLLM's bytes here gives them for
+    every block."""
+    floor_bits = 0x38D1  # the largest bf16 below 1e-4
+    cases = [(0x3F80 + t, 0x3F80 + t - 21 * 128) for t in range(128)] + [(floor_bits, floor_bits - 21 * 128)]
+    block = torch.zeros(len(cases), FP8_BLOCK * FP8_BLOCK, dtype=torch.int16)
+    for tile, (amax, smallest) in enumerate(cases):
+        every_x = torch.arange(smallest, amax, dtype=torch.int16)
+        block[tile, 0] = amax
+        block[tile, 1 : 1 + len(every_x)] = every_x
+    block = block.view(torch.bfloat16).view(len(cases), FP8_BLOCK, FP8_BLOCK)
+    block[:, 1::2] = -block[:, 1::2]  # both signs
+    return block.to(device)
+
+
 def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, scales: torch.Tensor) -> None:
     """Write fp8_reference(block, shards) into `weight` and `scales` (vLLM's
     parameters): on a GPU in one Triton kernel that reads the block once,
-    once its first block here came out as vLLM's own function makes it, byte
-    for byte (else, with a warning, through vLLM's function from then on, as
-    also after an exact check that failed: exact_check_engine.py)."""
+    once the kernel here has made vLLM's own function's bytes for every case
+    (fp8_every_case_block) and for its first real block (else, with a
+    warning, through vLLM's function from then on, as also after an exact
+    check that failed on an FP8 parameter: exact_check_engine.py)."""
     kernel = triton is not None and block.is_cuda and _KERNEL_AGREES.get(block.device) is not False
     if kernel:
         _launch_fp8_blocks(block, shards, weight, scales)
         if block.device in _KERNEL_AGREES:
             return
     quantized, block_scales = fp8_reference(block, shards)
-    if kernel:  # the first block on this GPU: the kernel against vLLM's function
-        agrees = torch.equal(weight.view(torch.uint8), quantized.view(torch.uint8)) and torch.equal(
-            scales.view(torch.int32), block_scales.view(torch.int32))  # fmt: skip
+    if kernel:  # the first block on this GPU: the kernel against vLLM's function, on it and on every case
+        agrees = _same_bytes((weight, scales), (quantized, block_scales)) and _agrees_on_every_case(block.device)
         _KERNEL_AGREES[block.device] = agrees
         if agrees:
             return
@@ -104,7 +149,22 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     scales.copy_(block_scales)
 
 
-_KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first block match vLLM's function?
+_KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first check match vLLM's function?
+
+
+def _same_bytes(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether two (FP8 weight, fp32 scales) pairs are equal byte for byte."""
+    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(
+        got[1].view(torch.int32), want[1].view(torch.int32))  # fmt: skip
+
+
+def _agrees_on_every_case(device: torch.device) -> bool:
+    """Whether the kernel on `device` quantizes fp8_every_case_block as vLLM's function does."""
+    block = fp8_every_case_block(device)
+    want = fp8_reference(block, 1)
+    got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    _launch_fp8_blocks(block, 1, *got)
+    return _same_bytes(got, want)
 
 
 def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False) -> None:

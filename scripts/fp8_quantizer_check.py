@@ -3,7 +3,8 @@ one Triton kernel) against vLLM's own per-block quantization
 (fp8_experts.fp8_reference, through vllm.utils.deep_gemm.per_block_cast_to_fp8),
 bit for bit, on expert blocks of the presets' shapes (padded and not) filled
 with normal values, with zeros, with values too small for e4m3's normal range,
-with a few large outliers; and the time of each: the kernel where the
+with a few large outliers, and on fp8_experts.fp8_every_case_block (every
+case of the arithmetic, up to sign and powers of two); and the time of each: the kernel where the
 engine quantizes as it writes (the direct loader), vLLM's function, the bf16
 copy the sync makes otherwise, and quantizing on the trainer's side instead
 (the kernel into the send's buffer, then the engine's copy of the FP8 bytes
@@ -91,6 +92,18 @@ def main() -> int:
             failures += not (same_w and same_s)
             results.append(row)
             print(json.dumps(row), flush=True)
+    # Every case of the arithmetic (fp8_experts.fp8_every_case_block), as the kernel's first use checks it.
+    block = fp8_experts.fp8_every_case_block("cuda")
+    want_w, want_s = fp8_experts.fp8_reference(block, 1)
+    got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
+    fp8_experts._launch_fp8_blocks(block, 1, got_w, got_s)
+    row = {"shape": "every case [129, 128, 128]", "fill": "every amax mantissa, every element below it",
+           "weight_identical": torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8)),
+           "scales_identical": torch.equal(got_s.view(torch.int32), want_s.view(torch.int32)),
+           "weight_bytes_differing": int((got_w.view(torch.uint8) != want_w.view(torch.uint8)).sum())}
+    failures += not (row["weight_identical"] and row["scales_identical"])
+    results.append(row)
+    print(json.dumps(row), flush=True)
     # Does PyTorch on CUDA divide by a Python number as a multiplication by its fp32 reciprocal?
     amax = torch.rand(1 << 24, device="cuda") * 100
     division = {"divide_equals_times_reciprocal": torch.equal(amax / 448.0, amax * (1.0 / 448.0)),

@@ -244,7 +244,8 @@ def test_the_fp8_kernel_quantizes_as_vllms_function():
     the scale as amax / 448 (`divide`; on CUDA it multiplies by fp32(1/448),
     as the kernel does by default): every byte the same, for blocks padded in
     rows, columns and both, and values from zeros through e4m3's subnormal
-    range to outliers; and its e4m3 cast alone is PyTorch's, value for value."""
+    range to outliers, and fp8_every_case_block; and its e4m3 cast alone is
+    PyTorch's, value for value."""
     code = """
 import torch, triton, triton.language as tl
 import fp8_experts as d
@@ -261,6 +262,12 @@ for shape, shards in [((2, 256, 256), 2), ((3, 128, 64), 1), ((2, 2 * 200, 300),
         d._launch_fp8_blocks(block, shards, got_w, got_s, divide=True)
         assert torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8)), (shape, name)
         assert torch.equal(got_s, want_s), (shape, name)
+every_case = d.fp8_every_case_block()
+want_w, want_s = d.fp8_reference(every_case, 1)
+got_w, got_s = torch.full_like(want_w, 1.0), torch.zeros_like(want_s)
+d._launch_fp8_blocks(every_case, 1, got_w, got_s, divide=True)
+assert d._same_bytes((got_w, got_s), (want_w, want_s)), "every case"
+assert not d._agrees_on_every_case(torch.device("cpu"))  # the GPU's arithmetic against a CPU's function: told apart
 
 @triton.jit
 def cast(x, out, n, BLOCK: tl.constexpr):
@@ -275,6 +282,30 @@ assert torch.equal(out, values.to(torch.float8_e4m3fn).view(torch.uint8))
 print("same bytes")
 """
     in_triton_interpreter(code, "same bytes")
+
+
+def test_the_every_case_block_holds_each_amax_and_element_and_tells_roundings_apart():
+    """fp8_every_case_block, which the kernel's first use on a GPU is checked
+    on: every bf16 mantissa is some tile's largest value, with every element
+    below it down to where e4m3 rounds to zero, and one tile under the
+    scale's 1e-4 floor; and it tells apart two ways of scaling (the
+    elements times the reciprocal of the scale, or divided by it), as it
+    would a kernel whose division rounds otherwise than vLLM's function."""
+    block = fp8_experts.fp8_every_case_block()
+    magnitudes = block.abs().view(len(block), -1)
+    amax = magnitudes.amax(dim=1)
+    assert amax[:128].view(torch.int16).tolist() == list(range(0x3F80, 0x4000))  # 1, 1 + 1/128, ...
+    assert amax[128].float() < 1e-4 < (amax[128:].view(torch.int16) + 1).view(torch.bfloat16)[0].float()  # the largest bf16 below
+    for tile in (0, 77, 127, 128):
+        present = set(magnitudes[tile].view(torch.int16).tolist())
+        bits = int(amax[tile].view(torch.int16))
+        assert set(range(bits - 21 * 128, bits + 1)) <= present  # A * 2**-21 .. A: every bf16 between
+    assert (block < 0).any() and (block > 0).any()
+    x = block.float()
+    scale = x.abs().amax(dim=(1, 2), keepdim=True).clamp(1e-4) * (1.0 / 448.0)
+    by_reciprocal = (x * (1.0 / scale)).to(torch.float8_e4m3fn).view(torch.uint8)
+    by_division = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert int((by_reciprocal != by_division).sum()) >= 30
 
 
 def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_does():
@@ -302,6 +333,44 @@ def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_do
     assert float_ops.count("div.full.f32") == 1 and "div.rn.f32" not in float_ops, float_ops
     assert not [op for op in float_ops if op.startswith(("fma", "rcp"))], float_ops
     assert "0f3B124925" in ptx  # fp32(1 / 448), the multiplier of amax
+
+
+def test_a_direct_sync_writes_the_scales_vllms_fp8_kernel_reads_also_after_vllms_loader_rebuilt_it():
+    """After a sync through vLLM's loader, vLLM's FP8 MoE kernel reads scales
+    from new tensors (its quantization config, rebuilt with the layer's
+    post-load processing), while the layer holds its original ones again
+    (vLLM copies the new values there). fp8_scales_to_kernel, which the
+    direct loader's finish runs for each FP8 layer it wrote, copies the
+    layer's scales into the config's: here with vLLM's own config, a layer
+    with its parameters, and a modular kernel's method around the other."""
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    layer = torch.nn.Module()
+    for name, shape in (("w13_weight_scale_inv", (2, 2, 1)), ("w2_weight_scale_inv", (2, 1, 1))):
+        layer.register_parameter(name, torch.nn.Parameter(torch.rand(shape), requires_grad=False))
+    layer.weight_block_size = [128, 128]  # what vLLM's online per-block method sets: an FP8 expert layer
+    in_use = {"w1_scale": torch.zeros(2, 2, 1), "w2_scale": torch.zeros(2, 1, 1)}  # the last rebuild's
+
+    def post_load(_layer):
+        raise AssertionError("an FP8 layer the direct loader wrote is quantized already: no post-load")
+
+    old_method = SimpleNamespace(moe_quant_config=fp8_w8a8_moe_quant_config(**in_use, block_shape=[128, 128]))
+    layer.quant_method = SimpleNamespace(old_quant_method=old_method, moe_quant_config=old_method.moe_quant_config,
+                                         process_weights_after_loading=post_load)  # fmt: skip
+    session = SimpleNamespace(touched={id(layer): layer}, layout=SimpleNamespace(attention_layers=[]))
+    direct_load._finish(session, VllmConfig())
+    assert torch.equal(in_use["w1_scale"], layer.w13_weight_scale_inv)
+    assert torch.equal(in_use["w2_scale"], layer.w2_weight_scale_inv)
+    # The kernel built around the layer's own tensors (the server's start, the direct loader since): nothing to do.
+    layer.quant_method = SimpleNamespace(moe_quant_config=fp8_w8a8_moe_quant_config(
+        layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, block_shape=[128, 128]))  # fmt: skip
+    fp8_experts.fp8_scales_to_kernel(layer)
+    # Scales the kernel reads in another shape than the layer's: said, not copied into.
+    layer.quant_method = SimpleNamespace(moe_quant_config=fp8_w8a8_moe_quant_config(
+        torch.zeros(2, 1, 2), torch.zeros(2, 1, 1), block_shape=[128, 128]))  # fmt: skip
+    with pytest.raises(RuntimeError, match="reads w1_scale as \\(2, 1, 2\\)"):
+        fp8_experts.fp8_scales_to_kernel(layer)
 
 
 def test_fp8_reference_is_vllms_per_expert_quantization_of_vllms_layout():
