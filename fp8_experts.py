@@ -141,10 +141,13 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     if kernel:  # the first block on this GPU: the kernel against vLLM's function, on it and on every case
         agrees = _same_bytes((weight, scales), (quantized, block_scales)) and _agrees_on_every_case(block.device)
         _KERNEL_AGREES[block.device] = agrees
+        gpu = f"{block.device} ({torch.cuda.get_device_name(block.device)})"
         if agrees:
+            print(f"[direct_load] the FP8 kernel makes vLLM's per_block_cast_to_fp8's bytes on {gpu}, for every "
+                  "case and the first block: quantizing with it", flush=True)  # fmt: skip
             return
-        print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on "
-              f"{torch.cuda.get_device_name(block.device)}: quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
+        print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on {gpu}: "
+              "quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
     weight.copy_(quantized)
     scales.copy_(block_scales)
 
