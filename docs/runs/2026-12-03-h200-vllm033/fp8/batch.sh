@@ -1,5 +1,6 @@
 # FP8 experts on one H200 (vLLM 0.33.0). Run from the repository's root on the GPU machine; results in
-# /root/res/fp8 (M1, M2, DONE mark the stages reached). Each stage fits one call:
+# /root/res/fp8 (M1, M2, DONE mark the stages reached). Each stage fits one call of its own (the bundle's
+# install in the call before):
 #   bash batch.sh families     the quantizer against vLLM's function (and Inductor's generated code), then
 #                              the families side by side (eager, small servers): tiny and tiny-deepseek-v3
 #                              in FP8 with --train, tiny-mixtral through both loaders in FP8
@@ -15,7 +16,7 @@ families)
   TORCH_LOGS=output_code python3 scripts/fp8_quantizer_check.py --json $R/quantizer.json > $R/quantizer.txt 2> $R/inductor-code.txt
   touch $R/M1
   E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
-  STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par ${PAR_S:-270} \
+  STAGGER_S=6 bash scripts/gpu_parallel.sh $R/par par ${PAR_S:-360} \
    "tiny-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
    "dsv3-fp8-train|rlhf_ipc_fsdp_ep.py --model tiny-deepseek-v3 --num-gpus 1 --rollout-dtype fp8 --train --rounds 5 --check-coverage $E" \
    "mixtral-fp8-loaders|benchmark.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --rounds 2 $E" > $R/par.txt 2>&1
