@@ -1094,24 +1094,70 @@ def parameter_fingerprints(params) -> list[list[int]]:
 
 
 def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float]]:
-    """In a rank: token_logprobs with every fused expert tensor as vLLM serves
-    it in FP8 (this rank's block of experts quantized through vLLM's own
-    function and back, in place), then the weights put back from a copy in
-    host memory: what FP8 alone does to the trainer's log-probabilities."""
+    """In a rank: token_logprobs with the routed experts computing as vLLM's
+    block-FP8 MoE kernel does: every fused expert tensor as vLLM serves it
+    (this rank's block of experts quantized through vLLM's own function and
+    back, in place) and the experts' activations quantized as that kernel
+    quantizes them (fp8_experts_forward); then the weights put back from a
+    copy in host memory and the experts' own forward back: what FP8 alone
+    does to the trainer's log-probabilities."""
     params, saved = dict(trainer.model.named_parameters()), {}
+    experts = {trainer.model.get_submodule(name.rpartition(".")[0])
+               for name in colocated_sync.fused_expert_tensors(trainer.model)}  # fmt: skip
     try:
         with torch.no_grad():
             for name in colocated_sync.fused_expert_tensors(trainer.model):
                 local = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
                 saved[name] = (local, local.detach().to("cpu", copy=True))
                 local.copy_(fp8_dequantized(local.to(torch.bfloat16), 2 if name.endswith("gate_up_proj") else 1))
+        for module in experts:
+            module.forward = fp8_experts_forward(module)  # (an attribute of the object: over its class's forward)
         return trainer.token_logprobs(sequences)
     finally:
+        for module in experts:
+            module.__dict__.pop("forward", None)
         if hasattr(trainer.model, "reshard"):  # (a forward that failed part way may leave modules gathered)
             trainer.model.reshard()
         with torch.no_grad():
             for local, original in saved.values():
                 local.copy_(original)
+
+
+def fp8_experts_forward(experts: torch.nn.Module, activations=None):
+    """A forward for a transformers fused experts module (gate_up_proj
+    [experts, 2 x intermediate, hidden], down_proj [experts, hidden,
+    intermediate], act_fn) that reads its input and the intermediate as
+    vLLM's block-FP8 Triton MoE kernel does: through `activations`
+    (default fp8_activations). The same arithmetic as the module's own loop
+    otherwise."""
+    quantized = fp8_activations if activations is None else activations
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            if expert >= experts.num_experts:  # (the index an expert-parallel model gives experts held elsewhere)
+                continue
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = torch.nn.functional.linear(quantized(hidden_states[token]),
+                                                  experts.gate_up_proj[expert]).chunk(2, dim=-1)  # fmt: skip
+            down = torch.nn.functional.linear(quantized(experts.act_fn(gate) * up), experts.down_proj[expert])
+            out.index_add_(0, token, (down * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+    return forward
+
+
+def fp8_activations(x: torch.Tensor) -> torch.Tensor:
+    """`x` as vLLM's block-FP8 MoE kernel reads an activation: each row's
+    values in groups of 128 columns (the last one padded with zeros), each
+    group quantized to e4m3 with the scale its largest magnitude / 448 (at
+    least 1e-10 / 448, as per_token_group_quant_fp8), and back."""
+    columns = x.shape[-1]
+    padded = -(-columns // fp8_experts.FP8_BLOCK) * fp8_experts.FP8_BLOCK
+    groups = torch.nn.functional.pad(x.float(), (0, padded - columns)).unflatten(-1, (-1, fp8_experts.FP8_BLOCK))
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+    back = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return back.flatten(-2)[..., :columns].to(x.dtype)
 
 
 def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:

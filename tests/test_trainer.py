@@ -366,6 +366,57 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
         script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
 
 
+def test_fp8_activations_are_vllms_per_token_group_quantization():
+    """The gate's FP8 basis reads the experts' activations as vLLM's block-FP8
+    MoE kernel does: each row in groups of 128 columns (the last padded),
+    quantized to e4m3 and back; the same values as vLLM's own QuantFP8
+    (dynamic, groups of 1 x 128) dequantized."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
+    x = (torch.randn(37, 320, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 320))
+    x = x.to(torch.bfloat16)
+    values, scales = quant.forward_native(x)
+    padded = torch.nn.functional.pad(values.float(), (0, 3 * 128 - 320)).unflatten(-1, (3, 128))
+    assert torch.equal(checks.fp8_activations(x), (padded * scales[..., None]).flatten(-2)[..., :320].to(x.dtype))
+
+
+def test_the_fp8_experts_forward_is_the_experts_own_with_their_activations_quantized():
+    """fp8_experts_forward, which stands in for a fused experts module's
+    forward while the gate's FP8 basis is measured: with activations left
+    as they are, the module's own output; it quantizes each expert's input
+    and its intermediate (act(gate) x up), nothing else."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    generator = torch.Generator().manual_seed(0)
+    experts = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    hidden = torch.randn(9, 256, generator=generator)
+    top_k_index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(9)])
+    top_k_weights = torch.rand(9, 2, generator=generator)
+    read = []
+
+    def as_read(x):
+        read.append(tuple(x.shape))
+        return x
+
+    own = experts(hidden, top_k_index, top_k_weights)
+    torch.testing.assert_close(checks.fp8_experts_forward(experts, as_read)(hidden, top_k_index, top_k_weights), own)
+    used = top_k_index.unique().tolist()
+    assert sorted(read) == sorted([(int((top_k_index == e).sum()), 256) for e in used]
+                                  + [(int((top_k_index == e).sum()), 64) for e in used])  # fmt: skip
+    quantized = checks.fp8_experts_forward(experts)(hidden, top_k_index, top_k_weights)
+    assert not torch.equal(quantized, own) and (quantized - own).abs().max() < 0.1 * own.abs().max()
+
+
 SAMPLES = [
     {"prompt_ids": [5, 17, 99], "completion_ids": [300, 42, 7, 8], "advantage": 0.5},
     {"prompt_ids": [11, 12], "completion_ids": [13, 14, 15], "advantage": -0.25},
