@@ -384,18 +384,31 @@ def test_fp8_activations_are_vllms_per_token_group_quantization():
     assert torch.equal(checks.fp8_activations(x), (padded * scales[..., None]).flatten(-2)[..., :320].to(x.dtype))
 
 
-def test_the_fp8_experts_forward_is_the_experts_own_with_their_activations_quantized():
+FP8_FAMILIES = {  # the families --rollout-dtype fp8 takes: their experts module, and its size's names
+    "qwen3_moe": ("Qwen3MoeExperts", {"moe_intermediate_size": 64, "num_experts": 4}),
+    "qwen2_moe": ("Qwen2MoeExperts", {"moe_intermediate_size": 64, "num_experts": 4}),
+    "deepseek_v3": ("DeepseekV3Experts", {"moe_intermediate_size": 64, "n_routed_experts": 4}),
+    "glm4_moe": ("Glm4MoeExperts", {"moe_intermediate_size": 64, "n_routed_experts": 4}),
+    "mixtral": ("MixtralExperts", {"intermediate_size": 64, "num_local_experts": 4}),
+}
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_the_fp8_experts_forward_is_the_experts_own_with_their_activations_quantized(family):
     """fp8_experts_forward, which stands in for a fused experts module's
     forward while the gate's FP8 basis is measured: with activations left
-    as they are, the module's own output; it quantizes each expert's input
-    and its intermediate (act(gate) x up), nothing else."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    as they are, the module's own output, in every family FP8 takes; it
+    quantizes each expert's input and its intermediate (act(gate) x up),
+    nothing else."""
+    import importlib
 
-    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    from transformers import AutoConfig
+
+    class_name, sizes = FP8_FAMILIES[family]
+    config = AutoConfig.for_model(family, hidden_size=256, num_experts_per_tok=2, **sizes)
     config._experts_implementation = "eager"
     generator = torch.Generator().manual_seed(0)
-    experts = Qwen3MoeExperts(config)
+    experts = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), class_name)(config)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
