@@ -115,9 +115,7 @@ class ExactCheckWorker(DirectLoadWorker):
         checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole,
                                            fingerprints, unchecked=getattr(self, "_exact_unchecked", ()))  # fmt: skip
         if problems:
-            fp8_parameters = {f"{layer}.{name}{suffix}" for layer, m in _expert_layers(model).items()
-                              if fp8_scales(m, "w13_weight") is not None
-                              for name in ("w13_weight", "w2_weight") for suffix in ("", "_scale_inv")}  # fmt: skip
+            fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
                 fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False  # from the next sync on
             raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
@@ -245,6 +243,12 @@ def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
     loader's, which the exact check proves)."""
     return [f"{prefix}.{n}" for prefix, layer in _fp8_layers_by_vllms_loader(model, sent)
             for n, _ in layer.named_parameters(recurse=False)]  # fmt: skip
+
+
+def fp8_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The parameters (by name) of every expert layer vLLM serves in FP8: its weights and scales."""
+    return {f"{prefix}.{n}" for prefix, module in model.named_modules() if fp8_scales(module, "w13_weight") is not None
+            for n, _ in module.named_parameters(recurse=False)}  # fmt: skip
 
 
 def _fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:

@@ -485,6 +485,15 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(per_expert))
         assert len(prepared["unchecked"]) == 8 and prepared["parameters"] == 0, prepared  # 2 layers x 2 weights, 2 scales
         assert all(n.startswith("model.layers.") and ".mlp.experts." in n for n in prepared["unchecked"])
+        # An exact check that fails on an FP8 parameter switches the engine's FP8 kernel off (vLLM's
+        # function quantizes from the next sync on); the FP8 parameters are named as vLLM names them.
+        (fp8_names,) = colocated_sync.collective_rpc(sock, "fp8_parameter_names")
+        assert set(fp8_names) == set(prepared["unchecked"]), fp8_names
+        (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
+        wrong = json.dumps({"": [[[1, 2, 3], [4, 5, 6]]] * len(blocks) + [[7, 8, 9]]})
+        with pytest.raises(colocated_sync.ServerError, match="exact check: DP engine 0"):
+            colocated_sync.collective_rpc(sock, "exact_check", wrong)
+        assert colocated_sync.collective_rpc(sock, "fp8_kernel_agrees") == [{"cpu": False}]
     finally:
         colocated_sync.stop_server(server)
 
