@@ -1102,11 +1102,11 @@ def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float
     copy in host memory and the experts' own forward back: what FP8 alone
     does to the trainer's log-probabilities."""
     params, saved = dict(trainer.model.named_parameters()), {}
-    experts = {trainer.model.get_submodule(name.rpartition(".")[0])
-               for name in colocated_sync.fused_expert_tensors(trainer.model)}  # fmt: skip
+    fused = colocated_sync.fused_expert_tensors(trainer.model)
+    experts = {trainer.model.get_submodule(name.rpartition(".")[0]) for name in fused}
     try:
         with torch.no_grad():
-            for name in colocated_sync.fused_expert_tensors(trainer.model):
+            for name in fused:
                 local = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
                 saved[name] = (local, local.detach().to("cpu", copy=True))
                 local.copy_(fp8_dequantized(local.to(torch.bfloat16), 2 if name.endswith("gate_up_proj") else 1))

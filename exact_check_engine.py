@@ -74,10 +74,10 @@ class ExactCheckWorker(DirectLoadWorker):
         shape, is_expert_block], ...], the source's metadata in send order).
         Before a full sync: it leaves zeros where it probes, until the sync
         overwrites them."""
-        model = self.model_runner.get_model()
+        model, sent = self.model_runner.get_model(), json.loads(sent)
         self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
-            model, json.loads(sent), self.vllm_config)
-        self._exact_unchecked = quantized_by_vllms_loader(model, json.loads(sent))
+            model, sent, self.vllm_config)
+        self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
@@ -241,21 +241,28 @@ def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
     quantizes each expert from its pieces, so they are not compared with the
     trainer's (benchmark.py's loaders_agree compares them with the direct
     loader's, which the exact check proves)."""
-    return [f"{prefix}.{n}" for prefix, layer in _fp8_layers_by_vllms_loader(model, sent)
-            for n, _ in layer.named_parameters(recurse=False)]  # fmt: skip
+    return _parameter_names(_fp8_layers_by_vllms_loader(model, sent))
 
 
 def fp8_parameter_names(model: torch.nn.Module) -> set[str]:
     """The parameters (by name) of every expert layer vLLM serves in FP8: its weights and scales."""
-    return {f"{prefix}.{n}" for prefix, module in model.named_modules() if fp8_scales(module, "w13_weight") is not None
-            for n, _ in module.named_parameters(recurse=False)}  # fmt: skip
+    return set(_parameter_names(_fp8_layers(model)))
+
+
+def _fp8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(module prefix, layer) of each expert layer vLLM serves in FP8."""
+    return [(prefix, m) for prefix, m in model.named_modules() if fp8_scales(m, "w13_weight") is not None]
 
 
 def _fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:
     """(module prefix, layer) of each FP8 expert layer that no direct-loader block is sent to."""
     blocks = {name.rpartition(".")[0] for name, _, _, block in sent if block}
-    return [(prefix, module) for prefix, module in model.named_modules()
-            if fp8_scales(module, "w13_weight") is not None and module.layer_name not in blocks]  # fmt: skip
+    return [(prefix, layer) for prefix, layer in _fp8_layers(model) if layer.layer_name not in blocks]
+
+
+def _parameter_names(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:
+    """The full names of the layers' own parameters (vLLM's may sit a module or two below the layer's name)."""
+    return [f"{prefix}.{n}" for prefix, layer in layers for n, _ in layer.named_parameters(recurse=False)]
 
 
 def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
