@@ -513,7 +513,7 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
             return f"{name}: {problem}"
     if (
         held != sent
-        or (dtype != torch.bfloat16 if quantized else tuple(param.shape) != tuple(shape) or param.dtype != dtype)
+        or (dtype != torch.bfloat16 if quantized else (tuple(param.shape) != tuple(shape) or param.dtype != dtype))
         or getattr(experts, "is_fused_checkpoint_transposed", False)
     ):
         return (

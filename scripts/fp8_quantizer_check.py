@@ -56,6 +56,17 @@ def timed(fn, repeats=5) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def compared(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """(FP8 weight, fp32 scales) pairs compared byte for byte: whether each is identical, and how many
+    of its elements differ."""
+    weight_bytes, want_weight_bytes = got[0].view(torch.uint8), want[0].view(torch.uint8)
+    scale_bits, want_scale_bits = got[1].view(torch.int32), want[1].view(torch.int32)
+    return {"weight_identical": torch.equal(weight_bytes, want_weight_bytes),
+            "scales_identical": torch.equal(scale_bits, want_scale_bits),
+            "weight_bytes_differing": int((weight_bytes != want_weight_bytes).sum()),
+            "scales_differing": int((scale_bits != want_scale_bits).sum())}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -70,13 +81,8 @@ def main() -> int:
             fp8_experts._launch_fp8_blocks(block, shards, got_w, got_s)  # the kernel alone (no first-block check)
             other_w, other_s = torch.empty_like(want_w), torch.empty_like(want_s)  # the scale as amax / 448
             fp8_experts._launch_fp8_blocks(block, shards, other_w, other_s, divide=True)
-            same_w = torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8))
-            same_s = torch.equal(got_s.view(torch.int32), want_s.view(torch.int32))
-            row = {"shape": name, "fill": fill, "weight_identical": same_w, "scales_identical": same_s,
-                   "weight_bytes_differing": int((got_w.view(torch.uint8) != want_w.view(torch.uint8)).sum()),
-                   "scales_differing": int((got_s.view(torch.int32) != want_s.view(torch.int32)).sum()),
-                   "dividing_kernel_identical": torch.equal(other_w.view(torch.uint8), want_w.view(torch.uint8))
-                   and torch.equal(other_s.view(torch.int32), want_s.view(torch.int32))}
+            row = {"shape": name, "fill": fill, **compared((got_w, got_s), (want_w, want_s)),
+                   "dividing_kernel_identical": fp8_experts._same_bytes((other_w, other_s), (want_w, want_s))}
             if fill == "normal":
                 row["kernel_s"] = timed(lambda: fp8_experts._launch_fp8_blocks(block, shards, got_w, got_s))
                 row["vllm_function_s"] = timed(lambda: fp8_experts.fp8_reference(block, shards))
@@ -89,7 +95,7 @@ def main() -> int:
                     got_s.copy_(other_s)
 
                 row["trainer_side_s"] = timed(trainer_side)
-            failures += not (same_w and same_s)
+            failures += not (row["weight_identical"] and row["scales_identical"])
             results.append(row)
             print(json.dumps(row), flush=True)
     # Every case of the arithmetic (fp8_experts.fp8_every_case_block), as the kernel's first use checks it.
@@ -98,9 +104,7 @@ def main() -> int:
     got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
     fp8_experts._launch_fp8_blocks(block, 1, got_w, got_s)
     row = {"shape": "every case [129, 128, 128]", "fill": "every amax mantissa, every element below it",
-           "weight_identical": torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8)),
-           "scales_identical": torch.equal(got_s.view(torch.int32), want_s.view(torch.int32)),
-           "weight_bytes_differing": int((got_w.view(torch.uint8) != want_w.view(torch.uint8)).sum())}
+           **compared((got_w, got_s), (want_w, want_s))}
     failures += not (row["weight_identical"] and row["scales_identical"])
     results.append(row)
     print(json.dumps(row), flush=True)
