@@ -118,7 +118,7 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
             raise SystemExit(f"error: {problem}")
     if "direct" in loaders and (problem := colocated_sync.direct_loader_problem(meta, args.num_gpus)):
         raise SystemExit(f"error: {problem}")
-    if args.rollout_dtype == "fp8" and (problem := fp8_problem(meta)):
+    if args.rollout_dtype == "fp8" and (problem := fp8_problem(meta) or fp8_backend_problem(gpu_capabilities())):
         raise SystemExit(f"error: {problem}")
 
 
@@ -137,6 +137,33 @@ def fp8_problem(model: torch.nn.Module) -> str | None:
         return (f"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout (gate rows, then up "
                 f"rows), not {odd[0]}'s; drop it")  # fmt: skip
     return None
+
+
+def fp8_backend_problem(capabilities: dict[int, tuple[int, int]]) -> str | None:
+    """Why this machine cannot run the FP8 experts, or None: vLLM's FP8 MoE
+    kernel (--moe-backend triton) and the direct loader's quantizer are Triton
+    kernels, for GPUs with FP8 arithmetic (compute capability 8.9 or later;
+    `capabilities`: GPU index -> (major, minor), none where there are none)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), and Triton is not installed"
+    if old := {i: c for i, c in capabilities.items() if c < (8, 9)}:
+        i, (major, minor) = next(iter(old.items()))
+        return (f"--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); "
+                f"GPU {i} is {major}.{minor}")  # fmt: skip
+    return None
+
+
+def gpu_capabilities() -> dict[int, tuple[int, int]]:
+    """Each GPU's compute capability, read as vLLM reads it (NVML on NVIDIA:
+    no CUDA context, so no GPU memory taken); empty on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return {}
+    found = {i: current_platform.get_device_capability(i) for i in range(current_platform.device_count())}
+    return {i: tuple(capability) for i, capability in found.items() if capability is not None}
 
 
 def placement_problem(placements: list[dict]) -> str | None:
@@ -828,6 +855,9 @@ def run_facts(args, job) -> dict:
         "weights_in_after_s": job.weights_in_after_s,  # seconds into the server's start (they overlap)
         "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
         "experts_in_place": job.experts_in_place,  # direct loader: the engines copied them from the trainers' memory
+        # How vLLM's own loader reloads (vLLM >= 0.34 reads this from the server's environment;
+        # "direct": in place; earlier versions reload layer by layer only).
+        "vllm_reload_mode": os.environ.get("VLLM_RELOAD_MODE", "layerwise"),
     }
 
 

@@ -2,7 +2,7 @@
 (data parallel + expert parallel) on the same GPUs, over vLLM's CUDA-IPC
 weight-transfer engine. The module to copy into your RL code, with two files
 beside it: direct_load.py (the server's worker extension, which the server
-imports from its PYTHONPATH; also where vLLM 0.32 and 0.33 differ) and
+imports from its PYTHONPATH; also where vLLM 0.32, 0.33 and 0.34 differ) and
 server_watchdog.py (the program that stops the server if this process dies).
 
 The server listens on a Unix socket in a directory only its user can enter,

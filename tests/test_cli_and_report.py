@@ -209,6 +209,27 @@ def test_fp8_rollout_refuses_experts_laid_out_otherwise_than_vllm(tmp_path):
                     r"model\.layers\.0\.mlp\.experts\.", checks.fp8_problem(meta))  # fmt: skip
 
 
+def test_fp8_rollout_refuses_a_machine_without_its_kernels_before_gpu_work():
+    """FP8 runs Triton kernels on GPUs with FP8 arithmetic: a GPU older than
+    compute capability 8.9 is named, and a Python without Triton (here: its
+    import made to fail in a fresh interpreter) is refused, in one line.
+    The capabilities are read as vLLM reads them: none on this CPU."""
+    import subprocess
+    import sys
+
+    assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 9)}) is None
+    assert checks.fp8_backend_problem({}) is None
+    assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 0)}) == (
+        "--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); GPU 1 is 8.0")
+    assert checks.gpu_capabilities() == {}
+    no_triton = ("import sys; sys.modules['triton'] = None; import checks; "
+                 "print(checks.fp8_backend_problem({0: (9, 0)}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", no_triton], cwd=Path(checks.__file__).parent, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.strip().endswith("--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), "
+                                "and Triton is not installed"), out  # fmt: skip
+
+
 def test_fp8_rollout_serve_flags():
     """vLLM quantizes the MoE layers alone, per 128 x 128 block, and serves them through its Triton
     MoE kernel (the layout the direct loader writes); bf16 passes no quantization flag."""

