@@ -74,8 +74,8 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from direct_load import TrainerSource, vllm_load_form
-from server_watchdog import group_members  # (shared with the watchdog)
+from weight_sync.direct_load import TrainerSource, vllm_load_form
+from weight_sync.server_watchdog import group_members  # (shared with the watchdog)
 
 # Every call that can wait on the server (a chunk of weights included) gives
 # up after this long: well inside the trainers' 10-minute collective timeout,
@@ -142,7 +142,7 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
                kv_cache_tokens: int | None = None, enforce_eager: bool = False, max_model_len: int | None = None,
                node: int = 0,
                head: tuple[str, int] | None = None,
-               worker_extension: str = "direct_load.DirectLoadWorker",
+               worker_extension: str = "weight_sync.direct_load.DirectLoadWorker",
                rollout_dtype: str = "bf16") -> list[str]:  # fmt: skip
     """`vllm serve` flags after the model's path, for the engines on one
     node's GPUs (`gpu_ids`, as many on each of `num_nodes` nodes): one DP
@@ -282,7 +282,7 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
 
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
 _WATCHDOG_GRACE_S = 10.0
-_WATCHDOG_SCRIPT = str(Path(__file__).resolve().with_name("server_watchdog.py"))
+_WATCHDOG_SCRIPT = str(Path(__file__).resolve().parent / "weight_sync" / "server_watchdog.py")
 
 
 def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
@@ -1547,7 +1547,7 @@ def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None
     its own experts. So each fused expert tensor must be one the server knows
     (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
     rows), with experts that split evenly over the GPUs."""
-    from direct_load import EXPERT_TENSORS, USE_VLLMS_LOADER
+    from weight_sync.direct_load import EXPERT_TENSORS, USE_VLLMS_LOADER
 
     fix = f"; {USE_VLLMS_LOADER}"
     for name, layout in fused_expert_tensors(model).items():

@@ -36,15 +36,15 @@ import ray
 import torch
 import torch.distributed as dist
 
-import checks
+from proof import checks
 import colocated_sync
-import models
-import program
-import toy_rl
+from weight_sync import models
+from proof import program
+from proof import toy_rl
 from colocated_sync import (gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers,
                             wait_until_ready)  # fmt: skip
-from multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
-from direct_load import untested_vllm_warning
+from weight_sync.multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
+from weight_sync.direct_load import untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -240,7 +240,7 @@ def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
         enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, node=node, head=head,
         rollout_dtype=args.rollout_dtype,
-        worker_extension="exact_check_engine.ExactCheckWorker",  # the direct loader, and the exact check's engine half
+        worker_extension="proof.exact_check_engine.ExactCheckWorker",  # the direct loader, and the exact check's engine half
     )
 
 

@@ -8,7 +8,7 @@ and how long each call takes.
 """
 import sys, time, torch
 sys.path.insert(0, ".")
-import exact_check_engine as d
+from proof import exact_check_engine as d
 torch.manual_seed(0)
 ts = [torch.randn(64, 2048, 1408, dtype=torch.bfloat16, device="cuda"), torch.randn(2048, device="cuda"),
       torch.randn(7, 129, dtype=torch.bfloat16, device="cuda")] + [torch.randn(2048, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(400)]

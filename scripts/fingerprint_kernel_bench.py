@@ -9,7 +9,7 @@ and a plain sum (`sum_s`), each the mean of 10 after a warm-up. JSON to
 """
 import json, sys, time, torch, triton, triton.language as tl
 sys.path.insert(0, ".")
-import exact_check_engine as dl
+from proof import exact_check_engine as dl
 
 def bench(fn, n=10):
     fn(); torch.cuda.synchronize()

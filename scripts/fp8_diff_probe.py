@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import fp8_experts  # noqa: E402
+from weight_sync import fp8_experts  # noqa: E402
 
 generator = torch.Generator(device="cuda").manual_seed(0)
 block = (torch.randn((64, 2816, 2048), generator=generator, device="cuda") * 0.02).to(torch.bfloat16)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import fp8_experts  # noqa: E402
+from weight_sync import fp8_experts  # noqa: E402
 
 SHAPES = {  # name: (experts, shards x rows, columns), shards
     "moonlight w13": ((64, 2 * 1408, 2048), 2),

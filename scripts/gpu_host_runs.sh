@@ -3,7 +3,7 @@
 # usage: bash scripts/gpu_host_runs.sh OUT_DIR VARIANT...
 #   VARIANT is name:seconds:program flags, e.g.
 #     "tiny-n2:240:rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2"
-#     "30b-n2:420:benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2"
+#     "30b-n2:420:scripts/benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2"
 # Each variant writes OUT_DIR/<name>.json; all outputs and server logs end up
 # in OUT_DIR/logs.tgz. A variant that fails or times out does not stop the rest.
 set -u
@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$o
 for variant in "$@"; do
   name=${variant%%:*}; rest=${variant#*:}; secs=${rest%%:*}; cmd=${rest#*:}
   program=${cmd%% *}
-  json_flag=--json; [ "$program" = benchmark.py ] && json_flag=--out
+  json_flag=--json; [ "$program" = scripts/benchmark.py ] && json_flag=--out
   echo "=== $name (limit ${secs}s): python3 $cmd"
   start=$(date +%s)
   # shellcheck disable=SC2086

@@ -12,7 +12,7 @@ pids=()
 for variant in "$@"; do
   name=${variant%%|*}; cmd=${variant#*|}
   program=${cmd%% *}
-  json_flag=--json; [ "$program" = benchmark.py ] && json_flag=--out
+  json_flag=--json; [ "$program" = scripts/benchmark.py ] && json_flag=--out
   # shellcheck disable=SC2086
   ( timeout -s INT -k 30 "$secs" python3 $cmd $json_flag "$out/json/$name.json" \
       --server-log "$out/logs/$name.server.log" > "$out/logs/$name.out" 2>&1; echo "rc=$?" >> "$out/logs/$name.out" ) &

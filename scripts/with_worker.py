@@ -22,7 +22,7 @@ _serve_args = script.serve_args
 
 def serve_args_with_the_worker(*args, **kwargs):
     flags = _serve_args(*args, **kwargs)
-    flags[flags.index("exact_check_engine.ExactCheckWorker")] = WORKER
+    flags[flags.index("proof.exact_check_engine.ExactCheckWorker")] = WORKER
     return flags
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import models  # noqa: E402
+from weight_sync import models  # noqa: E402
 import colocated_sync  # noqa: E402
 
 FILE_BYTES = 5 * 10**9

@@ -30,14 +30,14 @@ os.environ.update(
 )
 
 import colocated_sync  # noqa: E402
-import server_watchdog  # noqa: E402
+from weight_sync import server_watchdog  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
 SERVED_NAME = "tiny"
 CPU_MAX_MODEL_LEN = 512  # cpu_serve_args' --max-model-len
 
 
-def cpu_serve_args(model_dir, *extra, worker: str = "exact_check_engine.ExactCheckWorker"):
+def cpu_serve_args(model_dir, *extra, worker: str = "proof.exact_check_engine.ExactCheckWorker"):
     """The script's flags minus what vLLM cannot do on CPU (sleep mode, DP MoE);
     `worker`: the worker extension (the lift's own: direct_load.DirectLoadWorker)."""
     return [
@@ -68,7 +68,7 @@ def private_socket_path():
     return Path(tempfile.mkdtemp(prefix="vllm-test-")) / "vllm.sock"
 
 
-def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "exact_check_engine.ExactCheckWorker"):
+def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "proof.exact_check_engine.ExactCheckWorker"):
     """`worker`: the worker extension, from here or from tests/."""
     server = colocated_sync.start_server(
         cpu_serve_args(model_dir, *extra, worker=worker),
@@ -93,7 +93,7 @@ def tiny_checkpoint(tmp_path_factory):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import models
+    from weight_sync import models
 
     path = models.build_preset("tiny", tmp_path_factory.mktemp("tiny-ckpt"))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
@@ -111,7 +111,7 @@ def vllm_model_info_cached():
     here 2 s for all. A CPU workaround: on a GPU host vLLM's own way runs."""
     from vllm.model_executor.models import registry
 
-    import models
+    from weight_sync import models
 
     for arch in sorted({config["architectures"][0] for config in models.PRESETS.values()}):
         lazy = registry.ModelRegistry.models.get(arch)

@@ -12,7 +12,7 @@ Otherwise it is the direct loader, unchanged."""
 import os
 import time
 
-from exact_check_engine import ExactCheckWorker
+from proof.exact_check_engine import ExactCheckWorker
 
 
 class FaultWorker(ExactCheckWorker):

@@ -28,12 +28,12 @@ import torch.distributed as dist  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-import checks  # noqa: E402
+from proof import checks  # noqa: E402
 import colocated_sync  # noqa: E402
-import models  # noqa: E402
-import multinode  # noqa: E402
-import program  # noqa: E402
-import server_watchdog  # noqa: E402
+from weight_sync import models  # noqa: E402
+from weight_sync import multinode  # noqa: E402
+from proof import program  # noqa: E402
+from weight_sync import server_watchdog  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "

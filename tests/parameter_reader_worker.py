@@ -3,9 +3,9 @@ calls: `parameter_names(prefix)`, `read_parameter(name)` (its values,
 float32), `fp8_parameter_names()` (exact_check_engine's), and
 `fp8_kernel_agrees()` (fp8_experts' verdict per device)."""
 
-import exact_check_engine
-import fp8_experts
-from exact_check_engine import ExactCheckWorker
+from proof import exact_check_engine
+from weight_sync import fp8_experts
+from proof.exact_check_engine import ExactCheckWorker
 
 
 class ParameterReader(ExactCheckWorker):

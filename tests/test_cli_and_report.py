@@ -10,11 +10,11 @@ import pytest
 import ray
 import torch
 
-import checks
+from proof import checks
 import colocated_sync
-import models
+from weight_sync import models
 import rlhf_ipc_fsdp_ep as script
-import toy_rl
+from proof import toy_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +65,15 @@ def test_every_flag_is_in_the_readme_and_only_those():
     first_cells = [row.split(" | ")[0] for row in table.splitlines() if row.startswith("| `--")]
     readme_flags = {flag for cell in first_cells for flag in re.findall(r"`(--[a-z0-9-]+)", cell)}
     assert parser_flags == readme_flags
+
+
+def test_help_lists_every_flag_and_exits_0(capsys):
+    """--help formats every flag's help (argparse reads a lone % there as a format) and exits 0."""
+    with pytest.raises(SystemExit) as exit_:
+        script.parse_args(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--logprob-quantile-tolerance" in out and "the same for the 95% quantile" in out
 
 
 def test_a_soak_runs_its_rounds_then_until_its_seconds_have_passed():
@@ -243,7 +252,7 @@ def test_fp8_rollout_serve_flags():
 
 
 def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):
-    import benchmark
+    from scripts import benchmark
 
     with pytest.raises(SystemExit) as exit_:
         benchmark.parse_args(["--no-packed", "--weight-loader", "vllm"])  # direct is among the default loaders
@@ -285,7 +294,7 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
     assert json.loads(value("--weight-transfer-config")) == {"backend": "ipc"}
     assert value("--load-format") == "dummy" and value("--gpu-memory-utilization") == "0.4"
     assert "--enable-expert-parallel" in flags and "--enable-sleep-mode" in flags
-    assert value("--worker-extension-cls") == "exact_check_engine.ExactCheckWorker"
+    assert value("--worker-extension-cls") == "proof.exact_check_engine.ExactCheckWorker"
     assert "--enforce-eager" not in flags and "--host" not in flags and "--port" not in flags
     # A dense model: vLLM refuses expert parallelism without experts.
     assert "--enable-expert-parallel" not in script.serve_args(args, ["3", "1", "0", "2"], experts=False)
@@ -295,7 +304,7 @@ def test_serve_args_pin_the_server_to_the_trainers_gpus(tmp_path):
 
 
 def test_the_kv_cache_is_sized_for_two_sequences_of_the_context_by_default(tmp_path):
-    import models
+    from weight_sync import models
 
     def blocks(argv, context_len=2048):
         flags = script.serve_args(script.parse_args(argv), ["0"], context_len=context_len)
@@ -311,7 +320,7 @@ def test_the_kv_cache_is_sized_for_two_sequences_of_the_context_by_default(tmp_p
 
 
 def test_only_a_model_with_experts_is_served_with_expert_parallelism(tmp_path):
-    import models
+    from weight_sync import models
 
     assert models.has_experts(models.build_preset("tiny", tmp_path / "moe"))
     assert not models.has_experts(models.build_preset("tiny-qwen3", tmp_path / "dense"))
@@ -525,7 +534,7 @@ def test_a_job_that_cannot_place_its_trainers_leaves_a_ray_it_did_not_start_runn
 
 def test_each_round_is_put_against_its_copy_floor(capsys):
     """31.4 GB per GPU at 2150 GB/s copied once: 14.6 ms; a 0.17 s cycle is 11.6 times that."""
-    import benchmark
+    from scripts import benchmark
 
     round_json = {"bytes_per_gpu": 31.4e9, "cycle_s": 0.17}
     floored = benchmark.with_floor(round_json, 2150.0)
@@ -537,7 +546,7 @@ def test_each_round_is_put_against_its_copy_floor(capsys):
 
 
 def test_benchmark_flags_and_where_its_json_goes():
-    import benchmark
+    from scripts import benchmark
 
     bench, args = benchmark.parse_args(["--model", "tiny", "--num-gpus", "2"])
     assert bench.loaders == ["vllm", "direct"] and args.rounds == 3  # the benchmark's default

@@ -16,15 +16,15 @@ from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LIFT = ["colocated_sync.py"]
-NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "program.py", "checks.py", "exact_check_engine.py", "toy_rl.py",
-              "benchmark.py"]  # the rows that say "nothing"
+NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "proof/program.py", "proof/checks.py", "proof/exact_check_engine.py",
+              "proof/toy_rl.py", "scripts/benchmark.py"]  # the rows that say "nothing"
 
 
 def copy_table() -> list[tuple[list[str], list[str]]]:
     """(the files of a row, the files it needs beside them), per row of the table."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Copy it into your RL code") :].split("\n## ", 1)[0]
-    py, rows = re.compile(r"`([a-z0-9_]+\.py)`"), []
+    py, rows = re.compile(r"`([a-z0-9_/]+\.py)`"), []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`"):
@@ -36,9 +36,13 @@ ROWS = copy_table()
 
 
 def copied(folder: Path, files: list[str]) -> Path:
+    """`files` copied into `folder` at their paths here, a package's __init__.py with its files."""
     folder.mkdir(exist_ok=True)
     for f in files:
+        (folder / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / f, folder / f)
+        if (init := Path(f).parent / "__init__.py") != Path("__init__.py") and (ROOT / init).exists():
+            shutil.copy(ROOT / init, folder / init)
     return folder
 
 
@@ -57,7 +61,7 @@ def test_each_row_imports_beside_only_what_it_names(tmp_path):
     runs = {}
     for k, (files, needs) in enumerate(r for r in ROWS if r[0][0] not in NOT_COPIED):
         folder = copied(tmp_path / f"row{k}", files + needs)
-        code = "".join(f"import {f.removesuffix('.py')}\n" for f in files)
+        code = "".join(f"import {f.removesuffix('.py').replace('/', '.')}\n" for f in files)
         code = f"import sys; sys.path.insert(0, '.')\n{code}"  # -I: no PYTHONPATH, no user site; this folder only
         runs[", ".join(files)] = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=folder,
                                                   stderr=subprocess.PIPE, text=True, env=alone(folder))  # fmt: skip
@@ -71,7 +75,7 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     shutil.copy(ROOT / "tests" / "lifted_rl.py", folder)
     lines = sum(len((folder / f).read_text().splitlines()) for f in LIFT + needs)
     print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
-    flags = cpu_serve_args(tiny_checkpoint, worker="direct_load.DirectLoadWorker")[1:]  # what the lift has
+    flags = cpu_serve_args(tiny_checkpoint, worker="weight_sync.direct_load.DirectLoadWorker")[1:]  # what the lift has
     argv = [sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)]
     run = subprocess.run(argv, cwd=folder, env=alone(folder),
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import colocated_sync
-import direct_load
-import exact_check_engine
-import fp8_experts
+from weight_sync import direct_load
+from proof import exact_check_engine
+from weight_sync import fp8_experts
 
 
 def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
@@ -203,7 +203,7 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     wider than a tile)."""
     code = """
 import sys, torch
-import exact_check_engine as d
+from proof import exact_check_engine as d
 torch.manual_seed(0)
 cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16),
          torch.randn(5, 7, 64), torch.randn(64, 1, dtype=torch.float16),
@@ -248,7 +248,7 @@ def test_the_fp8_kernel_quantizes_as_vllms_function():
     PyTorch's, value for value."""
     code = """
 import torch, triton, triton.language as tl
-import fp8_experts as d
+from weight_sync import fp8_experts as d
 torch.manual_seed(0)
 for shape, shards in [((2, 256, 256), 2), ((3, 128, 64), 1), ((2, 2 * 200, 300), 2)]:
     normal = torch.randn(shape) * 0.02

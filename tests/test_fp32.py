@@ -11,7 +11,7 @@ would agree on the rounded value."""
 import pytest
 import torch
 
-import models
+from weight_sync import models
 import colocated_sync
 from conftest import run_ranks
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from conftest import private_socket_path
 
 import colocated_sync
-import program
-import server_watchdog
+from proof import program
+from weight_sync import server_watchdog
 
 TESTS = Path(__file__).resolve().parent
 
@@ -68,7 +68,9 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     sock = str(private_socket_path())
     driver = _driver(f"""
         import time
-        import colocated_sync, models, program, server_watchdog
+        import colocated_sync
+        from weight_sync import models, server_watchdog
+        from proof import program
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
@@ -135,7 +137,9 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     grace_s = 2.0
     driver = _driver(f"""
         import sys, time
-        import colocated_sync, program, server_watchdog
+        import colocated_sync
+        from weight_sync import server_watchdog
+        from proof import program
         colocated_sync._WATCHDOG_GRACE_S = {grace_s}
         server = colocated_sync.start_server(
             [], socket_path={sock!r}, log_path={str(log)!r},
@@ -235,7 +239,9 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
     go_on = tmp_path / "go-on"
     driver = _driver(f"""
         import time
-        import colocated_sync, models, program, server_watchdog
+        import colocated_sync
+        from weight_sync import models, server_watchdog
+        from proof import program
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
@@ -284,7 +290,9 @@ def test_sigterm_still_unwinds_after_ray_starts():
     exception from a signal handler but KeyboardInterrupt into exit code 1."""
     driver = _driver("""
         import time
-        import ray, colocated_sync, program, server_watchdog
+        import ray, colocated_sync
+        from weight_sync import server_watchdog
+        from proof import program
 
         @ray.remote
         def slow():
@@ -320,7 +328,9 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     driver = _driver(f"""
         import os, sys, time
         import ray
-        import colocated_sync, program, server_watchdog
+        import colocated_sync
+        from weight_sync import server_watchdog
+        from proof import program
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
 
@@ -372,7 +382,9 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
     driver = _driver(f"""
         import os, sys
         import ray
-        import colocated_sync, program, server_watchdog
+        import colocated_sync
+        from weight_sync import server_watchdog
+        from proof import program
         from conftest import private_socket_path
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
@@ -399,7 +411,9 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     later: the watchdog still stops what the caller listed in `also_stop`."""
     driver = _driver(f"""
         import os, signal, subprocess, sys, time
-        import colocated_sync, program, server_watchdog
+        import colocated_sync
+        from weight_sync import server_watchdog
+        from proof import program
         from conftest import private_socket_path
         from pathlib import Path
         other = subprocess.Popen(["sleep", "300"])  # stands in for Ray's processes

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pathlib import Path
 
-import checks
+from proof import checks
 import colocated_sync
 from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
 
@@ -367,7 +367,7 @@ def test_the_benchmarks_generation_throughput_counts_every_token_it_asked_for(cp
     import statistics
     from types import SimpleNamespace
 
-    import benchmark
+    from scripts import benchmark
 
     assert benchmark._throughput("64x256") == (64, 256)
     for bad in ("64", "0x8", "8x", "ax8"):

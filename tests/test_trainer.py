@@ -8,7 +8,7 @@ import pytest
 import ray.cloudpickle
 import torch
 
-import checks
+from proof import checks
 import colocated_sync
 import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, run_ranks
@@ -135,7 +135,7 @@ def test_direct_loader_source_for_a_renamed_family(tmp_path):
     renamed too) over 2 FSDP ranks: the rest in checkpoint form, each rank's
     expert blocks under the checkpoint's expert module, which is vLLM's
     expert layer name; same names and shapes on both ranks."""
-    import models
+    from weight_sync import models
 
     models.build_preset("tiny-mixtral", tmp_path / "model")
     run_ranks(_gather_source, 2, tmp_path / "model", True, tmp_path, "direct")
@@ -165,7 +165,7 @@ def _random_models(trainer, out_dir):
 def test_random_init_follows_the_seed_and_gives_each_rank_its_own_shard(tmp_path):
     """The same seed builds the same model, another seed another one; each
     rank draws its own shard (the halves differ, none is empty); norms are 1."""
-    import models
+    from weight_sync import models
 
     models.build_preset("tiny", tmp_path / "model")
     run_ranks(_random_models, 2, tmp_path)

@@ -15,9 +15,9 @@ from conftest import run_ranks
 def _consume_as_vllm_does(trainer, ckpt, out_dir):
     from vllm.distributed.weight_transfer.base import WeightSource
 
-    import checks
+    from proof import checks
     import colocated_sync
-    import exact_check_engine
+    from proof import exact_check_engine
 
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=False)
@@ -70,7 +70,7 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
 
 
 def test_the_weight_sources_are_vllm_weight_sources(tiny_checkpoint, tmp_path):
-    import checks
+    from proof import checks
 
     run_ranks(_consume_as_vllm_does, 2, tiny_checkpoint, tmp_path)
     reports = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -92,7 +92,7 @@ def test_a_trainer_tensor_is_cast_only_where_the_cast_changes_it():
     """What the trainer fingerprints from its model: cast to the sent dtype,
     then to vLLM's, only where that changes it; a tensor with no cast (the bf16
     weights without --train) is one a CUDA graph can fingerprint."""
-    import checks
+    from proof import checks
 
     bf16, fp32 = torch.bfloat16, torch.float32
     assert checks._casts(bf16, bf16, None) == () and checks._casts(fp32, fp32, "float32") == ()
@@ -109,7 +109,7 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     from test_families import build_model
 
     import colocated_sync
-    import direct_load
+    from weight_sync import direct_load
 
     hf = build_model("gpt_oss", device="cpu")
     fused = dict(colocated_sync.CheckpointForm(hf, torch.bfloat16))
@@ -146,7 +146,7 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    import checks
+    from proof import checks
     import colocated_sync
     from test_families import build_model
 

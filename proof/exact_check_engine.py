@@ -25,9 +25,9 @@ import time
 
 import torch
 
-import fp8_experts
-from direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, fp8_scales, local_expert_ids
-from fp8_experts import fp8_reference, fp8_shards
+from weight_sync import fp8_experts
+from weight_sync.direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, fp8_scales, local_expert_ids
+from weight_sync.fp8_experts import fp8_reference, fp8_shards
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
     import triton

@@ -560,9 +560,9 @@ def fp8_scales(experts: torch.nn.Module, param_name: str) -> torch.Tensor | None
 def _fp8_experts():
     """fp8_experts.py, which quantizes the blocks of an FP8 expert layer as they are written."""
     try:
-        import fp8_experts
+        from weight_sync import fp8_experts
     except ImportError as e:
-        raise ImportError("this server serves its routed experts in FP8: copy fp8_experts.py beside "
+        raise ImportError("this server serves its routed experts in FP8: copy weight_sync/fp8_experts.py beside "
                           "direct_load.py, on the server's PYTHONPATH") from e  # fmt: skip
     return fp8_experts
 

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import ray
 
 from colocated_sync import PlacementError, ServerError, TrainerDied
-from multinode import job_env
-from server_watchdog import proc_stat, start_time
+from weight_sync.multinode import job_env
+from weight_sync.server_watchdog import proc_stat, start_time
 
 
 def cli(main_fn) -> None:

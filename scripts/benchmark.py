@@ -1,7 +1,7 @@
 """Benchmark the weight sync of rlhf_ipc_fsdp_ep.py: every phase, both loaders, one job.
 
-    python benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2      # no download
-    python benchmark.py --model tiny --num-gpus 2 --loaders direct
+    python scripts/benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2      # no download
+    python scripts/benchmark.py --model tiny --num-gpus 2 --loaders direct
 
 It starts the trainers and the server once, then for each loader in --loaders
 (default: vllm, then direct), or each loader, sleep level and buffer size in
@@ -34,9 +34,10 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-import checks
-import colocated_sync
-import rlhf_ipc_fsdp_ep as script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the script and its packages
+from proof import checks  # noqa: E402
+import colocated_sync  # noqa: E402
+import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 LOADERS = ("vllm", "direct")
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import colocated_sync
-from model_families import FAMILIES
+from weight_sync.model_families import FAMILIES
 
 _QWEN3_MOE_COMMON = {
     "architectures": ["Qwen3MoeForCausalLM"],

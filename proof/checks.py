@@ -24,12 +24,12 @@ import ray
 import torch
 import torch.distributed as dist
 
-import exact_check_engine
-import fp8_experts
+from proof import exact_check_engine
+from weight_sync import fp8_experts
 import colocated_sync
-import models
-import multinode
-from direct_load import TrainerSource
+from weight_sync import models
+from weight_sync import multinode
+from weight_sync.direct_load import TrainerSource
 
 GiB = 1024**3
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
@@ -318,8 +318,8 @@ def add_arguments(parser) -> None:
     add("--logprob-mean-tolerance", type=float, default=0.1, help="largest accepted mean |trainer - vLLM| "
         "log-probability (nats) after a sync, on the worst DP engine; once a round has measured the noise "
         "(its 'before', on identical weights), --noise-multiple times that, if higher")
-    add("--logprob-quantile-tolerance", type=float, default=1.0, help=f"the same for the {QUANTILE:.0%} "
-        "quantile of |trainer - vLLM| over the tokens")
+    add("--logprob-quantile-tolerance", type=float, default=1.0, help=f"the same for the {QUANTILE * 100:.0f}%% "
+        "quantile of |trainer - vLLM| over the tokens")  # (%% is argparse's "%")
     add("--logprob-max-tolerance", type=float, help="also gate the single worst token (off by default: "
         "the max over many sampled tokens grows with their number)")
     add("--noise-multiple", type=float, default=2.0, help="after a sync, |trainer - vLLM| may be this many "
