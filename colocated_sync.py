@@ -30,8 +30,8 @@ the server on the same GPUs, then each round:
 
 Public names:
   the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
-  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions (post_completions),
-                   collective_rpc, request (any other route)
+  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions (post_completions,
+                   openai_client: the openai client), collective_rpc, request (any other route)
   the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, leave_ray
   a trainer rank   weight_source (BF16Source, LocalExpertSource), sync_client, weight_sender (WeightSender)
   more nodes       gloo_interface_env; the other nodes' servers are in multinode.py (optional, beside this)
@@ -577,10 +577,39 @@ class Completion:
     token_ids: list[int]
 
 
-def post_completions(sock: str, body: dict, dp_rank: int | None = None) -> dict:
-    """POST /v1/completions with any body; `dp_rank` pins it to one DP engine."""
+def openai_client(sock: str):
+    """The openai client for vLLM's OpenAI-compatible routes, over the server's
+    socket (this process's connection to it). `requests` cannot reach a Unix
+    socket, and the socket is what keeps other users out."""
+    import openai
+
+    transport = _client(sock)
+    made = _openai_clients.get(id(transport))
+    if made is None or made[0] is not transport:  # (a dropped connection's client goes with it)
+        made = _openai_clients[id(transport)] = (transport, openai.OpenAI(
+            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport))  # fmt: skip
+    return made[1]
+
+
+_openai_clients: dict[int, tuple] = {}
+
+
+def post_completions(sock: str, dp_rank: int | None = None, **fields):
+    """POST /v1/completions through the openai client (`fields` as its
+    `completions.create` takes them; vLLM's own through `extra_body`);
+    `dp_rank` pins it to one DP engine. Raises ServerError with the server's
+    own error text."""
+    import openai
+
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    return request(sock, "POST", "/v1/completions", headers=headers, json=body)
+    try:
+        return openai_client(sock).completions.create(extra_headers=headers, timeout=SERVER_CALL_TIMEOUT_S, **fields)
+    except openai.APIStatusError as e:
+        _forget_client(sock, close=False)  # (as `request` does after an error reply)
+        raise ServerError(f"POST /v1/completions -> HTTP {e.status_code}: {e.response.text[:2000]}") from e
+    except openai.APIError as e:
+        _forget_client(sock, close=False)
+        raise ServerError(f"POST /v1/completions failed: {e!r}") from e
 
 
 def completions(
@@ -592,17 +621,12 @@ def completions(
     dp_rank: int | None = None,
 ) -> list[Completion]:
     """One completion per prompt (greedy by default), with the prompt's and
-    the output's token ids."""
-    body = {
-        "model": model,
-        "prompt": prompts,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "return_token_ids": True,
-    }
-    by_index = {c["index"]: c for c in post_completions(sock, body, dp_rank)["choices"]}
+    the output's token ids (vLLM's return_token_ids)."""
+    out = post_completions(sock, dp_rank, model=model, prompt=prompts, max_tokens=max_tokens,
+                           temperature=temperature, extra_body={"return_token_ids": True})  # fmt: skip
+    by_index = {c.index: c for c in out.choices}
     return [
-        Completion(c["text"], list(c["prompt_token_ids"]), list(c["token_ids"]))
+        Completion(c.text, list(c.prompt_token_ids), list(c.token_ids))
         for c in (by_index[i] for i in range(len(prompts)))
     ]
 

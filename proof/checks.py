@@ -43,8 +43,9 @@ SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
 def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
-    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-    per_position = colocated_sync.post_completions(sock, body, dp_rank)["choices"][0]["prompt_logprobs"]
+    out = colocated_sync.post_completions(sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+    per_position = out.choices[0].prompt_logprobs
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.
     return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
@@ -84,8 +85,26 @@ def flag_problem(args) -> str | None:
         (args.send_retries < 0, "--send-retries must be 0 or more"),
         (args.free_kv_cache is False and args.sleep_level > 0,
          f"--no-free-kv-cache needs --sleep-level 0 (level {args.sleep_level} frees the KV cache with the weights)"),
+        (any(not prompt.strip() for prompt in args.prompts), "--prompt must not be empty"),
     ]  # fmt: skip
-    return next((text for wrong, text in problems if wrong), None) or loader_flag_problem(args, args.weight_loader)
+    return (next((text for wrong, text in problems if wrong), None) or unwritable("--json", args.json)
+            or unwritable("--server-log", args.server_log) or loader_flag_problem(args, args.weight_loader))  # fmt: skip
+
+
+def unwritable(flag: str, path: str | None) -> str | None:
+    """Why the run could not write `path` (a file it writes at the end, or from
+    its start), or None: asked before any GPU work, not after the whole run."""
+    if not path:
+        return None
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return f"{flag} {path} is a directory"
+    if not folder.is_dir():
+        return f"{flag} {path}: {folder} is not a directory"
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        return f"{flag} {path} is not writable"
+    return None
 
 
 def loader_flag_problem(args, loader: str) -> str | None:

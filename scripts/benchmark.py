@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     for loader in bench.loaders:  # every loader's flags, before any GPU work
         if problem := checks.loader_flag_problem(args, loader):
             p.error(problem)
+    if problem := checks.unwritable("--out", bench.out):
+        p.error(problem)
     return bench, args
 
 
@@ -88,9 +90,10 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
 
     def batch() -> tuple[float, int]:
         def one(rank: int) -> int:
-            body = {"model": job.served_name, "prompt": shares[rank], "max_tokens": tokens, "temperature": 0.0,
-                    "ignore_eos": True}  # fmt: skip
-            return colocated_sync.post_completions(job.server.socket_path, body, rank)["usage"]["completion_tokens"]
+            out = colocated_sync.post_completions(job.server.socket_path, rank, model=job.served_name,
+                                                  prompt=shares[rank], max_tokens=tokens, temperature=0.0,
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+            return out.usage.completion_tokens
 
         start = time.perf_counter()
         with ThreadPoolExecutor(job.dp_size) as pool:

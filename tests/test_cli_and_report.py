@@ -2,7 +2,9 @@
 
 import json
 import math
+import os
 import re
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,6 +47,12 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--rollout-dtype", "fp8", "--num-gpus", "2", "--tensor-parallel-size", "2", "--weight-loader", "vllm"],
          "--rollout-dtype fp8 is tested with --tensor-parallel-size 1 only"),
         (["--rollout-dtype", "int4"], "invalid choice"),
+        (["--prompt", "Hello", "--prompt", " "], "--prompt must not be empty"),
+        (["--prompt", ""], "--prompt must not be empty"),
+        (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: /nonexistent/dir is not a directory"),
+        (["--json", "/tmp"], "--json /tmp is a directory"),
+        (["--server-log", "/nonexistent/x.log"], "--server-log /nonexistent/x.log: /nonexistent is not a directory"),
+        (["--json", "/proc/version/x.json"], "--json /proc/version/x.json: /proc/version is not a directory"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -52,6 +60,40 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         script.parse_args(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_path_the_run_cannot_write_is_refused_before_any_gpu_work():
+    """A file or folder that the user who runs it cannot write is refused, asked as that user (here
+    `nobody`, in a forked child: root may write anywhere); a folder it can write is not."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o755)
+        (read_only := base / "read-only").mkdir()
+        (read_only / "old.json").write_text("{}")
+        (read_only / "old.json").chmod(0o444)
+        read_only.chmod(0o555)
+        (open_to_all := base / "open").mkdir()
+        open_to_all.chmod(0o777)
+        paths = [read_only / "new.json", read_only / "old.json", open_to_all / "new.json"]
+        readable, writable = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: become `nobody`, ask, write the answers to the pipe
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(writable, json.dumps([checks.unwritable("--json", str(p)) for p in paths]).encode())
+            finally:
+                os._exit(0)
+        os.close(writable)
+        os.waitpid(pid, 0)
+        with os.fdopen(readable) as answers:
+            assert json.load(answers) == [f"--json {paths[0]} is not writable", f"--json {paths[1]} is not writable",
+                                          None]  # fmt: skip
+    finally:
+        read_only.chmod(0o755)
+        shutil.rmtree(base)
 
 
 def test_every_flag_is_in_the_readme_and_only_those():
@@ -231,10 +273,10 @@ def test_fp8_rollout_refuses_a_machine_without_its_kernels_before_gpu_work():
     assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 0)}) == (
         "--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); GPU 1 is 8.0")
     assert checks.gpu_capabilities() == {}
-    no_triton = ("import sys; sys.modules['triton'] = None; import checks; "
+    no_triton = ("import sys; sys.modules['triton'] = None; from proof import checks; "
                  "print(checks.fp8_backend_problem({0: (9, 0)}))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", no_triton], cwd=Path(checks.__file__).parent, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", no_triton], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
     assert out.strip().endswith("--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), "
                                 "and Triton is not installed"), out  # fmt: skip
 
@@ -257,6 +299,9 @@ def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         benchmark.parse_args(["--no-packed", "--weight-loader", "vllm"])  # direct is among the default loaders
     assert exit_.value.code == 2 and "--weight-loader direct reads packed buffers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--out", "/nonexistent/dir/b.json"])
+    assert "--out /nonexistent/dir/b.json: /nonexistent/dir is not a directory" in capsys.readouterr().err
     bench, args = benchmark.parse_args(["--no-packed", "--weight-loader", "vllm", "--loaders", "vllm"])
     assert bench.loaders == ["vllm"] and not args.packed
     # An uneven expert split stops the benchmark before Ray or a GPU is touched.
