@@ -485,7 +485,12 @@ def prepare_exact_check(job) -> dict:
     sent = measured(job.trainers[:1], "sent_metadata")[0]
     answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
-    measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()})
+    # Where each piece of a stacked parameter lands in it: the trainer fingerprints it at those rows.
+    measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()},
+             {int(i): r for i, r in answer.get("rows", {}).items()})  # fmt: skip
+    if answer.get("by_value"):
+        print(f"[exact] {len(answer['by_value'])} parameters, which vLLM lays out its own way, are compared by "
+              f"their values, not element by element in their place: {answer['by_value'][:4]}", flush=True)  # fmt: skip
     if answer.get("unchecked"):
         print(f"[exact] {len(answer['unchecked'])} parameters of FP8 expert layers, which vLLM's own loader "
               "quantizes from each expert's tensors, are not compared (benchmark.py --loaders direct vllm "
@@ -996,12 +1001,13 @@ class RankMeasurement:
         it can (FingerprintedSource.fingerprints; rank_fingerprints adds the shards up)."""
         return self.fingerprinted.fingerprints()
 
-    def set_exact_casts(self, casts: dict[int, str]) -> None:
-        """Which sent tensors vLLM holds in another dtype (exact_check_prepare).
+    def set_exact_casts(self, casts: dict[int, str], rows: dict[int, int] | None = None) -> None:
+        """Which sent tensors vLLM holds in another dtype, and the row of its
+        parameter each piece of a stacked one lands at (exact_check_prepare).
         Also fingerprints a few rows of each dtype and width it will send, so
         that Triton compiles most of its kernels now rather than in the first
         sync (seconds; it specializes on a few more of their arguments)."""
-        self.fingerprinted.casts = casts
+        self.fingerprinted.casts, self.fingerprinted.rows = casts, rows or {}
         kinds = {(casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
                  for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())
                  if not casts.get(i, "").startswith(exact_check_engine.FP8_BLOCKS)}  # fmt: skip
@@ -1309,6 +1315,7 @@ class FingerprintedSource(SourceWrapper):
     def __init__(self, source: TrainerSource) -> None:
         super().__init__(source)
         self.casts: dict[int, str] = {}  # from exact_targets: index in send order -> dtype name
+        self.rows: dict[int, int] = {}  # from piece_rows: index -> the row of its parameter it lands at
         self._sums: dict[int, torch.Tensor] = {}  # index -> sums taken in the send
         self._from_model: dict[int, tuple] | None = None  # index -> (module, attribute, a rank's own block)
         self._held = exact_check_engine.HeldFingerprints()
@@ -1323,7 +1330,8 @@ class FingerprintedSource(SourceWrapper):
         self._sums, self._started = {}, None  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
-                self._sums[index] = exact_check_engine.held_fingerprint_sums(tensor, self.casts.get(index))
+                self._sums[index] = exact_check_engine.held_fingerprint_sums(tensor, self.casts.get(index),
+                                                                             self.rows.get(index, 0))  # fmt: skip
             yield name, tensor
 
     def start(self) -> None:
@@ -1340,7 +1348,7 @@ class FingerprintedSource(SourceWrapper):
                 self._quantized[index] = exact_check_engine.held_fingerprint_sums(local, held)
                 continue
             tensors.append(local)
-            offsets.append(offset)
+            offsets.append(offset + self.rows.get(index, 0))
             casts.append(_casts(local.dtype, self.metadata[index].dtype, self.casts.get(index)))
             self._partial += [index] if is_partial else []
         self._started = self._held.start(tensors, offsets, casts)

@@ -18,6 +18,7 @@ exactly: integer arithmetic, the same on a GPU and a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -72,17 +73,21 @@ class ExactCheckWorker(DirectLoadWorker):
         """Learn which of this engine's parameters each tensor the trainer
         sends is written into (`exact_targets`; `sent`: JSON [[name, dtype,
         shape, is_expert_block], ...], the source's metadata in send order).
-        Before a full sync: it leaves zeros where it probes, until the sync
-        overwrites them."""
+        Also where each piece of a parameter written from several tensors
+        lands in it (`piece_rows`: "rows", what the trainer fingerprints each
+        piece at). Before a full sync: it leaves its probes (zeros, then each
+        piece's own constant) where it probes, until the sync overwrites them."""
         model, sent = self.model_runner.get_model(), json.loads(sent)
-        self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
-            model, sent, self.vllm_config)
+        self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
+        rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only,
+                                            self.vllm_config)  # fmt: skip
+        self._exact_whole = sorted(set(whole) | set(placed))  # every element compared in its place
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
                 "parameters": len({t for ts in self._exact_targets for t in ts}),
-                "unchecked": self._exact_unchecked}  # fmt: skip
+                "unchecked": self._exact_unchecked, "rows": rows, "by_value": by_value}  # fmt: skip
 
     def exact_check_start(self) -> dict:
         """Start fingerprinting what this engine holds, after a sync, on a CUDA
@@ -209,6 +214,98 @@ def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[s
     return sorted(out)
 
 
+# The probe piece_rows loads in place of each piece: every element the same
+# bf16 value, its own (0x3F81 + k: 1.0078125 and up, finite, exact in fp32),
+# so each row of the parameter tells which piece wrote it.
+_PROBE_BITS, _PROBES = 0x3F81, 0x7F7F - 0x3F81
+
+
+def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
+    bits = torch.tensor(_PROBE_BITS + index % _PROBES, dtype=torch.int16).view(torch.bfloat16)
+    return bits.to(getattr(torch, dtype)).expand(shape).to(device)
+
+
+def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(), values_only=(),
+               vllm_config=None) -> tuple[dict[int, int], list[str], list[str]]:  # fmt: skip
+    """Where each piece of a parameter written from several sent tensors
+    (q/k/v into qkv_proj, gate/up, each expert's tensors into a fused w13/w2,
+    a padded vocabulary) lands in it, learned by loading each piece through
+    the model's own `load_weights` once more, as its own constant (_probe),
+    and reading back which rows of the parameter (seen as the fingerprint
+    sees it: [rows, last dim]) hold that constant. Returns ({sent index: the
+    row of the piece's dim 0 it starts at, for _fingerprint_sums' row_offset},
+    the parameters every piece of which was placed so, compared element by
+    element in their place like a `whole` one; those compared by their values
+    alone: `values_only` and any whose pieces do not land on whole rows of it,
+    in one block each)."""
+    from vllm.config import set_current_vllm_config
+
+    params = dict(model.named_parameters())
+    pieces: dict[str, list[int]] = {}
+    for index, names in enumerate(targets):
+        for n in names:
+            pieces.setdefault(n, []).append(index)
+    skip = set(whole) | set(values_only)
+    stacked = {n: idx for n, idx in pieces.items() if n in params and n not in skip
+               and not any(sent[i][3] for i in idx)}  # fmt: skip
+    probed = sorted({i for idx in stacked.values() for i in idx})
+    device = next(model.parameters()).device
+    with torch.no_grad(), set_current_vllm_config(vllm_config) if vllm_config else contextlib.nullcontext():
+        for index in probed:
+            name, dtype, shape, _ = sent[index]
+            model.load_weights([(name, _probe(index, shape, dtype, device))])
+    at_start = {i for n in whole for i in pieces.get(n, ())}  # a piece also written whole into another: row 0
+    rows: dict[int, int] = {}
+    placed, by_value = [], set(values_only) & params.keys()
+    for name, idx in stacked.items():
+        found = _rows_of_pieces(params[name], idx, sent)
+        if found is None or any(rows.get(i, 0 if i in at_start else r) != r for i, r in found.items()):
+            by_value.add(name)
+            continue
+        rows.update(found)
+        placed.append(name)
+    return rows, sorted(placed), sorted(by_value)
+
+
+@torch.no_grad()
+def _rows_of_pieces(param: torch.Tensor, indices: list[int], sent: list) -> dict[int, int] | None:
+    """{sent index: its dim-0 row offset} for the pieces `indices` of `param`,
+    each found as one block of whole rows holding its probe, in order; None
+    if any piece is not (a piece with another last dim, one vLLM re-lays out)."""
+    columns = _columns(param)
+    view = param.detach().reshape(-1, columns)
+    codes = torch.full((view.shape[0],), -1, dtype=torch.int64)
+    step = max(1, _FINGERPRINT_CHUNK // columns)
+    for start in range(0, view.shape[0], step):
+        chunk = view[start : start + step]
+        first = chunk[:, :1]
+        same = (chunk == first).all(1)
+        bits = first[:, 0].to(torch.bfloat16).view(torch.int16).to(torch.int64) - _PROBE_BITS
+        codes[start : start + step] = torch.where(same & (bits >= 0) & (bits < _PROBES), bits, -1).cpu()
+    out = {}
+    for index in indices:
+        _, _, shape, _ = sent[index]
+        piece = torch.empty(shape, device="meta")
+        if _columns(piece) != columns:
+            return None
+        at = (codes == index % _PROBES).nonzero().flatten()
+        count = piece.numel() // columns
+        if len(at) != count or count == 0 or int(at[-1] - at[0]) != count - 1:
+            return None
+        per_row = math.prod(piece.shape[1:-1]) if piece.dim() >= 2 else 1
+        if int(at[0]) % per_row:
+            return None
+        out[index] = int(at[0]) // per_row
+    return out
+
+
+def sent_fingerprints(tensors, casts: dict, rows: dict | None = None) -> list:
+    """The trainer's half, for tensors in send order (name, tensor): each one's
+    held_fingerprint_sums, at the row piece_rows placed it at in its parameter."""
+    rows = rows or {}
+    return [held_fingerprint_sums(t, casts.get(i), rows.get(i, 0)).tolist() for i, (_, t) in enumerate(tensors)]
+
+
 def as_held(tensors, casts: dict):
     """The tensors the trainer sends, each cast to the dtype vLLM holds it in
     where that differs (`casts`, from exact_targets): what to fingerprint."""
@@ -225,14 +322,15 @@ def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
 FP8_BLOCKS = "fp8_blocks:"
 
 
-def held_fingerprint_sums(tensor: torch.Tensor, held: str | None) -> torch.Tensor:
+def held_fingerprint_sums(tensor: torch.Tensor, held: str | None, row_offset: int = 0) -> torch.Tensor:
     """The fingerprint sums of what vLLM holds of a sent tensor (`held`, exact_targets' cast):
     of the tensor in that dtype, an int64 tensor of 3; of an expert block vLLM holds in FP8,
-    vLLM's own quantization of it (fp8_experts.fp8_reference), [[weight's], [scales']]."""
+    vLLM's own quantization of it (fp8_experts.fp8_reference), [[weight's], [scales']].
+    `row_offset`: the row of the parameter it lands at (piece_rows)."""
     if held and held.startswith(FP8_BLOCKS):
         quantized = fp8_reference(tensor.to(torch.bfloat16), int(held.removeprefix(FP8_BLOCKS)))
         return torch.stack(exact_fingerprint_sums(quantized))
-    return _fingerprint_sums(held_as(tensor, held))
+    return _fingerprint_sums(held_as(tensor, held), row_offset)
 
 
 def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
