@@ -1302,7 +1302,11 @@ class FingerprintedSource(SourceWrapper):
     masters are cast first): nothing is added to the send, and what is
     proved reaches back to the trainer's own parameters. The rest (a
     conversion's output) is fingerprinted as the send takes it, the kernels
-    queued before the send's own copy of the tensor."""
+    queued before the send's own copy of the tensor. An expert's tensor cut
+    from a fused expert tensor (vLLM's loader) is one of the former: its
+    slice of the model's tensor, by the rank that holds that expert, so a
+    conversion that cuts or names it wrong fails the check. Each tensor is
+    fingerprinted at the row of its vLLM parameter it lands at (`rows`)."""
 
     def __init__(self, source: TrainerSource) -> None:
         super().__init__(source)
@@ -1313,7 +1317,9 @@ class FingerprintedSource(SourceWrapper):
         self._held = exact_check_engine.HeldFingerprints()
         self._started = None  # what waits for the fingerprints start() launched
         self._partial: list[int] = []
-        self._quantized: dict[int, torch.Tensor] = {}  # index -> sums of an FP8 expert block's weight and scales
+        # index -> sums taken apart from the graph: an FP8 expert block's weight and scales; zeros where
+        # a rank adds nothing to an expert's tensor (another rank holds that expert)
+        self._apart: dict[int, torch.Tensor] = {}
 
     def tensors(self):
         if self._from_model is None:  # once, before the first send: the layout stays
@@ -1330,14 +1336,21 @@ class FingerprintedSource(SourceWrapper):
         """Start fingerprinting, from the model, the tensors the last send
         took from it: on a GPU on a CUDA stream of its own, beside whatever
         the rank does next (fingerprints() waits for it)."""
-        tensors, offsets, casts, self._partial, self._quantized = [], [], [], [], {}
-        for index, (module, attribute, block) in (self._from_model or {}).items():
+        tensors, offsets, casts, self._partial, self._apart = [], [], [], [], {}
+        for index, (module, attribute, block, *piece) in (self._from_model or {}).items():
             if (shard := _shard_of(getattr(module, attribute), block)) is None:
                 raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
             local, offset, is_partial = shard
+            if piece:  # one expert's rows of a fused expert tensor: from the rank that holds that expert
+                (expert, first, rows), mine = piece[0], piece[0][0] - offset
+                self._partial += [index] if is_partial else []
+                if not 0 <= mine < local.shape[0]:  # another rank's expert: this rank adds nothing
+                    self._apart[index] = torch.zeros(3, dtype=torch.int64, device=local.device)
+                    continue
+                local, offset, is_partial = local[mine, first : first + rows], 0, False
             held = self.casts.get(index)
             if held and held.startswith(exact_check_engine.FP8_BLOCKS):  # a rank's own block, quantized as vLLM does
-                self._quantized[index] = exact_check_engine.held_fingerprint_sums(local, held)
+                self._apart[index] = exact_check_engine.held_fingerprint_sums(local, held)
                 continue
             tensors.append(local)
             offsets.append(offset + self.rows.get(index, 0))
@@ -1352,9 +1365,9 @@ class FingerprintedSource(SourceWrapper):
         if self._started is None:
             self.start()
         started, self._started = self._started, None
-        graphed = [i for i in (self._from_model or {}) if i not in self._quantized]
+        graphed = [i for i in (self._from_model or {}) if i not in self._apart]
         from_model = dict(zip(graphed, started(), strict=True))
-        from_model.update(_read_back(self._quantized))
+        from_model.update(_read_back(self._apart))
         taken = _read_back(self._sums)
         return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
                 "partial": self._partial}  # fmt: skip

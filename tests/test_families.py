@@ -831,3 +831,82 @@ def test_the_exact_check_names_two_experts_swapped_inside_the_direct_loaders_blo
     wrong = _written_by(sent, targets, names)
     assert sorted(n.rpartition(".")[2] for n in wrong) == ["w13_weight", "w2_weight"]
     assert wrong_after(stream) == wrong
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(family, vllm_models):
+    """Through vLLM's loader the trainer sends each expert's tensors cut from
+    its fused [E, 2I, H] / [E, H, I] ones by transformers' conversion; the
+    exact check's trainer half (checks.FingerprintedSource) fingerprints
+    each from the model itself, the slice its checkpoint name says (expert,
+    gate, up or down), so a conversion that cuts or names one wrong fails.
+    Mixtral's router, only renamed by the conversion, is read from the model too."""
+    import re
+
+    import checks
+    import exact_check_engine
+
+    hf = build_model(family, device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_(mean=3.0)
+    vllm_model = vllm_models(family)
+    source = colocated_sync.BF16Source(hf)
+    from_stream = [m.name for m, origin in zip(source.metadata, source.origins, strict=True) if origin is None]
+    assert from_stream == [], from_stream  # every tensor read back from the model
+    metas = [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), False] for m in source.metadata]
+    config = vllm_model.test_vllm_config
+    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
+    rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only, config)
+    fingerprinted = checks.FingerprintedSource(source)
+    fingerprinted.casts, fingerprinted.rows = casts, rows
+    true_stream = source.tensors
+
+    def wrong_after(convert) -> set[str]:
+        source.tensors = lambda: convert(true_stream())  # the conversion, as the send takes it
+        _sync(vllm_model, list(fingerprinted.tensors()), "vllm")
+        prints = fingerprinted.fingerprints()["sums"]
+        found = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, set(whole) | set(placed))
+        return {problem.split(": ", 1)[0] for problem in found[1]}
+
+    assert wrong_after(lambda stream: stream) == set()
+
+    def experts_0_and_1_named_wrong(stream):  # in one layer: each sent under the other's names, in send order
+        stream = dict(stream)
+        for name in stream:
+            other = re.sub(r"(layers\.1\.\w+\.experts\.)([01])\.", lambda m: f"{m[1]}{1 - int(m[2])}.", name)
+            yield name, stream[other]
+
+    assert {n.rpartition(".")[2] for n in wrong_after(experts_0_and_1_named_wrong)} == {"w13_weight", "w2_weight"}
+    assert len(wrong_after(experts_0_and_1_named_wrong)) == 2
+
+    def gate_cut_from_up(stream):  # every expert's gate rows cut from its up rows, in one layer
+        stream = dict(stream)
+        for name, tensor in stream.items():
+            up = re.sub(r"\.(gate_proj|w1)\.", lambda m: {"gate_proj": ".up_proj.", "w1": ".w3."}[m[1]], name)
+            yield name, stream[up] if ".layers.0." in name and ".experts." in name and up != name else tensor
+
+    assert {n.rpartition(".")[2] for n in wrong_after(gate_cut_from_up)} == {"w13_weight"}
+
+
+def test_gpt_oss_experts_sent_one_by_one_are_fingerprinted_from_the_fused_tensor(monkeypatch):
+    """Where vLLM takes GPT-OSS's experts one at a time (0.33), BF16Source
+    sends each expert of a fused tensor alone: its origin is that expert of
+    the model's own tensor, so the trainer fingerprints what it holds."""
+    import direct_load
+
+    monkeypatch.setattr(direct_load, "_takes_gpt_oss_experts_one_by_one", lambda: True)
+    hf = build_model("gpt_oss", device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_()
+    source = colocated_sync.BF16Source(hf)
+    one_by_one = [i for i, m in enumerate(source.metadata) if ".mlp.experts.0." in m.name]
+    assert len(one_by_one) == 4 * hf.config.num_hidden_layers  # w13/w2, weights and biases
+    for (name, tensor), origin in zip(source.tensors(), source.origins, strict=True):
+        module, attribute, block, *piece = origin
+        held = getattr(module, attribute).detach()
+        if piece:
+            expert, first, rows = piece[0]
+            held = held[expert, first : first + rows]
+        assert torch.equal(held.to(tensor.dtype), tensor), name
