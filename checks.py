@@ -1337,6 +1337,7 @@ class FingerprintedSource(SourceWrapper):
         took from it: on a GPU on a CUDA stream of its own, beside whatever
         the rank does next (fingerprints() waits for it)."""
         tensors, offsets, casts, self._partial, self._apart = [], [], [], [], {}
+        nothing = None  # the sums of no element, shared by every expert another rank holds
         for index, (module, attribute, block, *piece) in (self._from_model or {}).items():
             if (shard := _shard_of(getattr(module, attribute), block)) is None:
                 raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
@@ -1345,7 +1346,8 @@ class FingerprintedSource(SourceWrapper):
                 (expert, first, rows), mine = piece[0], piece[0][0] - offset
                 self._partial += [index] if is_partial else []
                 if not 0 <= mine < local.shape[0]:  # another rank's expert: this rank adds nothing
-                    self._apart[index] = torch.zeros(3, dtype=torch.int64, device=local.device)
+                    nothing = nothing if nothing is not None else torch.zeros(3, dtype=torch.int64, device=local.device)
+                    self._apart[index] = nothing
                     continue
                 local, offset, is_partial = local[mine, first : first + rows], 0, False
             held = self.casts.get(index)

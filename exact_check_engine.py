@@ -18,7 +18,6 @@ exactly: integer arithmetic, the same on a GPU and a CPU.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -79,8 +78,7 @@ class ExactCheckWorker(DirectLoadWorker):
         piece's own constant) where it probes, until the sync overwrites them."""
         model, sent = self.model_runner.get_model(), json.loads(sent)
         self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
-        rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only,
-                                            self.vllm_config)  # fmt: skip
+        rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only)
         self._exact_whole = sorted(set(whole) | set(placed))  # every element compared in its place
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
@@ -148,8 +146,8 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
                                                                            list[str], list[str]]:  # fmt: skip
     """For each tensor the trainer sends ([name, dtype, shape, is an expert
     block of the direct loader], in send order), the parameters of `model` it
-    is written into: found by loading it once, as zeros, through the model's
-    own `load_weights` (whatever the family stacks or renames), or, for an
+    is written into: found by loading it once, as a constant of its own
+    (_probe, which piece_rows then reads back), through the model's own `load_weights` (whatever the family stacks or renames), or, for an
     expert block, its layer's fused parameter. One expert's tensor of an
     expert another engine holds is written nowhere here. Also {index: dtype}
     of the tensors vLLM holds in another dtype than they are sent in (e.g. a router kept in
@@ -179,8 +177,8 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
             if unchecked_layers and name.startswith(unchecked_layers):  # an FP8 expert layer's: not probed
                 targets.append([])
                 continue
-            zeros = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-            loaded = sorted(model.load_weights([(name, zeros)]) or ())
+            # (its own constant, not zeros: piece_rows reads back where each piece landed)
+            loaded = sorted(model.load_weights([(name, _probe(index, shape, dtype, device))]) or ())
             targets.append([t for t in loaded if not _held_elsewhere(name, by_prefix.get(t.rpartition(".")[0]))])
     params = dict(model.named_parameters())
     casts = {}
@@ -221,25 +219,25 @@ _PROBE_BITS, _PROBES = 0x3F81, 0x7F7F - 0x3F81
 
 
 def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
-    bits = torch.tensor(_PROBE_BITS + index % _PROBES, dtype=torch.int16).view(torch.bfloat16)
-    return bits.to(getattr(torch, dtype)).expand(shape).to(device)
+    if not getattr(torch, dtype).is_floating_point:  # (no stacked parameter is written from those)
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    value = torch.tensor(_PROBE_BITS + index % _PROBES, dtype=torch.int16).view(torch.bfloat16).item()
+    return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)
 
 
-def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(), values_only=(),
-               vllm_config=None) -> tuple[dict[int, int], list[str], list[str]]:  # fmt: skip
+def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(),
+               values_only=()) -> tuple[dict[int, int], list[str], list[str]]:  # fmt: skip
     """Where each piece of a parameter written from several sent tensors
-    (q/k/v into qkv_proj, gate/up, each expert's tensors into a fused w13/w2,
-    a padded vocabulary) lands in it, learned by loading each piece through
-    the model's own `load_weights` once more, as its own constant (_probe),
-    and reading back which rows of the parameter (seen as the fingerprint
-    sees it: [rows, last dim]) hold that constant. Returns ({sent index: the
+    (q/k/v into qkv_proj, gate/up, each expert's tensors into a fused w13/w2)
+    lands in it, read back right after exact_targets (its arguments and
+    answer) loaded each piece through the model's own `load_weights` as its
+    own constant (_probe): which rows of the parameter (seen as the
+    fingerprint sees it: [rows, last dim]) hold that constant. Returns ({sent index: the
     row of the piece's dim 0 it starts at, for _fingerprint_sums' row_offset},
     the parameters every piece of which was placed so, compared element by
     element in their place like a `whole` one; those compared by their values
     alone: `values_only` and any whose pieces do not land on whole rows of it,
     in one block each)."""
-    from vllm.config import set_current_vllm_config
-
     params = dict(model.named_parameters())
     pieces: dict[str, list[int]] = {}
     for index, names in enumerate(targets):
@@ -248,12 +246,6 @@ def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], who
     skip = set(whole) | set(values_only)
     stacked = {n: idx for n, idx in pieces.items() if n in params and n not in skip
                and not any(sent[i][3] for i in idx)}  # fmt: skip
-    probed = sorted({i for idx in stacked.values() for i in idx})
-    device = next(model.parameters()).device
-    with torch.no_grad(), set_current_vllm_config(vllm_config) if vllm_config else contextlib.nullcontext():
-        for index in probed:
-            name, dtype, shape, _ = sent[index]
-            model.load_weights([(name, _probe(index, shape, dtype, device))])
     at_start = {i for n in whole for i in pieces.get(n, ())}  # a piece also written whole into another: row 0
     rows: dict[int, int] = {}
     placed, by_value = [], set(values_only) & params.keys()

@@ -621,7 +621,7 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
     # Each piece of a stacked parameter (q/k/v, gate/up, an expert's tensors) fingerprinted where it lands:
     # every parameter but those vLLM re-lays out is compared element by element in its place.
-    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only, config)
+    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
     assert by_value == values_only and placed, (by_value, placed)
     in_place = sorted(set(whole) | set(placed))
     prints = exact_check_engine.sent_fingerprints(sent, casts, rows)
@@ -755,7 +755,7 @@ def _prepared_check(family: str, loader: str, vllm_models):
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     config = vllm_model.test_vllm_config
     targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
-    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only, config)
+    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
     assert by_value == [], by_value  # every parameter of these families is compared in its place
     prints = exact_check_engine.sent_fingerprints(sent, casts, rows)  # the trainer's: its model's tensors
 
@@ -857,7 +857,7 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
     metas = [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), False] for m in source.metadata]
     config = vllm_model.test_vllm_config
     targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
-    rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only, config)
+    rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
     fingerprinted = checks.FingerprintedSource(source)
     fingerprinted.casts, fingerprinted.rows = casts, rows
     true_stream = source.tensors
