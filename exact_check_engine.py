@@ -6,7 +6,7 @@ with the exact check's calls added; rlhf_ipc_fsdp_ep.py starts the server with
 `--worker-extension-cls exact_check_engine.ExactCheckWorker`. Its calls, through
 `/collective_rpc`, on every engine:
 
-    exact_check_prepare(sent)   once: which parameters each sent tensor is written into
+    exact_check_prepare(sent)   once: which parameters each sent tensor is written into, at which rows
     exact_check_start()         after a sync: fingerprint what the engine holds, beside serving
     exact_check(expected)       compare with the trainer's fingerprints; raise naming what differs
     direct_load_fingerprint(a)  'store' / 'compare' every parameter (benchmark.py's loaders_agree)
@@ -74,12 +74,16 @@ class ExactCheckWorker(DirectLoadWorker):
         shape, is_expert_block], ...], the source's metadata in send order).
         Also where each piece of a parameter written from several tensors
         lands in it (`piece_rows`: "rows", what the trainer fingerprints each
-        piece at). Before a full sync: it leaves its probes (zeros, then each
-        piece's own constant) where it probes, until the sync overwrites them."""
+        piece at). Before a full sync: it leaves every parameter it probes
+        zero, until the sync overwrites it."""
         model, sent = self.model_runner.get_model(), json.loads(sent)
         self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
         rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only)
         self._exact_whole = sorted(set(whole) | set(placed))  # every element compared in its place
+        with torch.no_grad():  # the probes' constants (up to 2**127) would overflow what the engine serves meanwhile
+            params = dict(model.named_parameters())
+            for name in probed_parameters(sent, self._exact_targets):
+                params[name].zero_()
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
@@ -289,6 +293,12 @@ def _rows_of_pieces(param: torch.Tensor, indices: list[int], sent: list) -> dict
             return None
         out[index] = int(at[0]) // per_row
     return out
+
+
+def probed_parameters(sent: list, targets: list[list[str]]) -> list[str]:
+    """The parameters exact_targets loaded a probe into: those any sent tensor
+    but a direct-loader block (copied, not probed) is written into."""
+    return sorted({n for (_, _, _, block), names in zip(sent, targets, strict=True) if not block for n in names})
 
 
 def sent_fingerprints(tensors, casts: dict, rows: dict | None = None) -> list:

@@ -711,6 +711,9 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
         with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
             call()
     prepared = worker.exact_check_prepare(json.dumps(metas))
+    probed = exact_check_engine.probed_parameters(metas, worker._exact_targets)
+    left = [n for n, p in vllm_model.named_parameters() if n in probed and p.count_nonzero()]
+    assert probed and left == []  # no probe's constant left where the engine serves before the first sync
     casts = {int(i): d for i, d in prepared["casts"].items()}
     rows = {int(i): r for i, r in prepared["rows"].items()}  # where the pieces of stacked parameters land
     assert rows and prepared["by_value"] == []
