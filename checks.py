@@ -475,11 +475,12 @@ def prepare_exact_check(job) -> dict:
     (ExactCheckWorker.exact_check_prepare, exact_check_engine.py). After setting up
     a loader's transfer, before a full sync: it leaves zeros where it probes."""
     sent = measured(job.trainers[:1], "sent_metadata")[0]
-    answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))[0]
+    answers = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))
+    answer = answers[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
     # Where each piece of a stacked parameter lands in it: the trainer fingerprints it at those rows.
     measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()},
-             {int(i): r for i, r in answer.get("rows", {}).items()})  # fmt: skip
+             engines_rows(answers))  # fmt: skip
     if answer.get("by_value"):
         print(f"[exact] {len(answer['by_value'])} parameters, which vLLM lays out its own way, are compared by "
               f"their values, not element by element in their place: {answer['by_value'][:4]}", flush=True)  # fmt: skip
@@ -488,6 +489,21 @@ def prepare_exact_check(job) -> dict:
               "quantizes from each expert's tensors, are not compared (benchmark.py --loaders direct vllm "
               "compares them with the direct loader's)", flush=True)  # fmt: skip
     return answer
+
+
+def engines_rows(answers: list[dict]) -> dict[int, int]:
+    """The rows each piece of a stacked parameter lands at, from every DP
+    engine's exact_check_prepare answer: each engine places the pieces it
+    holds (vLLM's loader gives each its own experts' tensors), and the
+    trainer ranks, whose fingerprints of a tensor add up over them, need one
+    row per tensor, so two engines that place one differently are an error."""
+    rows: dict[int, int] = {}
+    for dp_rank, answer in enumerate(answers):
+        for index, row in answer.get("rows", {}).items():
+            if rows.setdefault(int(index), row) != row:
+                raise RuntimeError(f"exact check: DP engine {dp_rank} places sent tensor {index} at row {row}, "
+                                   f"another engine at row {rows[int(index)]}")  # fmt: skip
+    return rows
 
 
 @dataclass

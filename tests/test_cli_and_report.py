@@ -777,3 +777,15 @@ def test_fingerprints_read_back_each_under_its_own_index():
             5: torch.tensor([[13, 14, 15], [16, 17, 18]])}  # fmt: skip
     assert checks._read_back(sums) == {i: t.tolist() for i, t in sums.items()}
     assert checks._read_back({}) == {}
+
+
+def test_the_trainer_takes_each_pieces_row_from_the_engine_that_holds_it():
+    """With DP > 1 through vLLM's loader each engine holds, and places, only
+    its own experts' tensors: the trainer gets every engine's rows, not the
+    first engine's alone; an engine that places a tensor elsewhere than
+    another is an error, not a silent choice."""
+    engine_0 = {"rows": {"0": 0, "1": 64, "5": 0}}  # q/k/v, and its expert 0's gate
+    engine_1 = {"rows": {"0": 0, "1": 64, "9": 0}}  # the same q/k/v; its expert 4's gate, its own slot 0
+    assert checks.engines_rows([engine_0, engine_1]) == {0: 0, 1: 64, 5: 0, 9: 0}
+    with pytest.raises(RuntimeError, match="DP engine 1 places sent tensor 1 at row 32"):
+        checks.engines_rows([engine_0, {"rows": {"1": 32}}])
