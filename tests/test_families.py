@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -812,24 +813,30 @@ def test_the_exact_check_names_pieces_swapped_inside_a_stacked_parameter(fault, 
     assert wrong_after(_swapped(sent, pairs)) == wrong
 
 
-def test_the_exact_check_names_two_experts_swapped_through_vllms_loader(vllm_models):
+_MOE = ["qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_moe"]  # (GPT-OSS's, through vLLM's loader: by value)
+
+
+@pytest.mark.parametrize("family", _MOE)
+def test_the_exact_check_names_two_experts_swapped_through_vllms_loader(family, vllm_models):
     """Expert 0's tensors sent under expert 1's names and back, in one layer:
     vLLM's loader writes each into the other's slot of the fused w13/w2."""
-    _, sent, targets, wrong_after = _prepared_check("qwen2_moe", "vllm", vllm_models)
+    _, sent, targets, wrong_after = _prepared_check(family, "vllm", vllm_models)
     assert wrong_after(sent) == set()
-    expert = "model.layers.1.mlp.experts.{}.{}.weight"
-    pairs = [(expert.format(0, t), expert.format(1, t)) for t in ("gate_proj", "up_proj", "down_proj")]
+    pairs = [(n, n.replace(".experts.0.", ".experts.1.")) for n, _ in sent
+             if re.match(r"model\.layers\.1\.\w+\.experts\.0\.\w+\.weight$", n)]  # fmt: skip
+    assert len(pairs) == 3  # gate, up, down
     wrong = _written_by(sent, targets, [a for pair in pairs for a in pair])
     assert sorted(n.rpartition(".")[2] for n in wrong) == ["w13_weight", "w2_weight"]
     assert wrong_after(_swapped(sent, pairs)) == wrong
 
 
-def test_the_exact_check_names_two_experts_swapped_inside_the_direct_loaders_block(vllm_models):
+@pytest.mark.parametrize("family", _MOE)
+def test_the_exact_check_names_two_experts_swapped_inside_the_direct_loaders_block(family, vllm_models):
     """Two experts in each other's places in one layer's expert blocks."""
-    _, sent, targets, wrong_after = _prepared_check("qwen2_moe", "direct", vllm_models)
+    _, sent, targets, wrong_after = _prepared_check(family, "direct", vllm_models)
     assert wrong_after(sent) == set()
-    names = [n for n, _ in sent if n.startswith("model.layers.1.mlp.experts.") and n.count(".") == 5]
-    assert len(names) == 2  # gate_up_proj, down_proj
+    names = [n for n, _ in sent if re.match(r"model\.layers\.1\.\w+\.experts\.(gate_up_proj|down_proj)$", n)]
+    assert len(names) == 2
     stream = [(n, t[[1, 0, *range(2, t.shape[0])]] if n in names else t) for n, t in sent]
     wrong = _written_by(sent, targets, names)
     assert sorted(n.rpartition(".")[2] for n in wrong) == ["w13_weight", "w2_weight"]
@@ -844,8 +851,6 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
     each from the model itself, the slice its checkpoint name says (expert,
     gate, up or down), so a conversion that cuts or names one wrong fails.
     Mixtral's router, only renamed by the conversion, is read from the model too."""
-    import re
-
     import checks
     import exact_check_engine
 
