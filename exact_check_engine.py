@@ -371,7 +371,8 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
     fingerprint against the sum of those of the tensors written into it
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
     for those in `values_only` (exact_targets), their values alone; for
-    those in `whole`, every element in its place. `fingerprints` takes the
+    those in `whole` (written whole from one tensor, or from pieces the
+    trainer fingerprinted at their rows: piece_rows), every element in its place. `fingerprints` takes the
     parameters' (exact_fingerprints, or a HeldFingerprints). A sent tensor
     vLLM holds as several parameters (an FP8 expert block: weight, scales)
     comes with one fingerprint per target; `unchecked` are skipped."""
@@ -438,8 +439,9 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
 # `by_column` weighs each mixed element by an odd number drawn from its column
 # (its index along the last dim, which stacking on dim 0 keeps), so a
 # transposed tensor differs too; `by_position` weighs it by one drawn from its
-# row as well, for a parameter written whole from one tensor of its shape (rows
-# swapped or reversed differ). One mix per element (the weights are one
+# row as well (rows swapped or reversed differ): for a parameter written whole
+# from one tensor of its shape, and for one stacked from pieces, each piece
+# fingerprinted at the rows it lands in (piece_rows), so that they add up too. One mix per element (the weights are one
 # multiplication each): the GPU kernel runs at about half the memory's speed.
 # Integer arithmetic: the trainer's GPU, an engine's GPU and a CPU give the
 # same sums.
