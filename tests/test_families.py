@@ -918,3 +918,36 @@ def test_gpt_oss_experts_sent_one_by_one_are_fingerprinted_from_the_fused_tensor
             expert, first, rows = piece[0]
             held = held[expert, first : first + rows]
         assert torch.equal(held.to(tensor.dtype), tensor), name
+
+
+def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check(vllm_models):
+    """tests/swapped_experts_worker.py, the GPU run's fault through vLLM's loader,
+    here around a vLLM model of its own: the worker's own calls, as a round
+    makes them, name every MoE layer's w13 and w2, and only those."""
+    import json
+    import types
+
+    import exact_check_engine
+    from swapped_experts_worker import SwappedExpertsWorker
+
+    hf = build_model("qwen2_moe", device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_(mean=3.0)
+    vllm_model = vllm_models("qwen2_moe", own=True)  # its load_weights gets the fault
+    worker = SwappedExpertsWorker()
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: vllm_model)
+    worker.vllm_config = vllm_model.test_vllm_config
+    sent = _sent(hf, "vllm")
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), False] for n, t in sent]
+    prepared = worker.exact_check_prepare(json.dumps(metas))
+    casts, rows = ({int(i): v for i, v in prepared[key].items()} for key in ("casts", "rows"))
+    expected = json.dumps({"": exact_check_engine.sent_fingerprints(sent, casts, rows)})
+    _sync(vllm_model, sent, "vllm")
+    with pytest.raises(RuntimeError) as failed:
+        worker.exact_check(expected)
+    assert "exact check: DP engine 0: " in str(failed.value)
+    found = exact_check_engine.exact_problems(vllm_model, worker._exact_targets, json.loads(expected)[""],
+                                              worker._exact_values_only, worker._exact_whole)[1]  # fmt: skip
+    experts = {n for n, _ in vllm_model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))}
+    assert {problem.split(": ", 1)[0] for problem in found} == experts and len(experts) == 2 * hf.config.num_hidden_layers
