@@ -412,8 +412,8 @@ def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_
     """A round passes when EVERY engine is within the tolerances after the
     sync (Tolerances.given: from the trainer's own kernel noise, never from
     a trainer-vs-vLLM gap; `noise`, the gap before the sync on weights the
-    previous exact check proved, is the change test's reference only); if the weights were updated, EVERY engine's log-probabilities
-    changed (a sync that silently did nothing on one engine leaves its
+    previous exact check proved, is the change test's reference only); if
+    the weights were updated, EVERY engine's log-probabilities changed (a sync that silently did nothing on one engine leaves its
     numbers exactly as they were: vLLM's outputs repeat bit for bit on the
     same weights, while the trainer's HF MoE forward need not); and, after a
     training step (`stepped`), the change test is reported (not gated: MoE

@@ -1190,14 +1190,17 @@ class CheckpointForm:
         # for the unsharded parameter while its module is unsharded, so it is read on every sync.
         self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
                        for group in self._groups for n in group}  # fmt: skip
-        # Each tensor's origin where it is one model tensor, cast (its whole tensor under FSDP2):
+        # Each tensor's origin where it is one model tensor, cast or renamed (its whole under FSDP2):
         # (module, attribute); or one expert's piece of a fused expert tensor: (module, attribute,
         # (expert, first row of dim 1, rows)); None where a conversion makes it from others.
         fused = fused_expert_tensors(model)
-        origins = [[self._where[name] for name, _, _ in metadata] if unchanged
-                   else [self._where[group[0]]] if only_renamed else _expert_origins(group, metadata, self._where, fused)
-                   for group, metadata, unchanged, only_renamed in zip(self._groups, self._group_metadata,
-                                                                       self._unchanged, renamed, strict=True)]  # fmt: skip
+        origins = []
+        for group, metadata, unchanged, only_renamed in zip(self._groups, self._group_metadata, self._unchanged,
+                                                            renamed, strict=True):  # fmt: skip
+            if unchanged or only_renamed:
+                origins.append([self._where[name] for name in group])
+            else:
+                origins.append(_expert_origins(group, metadata, self._where, fused))
         order = _gather_order(self._owners)
         # Each group's tensors' dtypes as sent, by name: worked out here, not on every sync.
         dtypes = [{name: dtype for name, _, dtype in metadata} for metadata in self._group_metadata]

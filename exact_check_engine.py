@@ -80,7 +80,7 @@ class ExactCheckWorker(DirectLoadWorker):
         self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
         rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only)
         self._exact_whole = sorted(set(whole) | set(placed))  # every element compared in its place
-        with torch.no_grad():  # the probes' constants (up to 2**127) would overflow what the engine serves meanwhile
+        with torch.no_grad():  # the probes' constants (up to 3e38) would overflow what it serves before the sync
             params = dict(model.named_parameters())
             for name in probed_parameters(sent, self._exact_targets):
                 params[name].zero_()
@@ -151,7 +151,8 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     """For each tensor the trainer sends ([name, dtype, shape, is an expert
     block of the direct loader], in send order), the parameters of `model` it
     is written into: found by loading it once, as a constant of its own
-    (_probe, which piece_rows then reads back), through the model's own `load_weights` (whatever the family stacks or renames), or, for an
+    (_probe, which piece_rows then reads back), through the model's own
+    `load_weights` (whatever the family stacks or renames), or, for an
     expert block, its layer's fused parameter. One expert's tensor of an
     expert another engine holds is written nowhere here. Also {index: dtype}
     of the tensors vLLM holds in another dtype than they are sent in (e.g. a router kept in
@@ -236,8 +237,9 @@ def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], who
     lands in it, read back right after exact_targets (its arguments and
     answer) loaded each piece through the model's own `load_weights` as its
     own constant (_probe): which rows of the parameter (seen as the
-    fingerprint sees it: [rows, last dim]) hold that constant. Returns ({sent index: the
-    row of the piece's dim 0 it starts at, for _fingerprint_sums' row_offset},
+    fingerprint sees it: [rows, last dim]) hold that constant. Returns
+    ({sent index: the row of the piece's dim 0 it starts at, for
+    _fingerprint_sums' row_offset},
     the parameters every piece of which was placed so, compared element by
     element in their place like a `whole` one; those compared by their values
     alone: `values_only` and any whose pieces do not land on whole rows of it,
@@ -372,8 +374,9 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
     for those in `values_only` (exact_targets), their values alone; for
     those in `whole` (written whole from one tensor, or from pieces the
-    trainer fingerprinted at their rows: piece_rows), every element in its place. `fingerprints` takes the
-    parameters' (exact_fingerprints, or a HeldFingerprints). A sent tensor
+    trainer fingerprinted at their rows: piece_rows), every element in its
+    place. `fingerprints` takes the parameters' (exact_fingerprints, or a
+    HeldFingerprints). A sent tensor
     vLLM holds as several parameters (an FP8 expert block: weight, scales)
     comes with one fingerprint per target; `unchecked` are skipped."""
     if len(sent) != len(targets):
@@ -441,8 +444,9 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
 # transposed tensor differs too; `by_position` weighs it by one drawn from its
 # row as well (rows swapped or reversed differ): for a parameter written whole
 # from one tensor of its shape, and for one stacked from pieces, each piece
-# fingerprinted at the rows it lands in (piece_rows), so that they add up too. One mix per element (the weights are one
-# multiplication each): the GPU kernel runs at about half the memory's speed.
+# fingerprinted at the rows it lands in (piece_rows), so that they add up too.
+# One mix per element (the weights are one multiplication each): the GPU
+# kernel runs at about half the memory's speed.
 # Integer arithmetic: the trainer's GPU, an engine's GPU and a CPU give the
 # same sums.
 FINGERPRINT_MODULUS = 1 << 62
