@@ -27,5 +27,5 @@ class SwappedExpertsWorker(ExactCheckWorker):
                 return load(((swapped_name(n), t) for n, t in weights), *args, **kwargs)
 
             model.load_weights, model._experts_swapped = load_swapped, True
-            print("[swapped_experts_worker] every layer's experts 0 and 1 trade names from the first sync on", flush=True)
+            print("[swapped_experts_worker] every layer's experts 0 and 1 trade names from now on", flush=True)
         return answer

@@ -950,4 +950,5 @@ def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check
     found = exact_check_engine.exact_problems(vllm_model, worker._exact_targets, json.loads(expected)[""],
                                               worker._exact_values_only, worker._exact_whole)[1]  # fmt: skip
     experts = {n for n, _ in vllm_model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))}
-    assert {problem.split(": ", 1)[0] for problem in found} == experts and len(experts) == 2 * hf.config.num_hidden_layers
+    assert len(experts) == 2 * hf.config.num_hidden_layers
+    assert {problem.split(": ", 1)[0] for problem in found} == experts
