@@ -1195,7 +1195,7 @@ class CheckpointForm:
                  fresh: bool = True) -> None:  # fmt: skip
         self._model, self._dtype, self._fresh = model, dtype, fresh
         state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
-        self._groups, self._unchanged, self._owners, self._group_metadata = [], [], [], []
+        self._groups, self._unchanged, self._owners, self._group_metadata, renamed = [], [], [], [], []
         for group in conversion_groups(model):
             if set(group) & excluded:
                 if not set(group) <= excluded:  # would drop a tensor nobody sends
@@ -1206,6 +1206,7 @@ class CheckpointForm:
             out = _revert(model, meta)
             self._groups.append(group)
             self._unchanged.append(list(out) == group and all(out[n] is meta[n] for n in group))
+            renamed.append(len(group) == len(out) == 1 and next(iter(out.values())) is meta[group[0]])
             metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
             self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
             self._group_metadata.append(metadata)
@@ -1213,10 +1214,17 @@ class CheckpointForm:
         # for the unsharded parameter while its module is unsharded, so it is read on every sync.
         self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
                        for group in self._groups for n in group}  # fmt: skip
-        # Each tensor's origin where it is one model tensor, cast (its whole tensor under FSDP2):
-        # (module, attribute); None where a conversion makes it from others.
-        origins = [[self._where[name] for name, _, _ in metadata] if unchanged else [None] * len(metadata)
-                   for metadata, unchanged in zip(self._group_metadata, self._unchanged, strict=True)]  # fmt: skip
+        # Each tensor's origin where it is one model tensor, cast or renamed (its whole under FSDP2):
+        # (module, attribute); or one expert's piece of a fused expert tensor: (module, attribute,
+        # (expert, first row of dim 1, rows)); None where a conversion makes it from others.
+        fused = fused_expert_tensors(model)
+        origins = []
+        for group, metadata, unchanged, only_renamed in zip(self._groups, self._group_metadata, self._unchanged,
+                                                            renamed, strict=True):  # fmt: skip
+            if unchanged or only_renamed:
+                origins.append([self._where[name] for name in group])
+            else:
+                origins.append(_expert_origins(group, metadata, self._where, fused))
         order = _gather_order(self._owners)
         # Each group's tensors' dtypes as sent, by name: worked out here, not on every sync.
         dtypes = [{name: dtype for name, _, dtype in metadata} for metadata in self._group_metadata]
@@ -1249,6 +1257,37 @@ class CheckpointForm:
         finally:  # also when the consumer stops early: the module's own (sharded) parameters back
             if unsharded is not None:
                 unsharded.reshard()
+
+
+# Which rows of a fused expert tensor ([E, 2I, H] gate rows then up rows; [E, H, I]) each expert's
+# tensor in checkpoint form is, by its name: what the conversion must have cut it from.
+_EXPERT_PIECES = {"gate_up_proj": {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}, "down_proj": {"down_proj": None,
+                                                                                                     "w2": None}}
+_ONE_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _expert_origins(group: list[str], metadata: list[tuple], where: dict, fused: dict) -> list:
+    """The origins (CheckpointForm.origins) of the tensors a conversion makes
+    of `group`: each expert's tensor cut from a fused expert tensor in vLLM's
+    layout, its slice of it, found from its checkpoint name alone (expert id;
+    gate, up or down), not from what the conversion does, so that a
+    conversion that cuts the wrong slice fails the exact check; else None."""
+    layout = fused.get(group[0]) if len(group) == 1 else None
+    pieces = _EXPERT_PIECES.get(group[0].rpartition(".")[2])
+    if layout is None or pieces is None or layout["transposed"] or not layout["concatenated"]:
+        return [None] * len(metadata)
+    experts, rows = layout["shape"][0], layout["shape"][1]
+    origins = []
+    for name, shape, _ in metadata:
+        found = _ONE_EXPERT_TENSOR.search(name)
+        half = pieces.get(found.group(2), "none") if found else "none"
+        expert = int(found.group(1)) if found else experts
+        size = rows if half is None else rows // 2
+        if half == "none" or expert >= experts or tuple(shape) != (size, *layout["shape"][2:]):
+            origins.append(None)
+            continue
+        origins.append((*where[group[0]], (expert, 0 if half is None else half * size, size)))
+    return origins
 
 
 def _gather_order(owners: list) -> list[int]:
@@ -1514,10 +1553,13 @@ class BF16Source(TrainerSource):
         self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
         self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
         # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
-        # model tensor cast (its whole under FSDP2), else None. Lets a check read the model instead.
-        self.origins = [None if meta[0] in split else (*origin, False) if origin else None
+        # model tensor cast (its whole under FSDP2), and (expert, first row, rows) after them if it
+        # is one expert's slice of it; else None. Lets a check read the model instead.
+        self.origins = [None if not origin or (meta[0] in split and len(origin) > 2)
+                        else (*origin[:2], False, (e, 0, meta[1][1])) if meta[0] in split  # its expert e, whole
+                        else (*origin[:2], False, *origin[2:])
                         for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
-                        for _ in split.get(meta[0], [meta])]  # fmt: skip
+                        for e, _ in enumerate(split.get(meta[0], [meta]))]  # fmt: skip
 
     def param_metas(self) -> list[ParamMeta]:
         return self._metas

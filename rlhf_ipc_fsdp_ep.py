@@ -418,7 +418,8 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     exact = checks.exact_check(exact_started) if exact_started is not None else None
     training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
     # If the previous sync was proven exact, vLLM held the trainer's weights
-    # bit for bit when `before` was measured: that gap is the kernels' noise.
+    # bit for bit when `before` was measured: the change test's reference
+    # (never the gate's tolerance, which only the trainer's own noise widens).
     return checks.judged_round(args, trainers, timer.seconds, before, after, retried,
                                weights_updated=first_sync or bool(samples), exact=exact,
                                noise=before if proven else None, training=training,

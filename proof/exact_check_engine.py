@@ -6,7 +6,7 @@ with the exact check's calls added; rlhf_ipc_fsdp_ep.py starts the server with
 `--worker-extension-cls exact_check_engine.ExactCheckWorker`. Its calls, through
 `/collective_rpc`, on every engine:
 
-    exact_check_prepare(sent)   once: which parameters each sent tensor is written into
+    exact_check_prepare(sent)   once: which parameters each sent tensor is written into, at which rows
     exact_check_start()         after a sync: fingerprint what the engine holds, beside serving
     exact_check(expected)       compare with the trainer's fingerprints; raise naming what differs
     direct_load_fingerprint(a)  'store' / 'compare' every parameter (benchmark.py's loaders_agree)
@@ -72,17 +72,24 @@ class ExactCheckWorker(DirectLoadWorker):
         """Learn which of this engine's parameters each tensor the trainer
         sends is written into (`exact_targets`; `sent`: JSON [[name, dtype,
         shape, is_expert_block], ...], the source's metadata in send order).
-        Before a full sync: it leaves zeros where it probes, until the sync
-        overwrites them."""
+        Also where each piece of a parameter written from several tensors
+        lands in it (`piece_rows`: "rows", what the trainer fingerprints each
+        piece at). Before a full sync: it leaves every parameter it probes
+        zero, until the sync overwrites it."""
         model, sent = self.model_runner.get_model(), json.loads(sent)
-        self._exact_targets, casts, self._exact_values_only, self._exact_whole = exact_targets(
-            model, sent, self.vllm_config)
+        self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
+        rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only)
+        self._exact_whole = sorted(set(whole) | set(placed))  # every element compared in its place
+        with torch.no_grad():  # the probes' constants (up to 3e38) would overflow what it serves before the sync
+            params = dict(model.named_parameters())
+            for name in probed_parameters(sent, self._exact_targets):
+                params[name].zero_()
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
         return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
                 "parameters": len({t for ts in self._exact_targets for t in ts}),
-                "unchecked": self._exact_unchecked}  # fmt: skip
+                "unchecked": self._exact_unchecked, "rows": rows, "by_value": by_value}  # fmt: skip
 
     def exact_check_start(self) -> dict:
         """Start fingerprinting what this engine holds, after a sync, on a CUDA
@@ -143,8 +150,9 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
                                                                            list[str], list[str]]:  # fmt: skip
     """For each tensor the trainer sends ([name, dtype, shape, is an expert
     block of the direct loader], in send order), the parameters of `model` it
-    is written into: found by loading it once, as zeros, through the model's
-    own `load_weights` (whatever the family stacks or renames), or, for an
+    is written into: found by loading it once, as a constant of its own
+    (_probe, which piece_rows then reads back), through the model's own
+    `load_weights` (whatever the family stacks or renames), or, for an
     expert block, its layer's fused parameter. One expert's tensor of an
     expert another engine holds is written nowhere here. Also {index: dtype}
     of the tensors vLLM holds in another dtype than they are sent in (e.g. a router kept in
@@ -174,8 +182,8 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
             if unchecked_layers and name.startswith(unchecked_layers):  # an FP8 expert layer's: not probed
                 targets.append([])
                 continue
-            zeros = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-            loaded = sorted(model.load_weights([(name, zeros)]) or ())
+            # (its own constant, not zeros: piece_rows reads back where each piece landed)
+            loaded = sorted(model.load_weights([(name, _probe(index, shape, dtype, device))]) or ())
             targets.append([t for t in loaded if not _held_elsewhere(name, by_prefix.get(t.rpartition(".")[0]))])
     params = dict(model.named_parameters())
     casts = {}
@@ -209,6 +217,99 @@ def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[s
     return sorted(out)
 
 
+# The probe piece_rows loads in place of each piece: every element the same
+# bf16 value, its own (0x3F81 + k: 1.0078125 and up, finite, exact in fp32),
+# so each row of the parameter tells which piece wrote it.
+_PROBE_BITS, _PROBES = 0x3F81, 0x7F7F - 0x3F81
+
+
+def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
+    if not getattr(torch, dtype).is_floating_point:  # (no stacked parameter is written from those)
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    value = torch.tensor(_PROBE_BITS + index % _PROBES, dtype=torch.int16).view(torch.bfloat16).item()
+    return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)
+
+
+def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(),
+               values_only=()) -> tuple[dict[int, int], list[str], list[str]]:  # fmt: skip
+    """Where each piece of a parameter written from several sent tensors
+    (q/k/v into qkv_proj, gate/up, each expert's tensors into a fused w13/w2)
+    lands in it, read back right after exact_targets (its arguments and
+    answer) loaded each piece through the model's own `load_weights` as its
+    own constant (_probe): which rows of the parameter (seen as the
+    fingerprint sees it: [rows, last dim]) hold that constant. Returns
+    ({sent index: the row of the piece's dim 0 it starts at, for
+    _fingerprint_sums' row_offset},
+    the parameters every piece of which was placed so, compared element by
+    element in their place like a `whole` one; those compared by their values
+    alone: `values_only` and any whose pieces do not land on whole rows of it,
+    in one block each)."""
+    params = dict(model.named_parameters())
+    pieces: dict[str, list[int]] = {}
+    for index, names in enumerate(targets):
+        for n in names:
+            pieces.setdefault(n, []).append(index)
+    skip = set(whole) | set(values_only)
+    stacked = {n: idx for n, idx in pieces.items() if n in params and n not in skip
+               and not any(sent[i][3] for i in idx)}  # fmt: skip
+    at_start = {i for n in whole for i in pieces.get(n, ())}  # a piece also written whole into another: row 0
+    rows: dict[int, int] = {}
+    placed, by_value = [], set(values_only) & params.keys()
+    for name, idx in stacked.items():
+        found = _rows_of_pieces(params[name], idx, sent)
+        if found is None or any(rows.get(i, 0 if i in at_start else r) != r for i, r in found.items()):
+            by_value.add(name)
+            continue
+        rows.update(found)
+        placed.append(name)
+    return rows, sorted(placed), sorted(by_value)
+
+
+@torch.no_grad()
+def _rows_of_pieces(param: torch.Tensor, indices: list[int], sent: list) -> dict[int, int] | None:
+    """{sent index: its dim-0 row offset} for the pieces `indices` of `param`,
+    each found as one block of whole rows holding its probe, in order; None
+    if any piece is not (a piece with another last dim, one vLLM re-lays out)."""
+    columns = _columns(param)
+    view = param.detach().reshape(-1, columns)
+    codes = torch.full((view.shape[0],), -1, dtype=torch.int64)
+    step = max(1, _FINGERPRINT_CHUNK // columns)
+    for start in range(0, view.shape[0], step):
+        chunk = view[start : start + step]
+        first = chunk[:, :1]
+        same = (chunk == first).all(1)
+        bits = first[:, 0].to(torch.bfloat16).view(torch.int16).to(torch.int64) - _PROBE_BITS
+        codes[start : start + step] = torch.where(same & (bits >= 0) & (bits < _PROBES), bits, -1).cpu()
+    out = {}
+    for index in indices:
+        _, _, shape, _ = sent[index]
+        piece = torch.empty(shape, device="meta")
+        if _columns(piece) != columns:
+            return None
+        at = (codes == index % _PROBES).nonzero().flatten()
+        count = piece.numel() // columns
+        if len(at) != count or count == 0 or int(at[-1] - at[0]) != count - 1:
+            return None
+        per_row = math.prod(piece.shape[1:-1]) if piece.dim() >= 2 else 1
+        if int(at[0]) % per_row:
+            return None
+        out[index] = int(at[0]) // per_row
+    return out
+
+
+def probed_parameters(sent: list, targets: list[list[str]]) -> list[str]:
+    """The parameters exact_targets loaded a probe into: those any sent tensor
+    but a direct-loader block (copied, not probed) is written into."""
+    return sorted({n for (_, _, _, block), names in zip(sent, targets, strict=True) if not block for n in names})
+
+
+def sent_fingerprints(tensors, casts: dict, rows: dict | None = None) -> list:
+    """The trainer's half, for tensors in send order (name, tensor): each one's
+    held_fingerprint_sums, at the row piece_rows placed it at in its parameter."""
+    rows = rows or {}
+    return [held_fingerprint_sums(t, casts.get(i), rows.get(i, 0)).tolist() for i, (_, t) in enumerate(tensors)]
+
+
 def as_held(tensors, casts: dict):
     """The tensors the trainer sends, each cast to the dtype vLLM holds it in
     where that differs (`casts`, from exact_targets): what to fingerprint."""
@@ -225,14 +326,15 @@ def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
 FP8_BLOCKS = "fp8_blocks:"
 
 
-def held_fingerprint_sums(tensor: torch.Tensor, held: str | None) -> torch.Tensor:
+def held_fingerprint_sums(tensor: torch.Tensor, held: str | None, row_offset: int = 0) -> torch.Tensor:
     """The fingerprint sums of what vLLM holds of a sent tensor (`held`, exact_targets' cast):
     of the tensor in that dtype, an int64 tensor of 3; of an expert block vLLM holds in FP8,
-    vLLM's own quantization of it (fp8_experts.fp8_reference), [[weight's], [scales']]."""
+    vLLM's own quantization of it (fp8_experts.fp8_reference), [[weight's], [scales']].
+    `row_offset`: the row of the parameter it lands at (piece_rows)."""
     if held and held.startswith(FP8_BLOCKS):
         quantized = fp8_reference(tensor.to(torch.bfloat16), int(held.removeprefix(FP8_BLOCKS)))
         return torch.stack(exact_fingerprint_sums(quantized))
-    return _fingerprint_sums(held_as(tensor, held))
+    return _fingerprint_sums(held_as(tensor, held), row_offset)
 
 
 def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
@@ -271,8 +373,10 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
     fingerprint against the sum of those of the tensors written into it
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
     for those in `values_only` (exact_targets), their values alone; for
-    those in `whole`, every element in its place. `fingerprints` takes the
-    parameters' (exact_fingerprints, or a HeldFingerprints). A sent tensor
+    those in `whole` (written whole from one tensor, or from pieces the
+    trainer fingerprinted at their rows: piece_rows), every element in its
+    place. `fingerprints` takes the parameters' (exact_fingerprints, or a
+    HeldFingerprints). A sent tensor
     vLLM holds as several parameters (an FP8 expert block: weight, scales)
     comes with one fingerprint per target; `unchecked` are skipped."""
     if len(sent) != len(targets):
@@ -338,9 +442,11 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
 # `by_column` weighs each mixed element by an odd number drawn from its column
 # (its index along the last dim, which stacking on dim 0 keeps), so a
 # transposed tensor differs too; `by_position` weighs it by one drawn from its
-# row as well, for a parameter written whole from one tensor of its shape (rows
-# swapped or reversed differ). One mix per element (the weights are one
-# multiplication each): the GPU kernel runs at about half the memory's speed.
+# row as well (rows swapped or reversed differ): for a parameter written whole
+# from one tensor of its shape, and for one stacked from pieces, each piece
+# fingerprinted at the rows it lands in (piece_rows), so that they add up too.
+# One mix per element (the weights are one multiplication each): the GPU
+# kernel runs at about half the memory's speed.
 # Integer arithmetic: the trainer's GPU, an engine's GPU and a CPU give the
 # same sums.
 FINGERPRINT_MODULUS = 1 << 62

@@ -132,7 +132,7 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
                                  "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
     script.setup_weight_transfer_on_every_rank(job, args, loader)
     if args.tensor_parallel_size == 1:  # (TP shards each parameter: not checked)
-        checks.prepare_exact_check(job)  # before the weights are zeroed: it probes with zeros
+        checks.prepare_exact_check(job)  # before the weights are zeroed: it probes them, and leaves them zero
     coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
     if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
         checks.weight_checker(job.server.socket_path, "reset")

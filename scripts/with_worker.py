@@ -4,6 +4,8 @@ derives from exact_check_engine.ExactCheckWorker (the direct loader with the exa
 
     python scripts/with_worker.py stale_block_worker.StaleBlockWorker --model tiny --num-gpus 1 --train --rounds 2
     python scripts/with_worker.py fault_worker.FaultWorker --model tiny --num-gpus 1 --rounds 3
+    python scripts/with_worker.py swapped_experts_worker.SwappedExpertsWorker --model tiny-qwen2-moe --num-gpus 1 \
+        --weight-loader vllm --rounds 2
 """
 
 import os

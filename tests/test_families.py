@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -619,13 +620,18 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     config = vllm_model.test_vllm_config
     targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
     assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
-    prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+    # Each piece of a stacked parameter (q/k/v, gate/up, an expert's tensors) fingerprinted where it lands:
+    # every parameter but those vLLM re-lays out is compared element by element in its place.
+    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+    assert by_value == values_only and placed, (by_value, placed)
+    in_place = sorted(set(whole) | set(placed))
+    prints = exact_check_engine.sent_fingerprints(sent, casts, rows)
 
     def problems():
-        return exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1]
+        return exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, in_place)[1]
 
     _sync(vllm_model, sent, loader)
-    checked, found = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)
+    checked, found = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, in_place)
     assert found == [] and checked == len(dict(vllm_model.named_parameters()))
 
     params = dict(vllm_model.named_parameters())
@@ -643,12 +649,12 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
         matrix.copy_(kept.t().reshape(kept.shape))
         assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
         matrix.copy_(kept)
-        # The same in a parameter stacked from several tensors (q/k/v, gate/up): only by column.
-        name, matrix = next((n, p) for n, p in params.items()
-                            if p.dim() == 2 and min(p.shape) > 1 and n not in values_only and n not in whole)  # fmt: skip
+        # The same in a parameter stacked from several tensors (q/k/v, gate/up); and its rows reversed.
+        name, matrix = next((n, p) for n, p in params.items() if p.dim() == 2 and min(p.shape) > 1 and n in placed)
         kept = matrix.clone()
-        matrix.copy_(kept.t().reshape(kept.shape))
-        assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
+        for moved in (kept.t().reshape(kept.shape), kept.flip(0)):
+            matrix.copy_(moved)
+            assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
         matrix.copy_(kept)
         # Rows swapped in a parameter written whole from one tensor (a direct block: experts in the wrong slots).
         name, p = next((n, p) for n, p in params.items() if n in whole and p.dim() >= 2 and p.shape[0] > 1)
@@ -705,8 +711,14 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     for call in (worker.exact_check_start, lambda: worker.exact_check("{}")):  # nothing to check against yet
         with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
             call()
-    casts = {int(i): d for i, d in worker.exact_check_prepare(json.dumps(metas))["casts"].items()}
-    expected = json.dumps({"": exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))})
+    prepared = worker.exact_check_prepare(json.dumps(metas))
+    probed = exact_check_engine.probed_parameters(metas, worker._exact_targets)
+    left = [n for n, p in vllm_model.named_parameters() if n in probed and p.count_nonzero()]
+    assert probed and left == []  # no probe's constant left where the engine serves before the first sync
+    casts = {int(i): d for i, d in prepared["casts"].items()}
+    rows = {int(i): r for i, r in prepared["rows"].items()}  # where the pieces of stacked parameters land
+    assert rows and prepared["by_value"] == []
+    expected = json.dumps({"": exact_check_engine.sent_fingerprints(sent, casts, rows)})
     _sync(vllm_model, sent, loader)
     assert worker.exact_check_start()["parameters"] == worker.exact_check(expected)["parameters"] > 0
     params = dict(vllm_model.named_parameters())
@@ -723,3 +735,220 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
             worker.exact_check(expected)
         params[name].copy_(kept)
     worker.exact_check(expected)
+
+
+# Mutation tests: the exact check sees where each piece of a stacked parameter
+# lands. The trainer fingerprints what its model holds, at the rows of the
+# parameter each piece lands at (exact_check_engine.piece_rows, learned when
+# the check is prepared); the sync sends a stream with one fault, in one layer
+# only. Every parameter the fault writes wrong must be named, and no other.
+
+
+def _prepared_check(family: str, loader: str, vllm_models):
+    """(the vLLM model, the true stream, the sent metadata, a function of a
+    sync's stream -> the names of the parameters the exact check finds wrong)."""
+    from proof import exact_check_engine
+
+    hf = build_model(family, device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_(mean=3.0)  # random weights: no two pieces alike
+    vllm_model = vllm_models(family)
+    sent = _sent(hf, loader)
+    blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+    config = vllm_model.test_vllm_config
+    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
+    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+    assert by_value == [], by_value  # every parameter of these families is compared in its place
+    prints = exact_check_engine.sent_fingerprints(sent, casts, rows)  # the trainer's: its model's tensors
+
+    def wrong_after(stream) -> set[str]:
+        _sync(vllm_model, stream, loader)
+        found = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, set(whole) | set(placed))[1]
+        return {problem.split(": ", 1)[0] for problem in found}
+
+    return vllm_model, sent, targets, wrong_after
+
+
+def _swapped(sent, pairs):
+    """`sent` with the tensors of each (name, name) pair trading places: each sent under the other's name."""
+    by_name = {n: t for n, t in sent}
+    other = {a: b for pair in pairs for a, b in (pair, pair[::-1])}
+    return [(n, by_name[other[n]] if n in other else t) for n, t in sent]
+
+
+def _written_by(sent, targets, names) -> set[str]:
+    index = {n: i for i, (n, _) in enumerate(sent)}
+    return {p for n in names for p in targets[index[n]]}
+
+
+# (family, the first tensor of each pair to swap, in one layer): what each fault class looks like there
+# (the dense model last: the session's first vLLM model sets up the parallel groups, and a dense one sets
+# up no expert-parallel group for the MoE models after it)
+_STACKED_FAULTS = {
+    "gate/up of a shared expert": ("qwen2_moe", ["model.layers.1.mlp.shared_expert.gate_proj.weight"]),
+    "gate/up of DeepSeek-V3's dense layer": ("deepseek_v3", ["model.layers.0.mlp.gate_proj.weight"]),
+    "gate/up of DeepSeek-V3's shared experts": ("deepseek_v3", ["model.layers.1.mlp.shared_experts.gate_proj.weight"]),
+    "k/v, weight and bias": ("qwen2_moe", ["model.layers.1.self_attn.k_proj.weight",
+                                           "model.layers.1.self_attn.k_proj.bias"]),
+    "gate/up of a dense MLP": ("qwen3", ["model.layers.1.mlp.gate_proj.weight"]),
+    "k/v of a dense model": ("qwen3", ["model.layers.0.self_attn.k_proj.weight"]),
+}
+_PARTNER = {"gate_proj": "up_proj", "k_proj": "v_proj"}
+
+
+@pytest.mark.parametrize("loader", ["vllm", "direct"])
+@pytest.mark.parametrize("fault", list(_STACKED_FAULTS))
+def test_the_exact_check_names_pieces_swapped_inside_a_stacked_parameter(fault, loader, vllm_models):
+    """gate/up or k/v sent under each other's names, in one layer: the
+    parameter they stack into holds the right values in the wrong rows. The
+    control (the true stream) passes first."""
+    family, firsts = _STACKED_FAULTS[fault]
+    _, sent, targets, wrong_after = _prepared_check(family, loader, vllm_models)
+    assert wrong_after(sent) == set()
+    pairs = [(a, a.replace(f"{k}.", f"{v}.")) for a in firsts for k, v in _PARTNER.items() if f"{k}." in a]
+    wrong = _written_by(sent, targets, [a for pair in pairs for a in pair])
+    assert len(wrong) == len(firsts)  # one stacked parameter per pair (qkv_proj.weight, qkv_proj.bias)
+    assert wrong_after(_swapped(sent, pairs)) == wrong
+
+
+_MOE = ["qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_moe"]  # (GPT-OSS's, through vLLM's loader: by value)
+
+
+@pytest.mark.parametrize("family", _MOE)
+def test_the_exact_check_names_two_experts_swapped_through_vllms_loader(family, vllm_models):
+    """Expert 0's tensors sent under expert 1's names and back, in one layer:
+    vLLM's loader writes each into the other's slot of the fused w13/w2."""
+    _, sent, targets, wrong_after = _prepared_check(family, "vllm", vllm_models)
+    assert wrong_after(sent) == set()
+    pairs = [(n, n.replace(".experts.0.", ".experts.1.")) for n, _ in sent
+             if re.match(r"model\.layers\.1\.\w+\.experts\.0\.\w+\.weight$", n)]  # fmt: skip
+    assert len(pairs) == 3  # gate, up, down
+    wrong = _written_by(sent, targets, [a for pair in pairs for a in pair])
+    assert sorted(n.rpartition(".")[2] for n in wrong) == ["w13_weight", "w2_weight"]
+    assert wrong_after(_swapped(sent, pairs)) == wrong
+
+
+@pytest.mark.parametrize("family", _MOE)
+def test_the_exact_check_names_two_experts_swapped_inside_the_direct_loaders_block(family, vllm_models):
+    """Two experts in each other's places in one layer's expert blocks."""
+    _, sent, targets, wrong_after = _prepared_check(family, "direct", vllm_models)
+    assert wrong_after(sent) == set()
+    names = [n for n, _ in sent if re.match(r"model\.layers\.1\.\w+\.experts\.(gate_up_proj|down_proj)$", n)]
+    assert len(names) == 2
+    stream = [(n, t[[1, 0, *range(2, t.shape[0])]] if n in names else t) for n, t in sent]
+    wrong = _written_by(sent, targets, names)
+    assert sorted(n.rpartition(".")[2] for n in wrong) == ["w13_weight", "w2_weight"]
+    assert wrong_after(stream) == wrong
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(family, vllm_models):
+    """Through vLLM's loader the trainer sends each expert's tensors cut from
+    its fused [E, 2I, H] / [E, H, I] ones by transformers' conversion; the
+    exact check's trainer half (checks.FingerprintedSource) fingerprints
+    each from the model itself, the slice its checkpoint name says (expert,
+    gate, up or down), so a conversion that cuts or names one wrong fails.
+    Mixtral's router, only renamed by the conversion, is read from the model too."""
+    from proof import checks
+    from proof import exact_check_engine
+
+    hf = build_model(family, device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_(mean=3.0)
+    vllm_model = vllm_models(family)
+    source = colocated_sync.BF16Source(hf)
+    from_stream = [m.name for m, origin in zip(source.metadata, source.origins, strict=True) if origin is None]
+    assert from_stream == [], from_stream  # every tensor read back from the model
+    metas = [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), False] for m in source.metadata]
+    config = vllm_model.test_vllm_config
+    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
+    rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+    fingerprinted = checks.FingerprintedSource(source)
+    fingerprinted.casts, fingerprinted.rows = casts, rows
+    true_stream = source.tensors
+
+    def wrong_after(convert) -> set[str]:
+        source.tensors = lambda: convert(true_stream())  # the conversion, as the send takes it
+        _sync(vllm_model, list(fingerprinted.tensors()), "vllm")
+        prints = fingerprinted.fingerprints()["sums"]
+        found = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, set(whole) | set(placed))
+        return {problem.split(": ", 1)[0] for problem in found[1]}
+
+    assert wrong_after(lambda stream: stream) == set()
+
+    def experts_0_and_1_named_wrong(stream):  # in one layer: each sent under the other's names, in send order
+        stream = dict(stream)
+        for name in stream:
+            other = re.sub(r"(layers\.1\.\w+\.experts\.)([01])\.", lambda m: f"{m[1]}{1 - int(m[2])}.", name)
+            yield name, stream[other]
+
+    assert {n.rpartition(".")[2] for n in wrong_after(experts_0_and_1_named_wrong)} == {"w13_weight", "w2_weight"}
+    assert len(wrong_after(experts_0_and_1_named_wrong)) == 2
+
+    def gate_cut_from_up(stream):  # every expert's gate rows cut from its up rows, in one layer
+        stream = dict(stream)
+        for name, tensor in stream.items():
+            up = re.sub(r"\.(gate_proj|w1)\.", lambda m: {"gate_proj": ".up_proj.", "w1": ".w3."}[m[1]], name)
+            yield name, stream[up] if ".layers.0." in name and ".experts." in name and up != name else tensor
+
+    assert {n.rpartition(".")[2] for n in wrong_after(gate_cut_from_up)} == {"w13_weight"}
+
+
+def test_gpt_oss_experts_sent_one_by_one_are_fingerprinted_from_the_fused_tensor(monkeypatch):
+    """Where vLLM takes GPT-OSS's experts one at a time (0.33), BF16Source
+    sends each expert of a fused tensor alone: its origin is that expert of
+    the model's own tensor, so the trainer fingerprints what it holds."""
+    from weight_sync import direct_load
+
+    monkeypatch.setattr(direct_load, "_takes_gpt_oss_experts_one_by_one", lambda: True)
+    hf = build_model("gpt_oss", device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_()
+    source = colocated_sync.BF16Source(hf)
+    one_by_one = [i for i, m in enumerate(source.metadata) if ".mlp.experts.0." in m.name]
+    assert len(one_by_one) == 4 * hf.config.num_hidden_layers  # w13/w2, weights and biases
+    for (name, tensor), origin in zip(source.tensors(), source.origins, strict=True):
+        module, attribute, block, *piece = origin
+        held = getattr(module, attribute).detach()
+        if piece:
+            expert, first, rows = piece[0]
+            held = held[expert, first : first + rows]
+        assert torch.equal(held.to(tensor.dtype), tensor), name
+
+
+def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check(vllm_models):
+    """tests/swapped_experts_worker.py, the GPU run's fault through vLLM's loader,
+    here around a vLLM model of its own: the worker's own calls, as a round
+    makes them, name every MoE layer's w13 and w2, and only those."""
+    import json
+    import types
+
+    from proof import exact_check_engine
+    from swapped_experts_worker import SwappedExpertsWorker
+
+    hf = build_model("qwen2_moe", device="cpu")
+    with torch.no_grad():
+        for _, t in hf.named_parameters():
+            t.normal_(mean=3.0)
+    vllm_model = vllm_models("qwen2_moe", own=True)  # its load_weights gets the fault
+    worker = SwappedExpertsWorker()
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: vllm_model)
+    worker.vllm_config = vllm_model.test_vllm_config
+    sent = _sent(hf, "vllm")
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), False] for n, t in sent]
+    prepared = worker.exact_check_prepare(json.dumps(metas))
+    casts, rows = ({int(i): v for i, v in prepared[key].items()} for key in ("casts", "rows"))
+    expected = json.dumps({"": exact_check_engine.sent_fingerprints(sent, casts, rows)})
+    _sync(vllm_model, sent, "vllm")
+    with pytest.raises(RuntimeError) as failed:
+        worker.exact_check(expected)
+    assert "exact check: DP engine 0: " in str(failed.value)
+    found = exact_check_engine.exact_problems(vllm_model, worker._exact_targets, json.loads(expected)[""],
+                                              worker._exact_values_only, worker._exact_whole)[1]  # fmt: skip
+    experts = {n for n, _ in vllm_model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))}
+    assert len(experts) == 2 * hf.config.num_hidden_layers
+    assert {problem.split(": ", 1)[0] for problem in found} == experts
