@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 
 from proof import checks
-import colocated_sync
+import helpers
+from weight_sync import sources
 from weight_sync import models
 from proof import program
 from proof import toy_rl
-from colocated_sync import (gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers,
+from helpers import (gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers,
                             wait_until_ready)  # fmt: skip
 from weight_sync.multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
 from weight_sync.direct_load import untested_vllm_warning
@@ -124,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class FSDPTrainer:
-    """One FSDP2 rank on one GPU; a Ray actor (colocated_sync.start_trainers
+    """One FSDP2 rank on one GPU; a Ray actor (helpers.start_trainers
     starts one per GPU and joins them in one process group)."""
 
     model = optimizer = sender = None
@@ -149,7 +150,7 @@ class FSDPTrainer:
 
         model = models.meta_model(model_path, torch.bfloat16 if lr is None else torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for name in {name.rpartition(".")[0] for name in colocated_sync.fused_expert_tensors(model)}:
+        for name in {name.rpartition(".")[0] for name in sources.fused_expert_tensors(model)}:
             # Experts in their own FSDP unit: a sync gathers a layer's other weights in one all-gather
             # without them (each rank sends its own experts as they are: LocalExpertSource).
             fully_shard(model.get_submodule(name), mp_policy=mp_policy)
@@ -193,11 +194,11 @@ class FSDPTrainer:
 
     def weight_source(self, loader: str):
         """What vLLM receives, in bf16 whatever the master dtype."""
-        return colocated_sync.weight_source(self.model, self.world_size, loader)
+        return sources.weight_source(self.model, self.world_size, loader)
 
     def weight_sync_client(self, sock: str, loader: str, source, trainer_gpu_uuids: list[str]):
         """Whom rank 0 tells about each chunk (the direct loader, or vLLM's weight routes)."""
-        return colocated_sync.sync_client(sock, loader, source, trainer_gpu_uuids)
+        return sources.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int,
                               trainer_gpu_uuids: list[str]) -> bool:  # fmt: skip
@@ -205,7 +206,7 @@ class FSDPTrainer:
         will copy its expert blocks straight from its memory (ExpertsInPlace)."""
         source = self.weight_source(loader)
         client = self.weight_sync_client(sock, loader, source, trainer_gpu_uuids)
-        self.sender = colocated_sync.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
+        self.sender = helpers.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
         return self.sender.experts_in_place is not None
 
     def send_weights(self) -> None:
@@ -231,10 +232,10 @@ class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
 
 def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
                experts: bool = True, context_len: int | None = None) -> list[str]:  # fmt: skip
-    """colocated_sync.serve_args from the flags, for one node's GPUs
+    """helpers.serve_args from the flags, for one node's GPUs
     (`context_len`: the model's, for the default KV cache), with the exact
     check's worker extension (exact_check_engine.py) in place of the direct loader's."""
-    return colocated_sync.serve_args(
+    return helpers.serve_args(
         args.model, gpu_ids, num_nodes=args.num_nodes, tensor_parallel_size=args.tensor_parallel_size,
         experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
@@ -260,7 +261,7 @@ class Job:
     """What colocated_job() started."""
 
     trainers: list
-    server: colocated_sync.Server
+    server: helpers.Server
     served_name: str
     dp_size: int
     architecture: str
@@ -308,7 +309,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:],
                                               resolve_model=models.resolve_model)  # fmt: skip
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
-            with colocated_sync.serving(
+            with helpers.serving(
                 [str(model_path), *flags[0]],
                 socket_path=workdir / "vllm.sock",
                 log_path=args.server_log,
@@ -328,16 +329,16 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                               checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers,
                               server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus,
                                                                          args.num_nodes))  # fmt: skip
-                except colocated_sync.ServerError as e:  # name the node whose server died, if one did
+                except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
                 finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
-                    with colocated_sync.signals_ignored():
+                    with helpers.signals_ignored():
                         checks.settle_exact_checks()  # a round's, if the round ended before its verdict
                         node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)
         finally:
-            with colocated_sync.signals_ignored():
+            with helpers.signals_ignored():
                 stop_node_servers(node_servers)
                 leave_ray(started_ray, pg)
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -390,26 +391,26 @@ def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
     temperature = args.temperature if args.train else 0.0
-    batch = colocated_sync.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
+    batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
     sequences = [c.prompt_token_ids + c.token_ids for c in batch]
     before = checks.job_logprob_gap(job, sequences)
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
     with timer.phase("sleep"):
-        kv_cache_freed = colocated_sync.sleep_for_sync(sock, args.sleep_level, frees_kv_cache(args))
+        kv_cache_freed = helpers.sleep_for_sync(sock, args.sleep_level, frees_kv_cache(args))
     loss = None
     if samples:
         with timer.phase("train"):
             loss = ray_get_all([t.train_step.remote(samples) for t in trainers])[0]
     with timer.phase("wake_weights"):
-        colocated_sync.wake_weights(sock, args.sleep_level)
+        helpers.wake_weights(sock, args.sleep_level)
     with timer.phase("send"):
         _, retried = send_all(trainers, sock, job.send_retries,
                               check_failure=partial(raise_node_failure, job.node_servers))
     with timer.phase("wake_kv"):
         if kv_cache_freed:
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
-        colocated_sync.wake_to_serve(sock, kv_cache=kv_cache_freed)
+        helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
     # 7. The proof: every engine holds, bit for bit, what the trainer rank on
     # its GPU sent (checked in a thread of its own, beside the gate); and vLLM now
     # scores the same tokens as the trainer.
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tensor_parallel_size == 1:
             checks.prepare_exact_check(job)
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
-        greedy = colocated_sync.completions(sock, job.served_name, args.prompts, args.max_tokens)
+        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy],
                                                fp8=args.rollout_dtype == "fp8")
@@ -459,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
             rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
-        greedy = colocated_sync.completions(sock, job.served_name, args.prompts, args.max_tokens)
+        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("after the last sync", args.prompts, greedy)
         result = checks.run_result(args, job, rounds, coverage, time_to_first_sync_s)
     return checks.report(args, result)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from proof import exact_check_engine
 from weight_sync import fp8_experts
-import colocated_sync
+import helpers
+from weight_sync import sources
 from weight_sync import models
 from weight_sync import multinode
 from weight_sync.direct_load import TrainerSource
@@ -43,7 +44,7 @@ SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
 def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
-    out = colocated_sync.post_completions(sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0,
+    out = helpers.post_completions(sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0,
                                           extra_body={"prompt_logprobs": 0})  # fmt: skip
     per_position = out.choices[0].prompt_logprobs
     # Position 0 has no context (None); each later entry maps token id -> info
@@ -55,7 +56,7 @@ def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict
     """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns
     {key: sha256}, 'compare' checks against a baseline."""
     body = {"action": action, **({"baseline": baseline} if baseline is not None else {})}
-    return colocated_sync.request(sock, "POST", "/weight_checker", json=body)
+    return helpers.request(sock, "POST", "/weight_checker", json=body)
 
 
 # ---------------------------------------------------------------------------
@@ -133,9 +134,9 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
                 f"error: --packed-buffer-size-bytes {args.packed_buffer_size_bytes} is smaller than "
                 f"the largest parameter, {name} ({size} bytes); pass at least {size}"
             )
-        if problem := packing_problem(colocated_sync.CheckpointForm(meta, torch.bfloat16).metadata):
+        if problem := packing_problem(sources.CheckpointForm(meta, torch.bfloat16).metadata):
             raise SystemExit(f"error: {problem}")
-    if "direct" in loaders and (problem := colocated_sync.direct_loader_problem(meta, args.num_gpus)):
+    if "direct" in loaders and (problem := sources.direct_loader_problem(meta, args.num_gpus)):
         raise SystemExit(f"error: {problem}")
     if args.rollout_dtype == "fp8" and (problem := fp8_problem(meta) or fp8_backend_problem(gpu_capabilities())):
         raise SystemExit(f"error: {problem}")
@@ -146,7 +147,7 @@ def fp8_problem(model: torch.nn.Module) -> str | None:
     or None: it quantizes the routed experts, so a model without fused experts
     would be served as it is; experts with biases are not quantized here
     (vLLM's online FP8 refuses them when it pads the experts to 128)."""
-    experts = colocated_sync.fused_expert_tensors(model)
+    experts = sources.fused_expert_tensors(model)
     if not experts:
         return "--rollout-dtype fp8 serves the routed experts in FP8, and this model has none; drop it"
     if biased := sorted(n for n, p in model.named_parameters() if n.rpartition(".")[0] in
@@ -294,7 +295,7 @@ def logprob_gap(
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
     """The trainer's log-probabilities of `sequences` (every rank runs the forward)."""
-    return colocated_sync.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
+    return helpers.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
 def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) -> KernelNoise | None:
@@ -304,7 +305,7 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) 
     attention implementation."""
     reference = trainer_logprobs(trainers, sequences)
     refs = [t.__ray_call__.remote(other_attention_logprobs, sequences) for t in trainers]
-    other = colocated_sync.ray_get_all(refs)[0]
+    other = helpers.ray_get_all(refs)[0]
     if other is None:
         print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
         if not fp8:
@@ -316,7 +317,7 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) 
         print(f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
               f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}", flush=True)  # fmt: skip
     if fp8:
-        lps = colocated_sync.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
+        lps = helpers.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
         noise.fp8_mean, noise.fp8_quantile = dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps)
         print(f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "
               f"{noise.fp8_mean:.4f}, p{QUANTILE * 100:.0f} {noise.fp8_quantile:.4f} (added to the above: the "
@@ -486,8 +487,8 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
     """The first half of a sync (sleep, wake the weights), then zero every
     vLLM parameter on every DP rank; returns their checksums as zeros. What
     the sync then fails to write stays zero."""
-    colocated_sync.sleep_for_sync(sock, sleep_level)
-    colocated_sync.wake_weights(sock, sleep_level)
+    helpers.sleep_for_sync(sock, sleep_level)
+    helpers.wake_weights(sock, sleep_level)
     weight_checker(sock, "reset")
     return weight_checker(sock, "checksum")["checksums"]
 
@@ -495,9 +496,9 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
 def check_coverage(job, sleep_level: int) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
-    colocated_sync.send_all(job.trainers, job.server.socket_path, job.send_retries,
+    helpers.send_all(job.trainers, job.server.socket_path, job.send_retries,
                             check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
-    colocated_sync.wake_to_serve(job.server.socket_path)
+    helpers.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)
     return result
@@ -521,7 +522,7 @@ def prepare_exact_check(job) -> dict:
     (ExactCheckWorker.exact_check_prepare, exact_check_engine.py). After setting up
     a loader's transfer, before a full sync: it leaves zeros where it probes."""
     sent = measured(job.trainers[:1], "sent_metadata")[0]
-    answers = colocated_sync.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))
+    answers = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))
     answer = answers[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
     # Where each piece of a stacked parameter lands in it: the trainer fingerprints it at those rows.
@@ -614,13 +615,13 @@ def _exact_check(job) -> ExactCheck:
     with what it holds, per parameter, on its GPU."""
     start = time.perf_counter()
     measured(job.trainers, "start_sent_fingerprints")
-    colocated_sync.collective_rpc(job.server.socket_path, "exact_check_start")
+    helpers.collective_rpc(job.server.socket_path, "exact_check_start")
     sums = rank_fingerprints(measured(job.trainers, "sent_fingerprints"))
     trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
-        answer = colocated_sync.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
-    except colocated_sync.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
+        answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
+    except helpers.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: "):].split('"', 1)[0]
@@ -969,7 +970,7 @@ def show_layout(placements: list[dict], num_nodes: int) -> None:
               f"({ranks[0].get('gpu_name', 'no GPU')})", flush=True)  # fmt: skip
 
 
-def show_texts(label: str, prompts: list[str], batch: list[colocated_sync.Completion]) -> None:
+def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
     print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(prompts, batch, strict=True)), sep="\n")
 
 
@@ -1006,7 +1007,7 @@ class PhaseTimer:
 def measure(trainers: list) -> None:
     """On every rank, once setup_weight_transfer has built its sender
     (`trainer.sender`): RankMeasurement. Again after each new setup."""
-    colocated_sync.ray_get_all([t.__ray_call__.remote(_start_measuring) for t in trainers])
+    helpers.ray_get_all([t.__ray_call__.remote(_start_measuring) for t in trainers])
 
 
 def _start_measuring(trainer) -> None:
@@ -1015,7 +1016,7 @@ def _start_measuring(trainer) -> None:
 
 def measured(trainers: list, method: str, *args) -> list:
     """RankMeasurement.<method>(*args) on every rank of `trainers`."""
-    return colocated_sync.ray_get_all([t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers])
+    return helpers.ray_get_all([t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers])
 
 
 def _measurement_call(trainer, method: str, *args):
@@ -1034,7 +1035,7 @@ class RankMeasurement:
         self.send_seconds: dict[str, float] = {}
         self.sent_source = sender.source  # for the exact check: what this rank sends
         self.fingerprinted = FingerprintedSource(TimedSource(sender.source, self.send_seconds))
-        measured = colocated_sync.weight_sender(sender.rank, TimedClient(sender.client.client, self.send_seconds),
+        measured = helpers.weight_sender(sender.rank, TimedClient(sender.client.client, self.send_seconds),
                                                 self.fingerprinted, sender.packed, sender.packed_buffer_size_bytes)
         trainer.sender = TimedSender(measured, self.send_seconds, self.device, unmeasured=sender)
         if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
@@ -1165,7 +1166,7 @@ def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float
     copy in host memory and the experts' own forward back: what FP8 alone
     does to the trainer's log-probabilities."""
     params, saved = dict(trainer.model.named_parameters()), {}
-    fused = colocated_sync.fused_expert_tensors(trainer.model)
+    fused = sources.fused_expert_tensors(trainer.model)
     experts = {trainer.model.get_submodule(name.rpartition(".")[0]) for name in fused}
     try:
         with torch.no_grad():
@@ -1290,7 +1291,7 @@ def _synchronize(device: torch.device) -> None:
 def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
     """For each rank, the process group of the vLLM server on its node (ranks
     go in node order), as `memory` takes them."""
-    per_node = [server.pgid, *colocated_sync.ray_get_all([s.pgid.remote() for s in node_servers],
+    per_node = [server.pgid, *helpers.ray_get_all([s.pgid.remote() for s in node_servers],
                                                          who="a node's server actor")]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 

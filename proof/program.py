@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import ray
 
-from colocated_sync import PlacementError, ServerError, TrainerDied
+from helpers import PlacementError, ServerError, TrainerDied
 from weight_sync.multinode import job_env
 from weight_sync.server_watchdog import proc_stat, start_time
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import colocated_sync
+import helpers
 
 
 def add_arguments(parser) -> None:
@@ -58,7 +58,7 @@ def reward(text: str) -> float:
     return sum(("a" <= c <= "z") or c == " " for c in text) / len(text) if text else 0.0
 
 
-def policy_gradient_samples(batch: list[colocated_sync.Completion]) -> tuple[list[dict], float]:
+def policy_gradient_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float]:
     """Samples for PolicyGradientStep.train_step with advantage = reward - batch mean
     (REINFORCE with a mean baseline), and the mean reward. No samples if every
     advantage is zero: a step would change nothing."""

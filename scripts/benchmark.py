@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the script and its packages
 from proof import checks  # noqa: E402
-import colocated_sync  # noqa: E402
+import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 LOADERS = ("vllm", "direct")
@@ -90,7 +90,7 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
 
     def batch() -> tuple[float, int]:
         def one(rank: int) -> int:
-            out = colocated_sync.post_completions(job.server.socket_path, rank, model=job.served_name,
+            out = helpers.post_completions(job.server.socket_path, rank, model=job.served_name,
                                                   prompt=shares[rank], max_tokens=tokens, temperature=0.0,
                                                   extra_body={"ignore_eos": True})  # fmt: skip
             return out.usage.completion_tokens
@@ -200,18 +200,18 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     sock = job.server.socket_path
     print("=== do the loaders agree? ===", flush=True)
     script.setup_weight_transfer_on_every_rank(job, args, "vllm")
-    colocated_sync.sleep_for_sync(sock, args.sleep_level)
-    colocated_sync.wake_weights(sock, args.sleep_level)
+    helpers.sleep_for_sync(sock, args.sleep_level)
+    helpers.wake_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
-    colocated_sync.wake_to_serve(sock)
-    stored = colocated_sync.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
+    helpers.wake_to_serve(sock)
+    stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     checks.zero_vllm_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
-    colocated_sync.wake_to_serve(sock)
+    helpers.wake_to_serve(sock)
     try:
-        compared = colocated_sync.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
-    except colocated_sync.ServerError as e:
+        compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
+    except helpers.ServerError as e:
         print(f"[agree] NO: {e}", flush=True)
         return {"agree": False, "parameters_per_engine": stored["parameters"], "error": str(e)[:2000]}
     print(f"[agree] yes: {compared['parameters']} parameters per engine, bit for bit", flush=True)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     bench, args = parse_args(argv)
     with script.colocated_job(args, loaders=bench.loaders) as job:
         result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
-        greedy = colocated_sync.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
+        greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
         job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy],
                                                fp8=args.rollout_dtype == "fp8")
         result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None

@@ -5,7 +5,7 @@ loading the default path's way, a checkpoint, without a download).
 
 The preset's config.json and tokenizer (models.build_preset), and random bf16
 weights under the names and in the layout `save_pretrained` writes
-(colocated_sync.CheckpointForm of the model on the meta device: per-expert
+(sources.CheckpointForm of the model on the meta device: per-expert
 tensors for Qwen3-MoE), drawn on the GPU (std 1/sqrt(fan-in), norms 1), in
 safetensors files of about 5 GB with an index. --time-full-read then times
 what the trainer's load did before the per-rank read: one process reading the
@@ -22,14 +22,15 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from weight_sync import models  # noqa: E402
-import colocated_sync  # noqa: E402
+import helpers  # noqa: E402
+from weight_sync import sources  # noqa: E402
 
 FILE_BYTES = 5 * 10**9
 
 
 def main(preset: str, out: str, time_full_read: bool) -> None:
     path = models.build_preset(preset, out)
-    form = colocated_sync.CheckpointForm(models.meta_model(path), torch.bfloat16)
+    form = sources.CheckpointForm(models.meta_model(path), torch.bfloat16)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start, files, batch, batch_bytes, weight_map, total = time.perf_counter(), 0, {}, 0, {}, 0
 

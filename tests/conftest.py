@@ -29,7 +29,7 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 
-import colocated_sync  # noqa: E402
+import helpers  # noqa: E402
 from weight_sync import server_watchdog  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
@@ -58,9 +58,9 @@ def cpu_serve_args(model_dir, *extra, worker: str = "proof.exact_check_engine.Ex
 
 
 def kv_cache_flags(tokens: int) -> list[str]:
-    """What colocated_sync.serve_args adds for a KV cache of `tokens`."""
-    plain = colocated_sync.serve_args(SERVED_NAME, ["0"])
-    return colocated_sync.serve_args(SERVED_NAME, ["0"], kv_cache_tokens=tokens)[len(plain):]
+    """What helpers.serve_args adds for a KV cache of `tokens`."""
+    plain = helpers.serve_args(SERVED_NAME, ["0"])
+    return helpers.serve_args(SERVED_NAME, ["0"], kv_cache_tokens=tokens)[len(plain):]
 
 
 def private_socket_path():
@@ -70,7 +70,7 @@ def private_socket_path():
 
 def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "proof.exact_check_engine.ExactCheckWorker"):
     """`worker`: the worker extension, from here or from tests/."""
-    server = colocated_sync.start_server(
+    server = helpers.start_server(
         cpu_serve_args(model_dir, *extra, worker=worker),
         socket_path=private_socket_path(),
         log_path=tmp_path / "server.log",
@@ -79,9 +79,9 @@ def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "proo
     )
     if wait:
         try:
-            colocated_sync.wait_until_healthy(server, timeout_s=300)
+            helpers.wait_until_healthy(server, timeout_s=300)
         except Exception:
-            colocated_sync.stop_server(server)
+            helpers.stop_server(server)
             raise
     return server
 
@@ -131,8 +131,8 @@ def cpu_server(tiny_checkpoint, tmp_path_factory):
     server = start_cpu_server(tiny_checkpoint, tmp_path_factory.mktemp("server"),
                               *kv_cache_flags(2 * CPU_MAX_MODEL_LEN))  # fmt: skip
     yield server
-    colocated_sync.stop_server(server)
-    assert colocated_sync.group_members(server.pgid) == []  # API server, engine core, worker: all gone
+    helpers.stop_server(server)
+    assert helpers.group_members(server.pgid) == []  # API server, engine core, worker: all gone
 
 
 @pytest.fixture(scope="session")
@@ -223,12 +223,12 @@ def _rank_main(rank, world_size, ports, fn, args):
 
     trainer = script.RLTrainer()
     if rank == 0:
-        port = colocated_sync.open_rendezvous("127.0.0.1", world_size)
+        port = helpers.open_rendezvous("127.0.0.1", world_size)
         for _ in range(world_size - 1):
             ports.put(port)
     else:
         port = ports.get()
-    colocated_sync.join_process_group(rank, world_size, "127.0.0.1", port)
+    helpers.join_process_group(rank, world_size, "127.0.0.1", port)
     fn(trainer, *args)
 
 
@@ -256,7 +256,7 @@ def fresh_cpu_trainers(ray_cluster):
     def start(n=2, **kwargs):
         trainer_cls = kwargs.pop("trainer_cls", script.FSDPTrainer)
         trainers, _ = script.start_trainers(trainer_cls, n, gpus_per_trainer=0, **kwargs)
-        placements = colocated_sync.placements(trainers)
+        placements = helpers.placements(trainers)
         started.append((trainers, [p["pid"] for p in placements]))
         return trainers
 

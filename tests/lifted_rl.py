@@ -17,7 +17,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-import colocated_sync
+import helpers
+from weight_sync import sources
 
 
 class MyTrainer:
@@ -37,7 +38,7 @@ class MyTrainer:
 
     def source_form(self) -> list:
         """What this rank's direct-loader source sends: (name, shape) of each tensor, and the expert blocks."""
-        source = colocated_sync.weight_source(self.model, dist.get_world_size(), "direct")
+        source = sources.weight_source(self.model, dist.get_world_size(), "direct")
         sent = [(name, list(tensor.shape)) for name, tensor in source.tensors()]
         return [sent, {name: list(shape) for name, shape in source.expert_blocks.items()}]
 
@@ -45,11 +46,11 @@ class MyTrainer:
         """What weight_sender's vLLM IPC trainer engine first does on rank 0
         (which it cannot be built without a GPU): the direct loader checks,
         on every engine, the expert blocks this source will send."""
-        source = colocated_sync.weight_source(self.model, dist.get_world_size(), "direct")
-        client = colocated_sync.sync_client(sock, "direct", source, gpu_uuids)
+        source = sources.weight_source(self.model, dist.get_world_size(), "direct")
+        client = sources.sync_client(sock, "direct", source, gpu_uuids)
         try:
             client.init_weight_transfer_engine({"packed": True})
-        except colocated_sync.ServerError as e:
+        except helpers.ServerError as e:
             return f"refused: {e}"
         return "passed"
 
@@ -58,24 +59,24 @@ def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
     socket_path = Path(tempfile.mkdtemp(prefix="lifted-")) / "vllm.sock"
     ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:  # the server starts while the trainers build their models, as in the script
-        with colocated_sync.serving([model_dir, *serve_flags], socket_path=socket_path, log_path="server.log",
+        with helpers.serving([model_dir, *serve_flags], socket_path=socket_path, log_path="server.log",
                                     launcher=tuple(launcher)) as server:  # fmt: skip
-            trainers, _ = colocated_sync.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
-            colocated_sync.ray_get_all([t.shard.remote() for t in trainers])
-            forms = colocated_sync.ray_get_all([t.source_form.remote() for t in trainers])
-            print("ranks", [p["rank"] for p in colocated_sync.placements(trainers)])
+            trainers, _ = helpers.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
+            helpers.ray_get_all([t.shard.remote() for t in trainers])
+            forms = helpers.ray_get_all([t.source_form.remote() for t in trainers])
+            print("ranks", [p["rank"] for p in helpers.placements(trainers)])
             print("same names and shapes on every rank:", forms[0] == forms[1])
             print("expert blocks:", json.dumps(forms[0][1], sort_keys=True))
-            colocated_sync.wait_until_healthy(server, timeout_s=300)
+            helpers.wait_until_healthy(server, timeout_s=300)
             sock = str(server.socket_path)
             # The server has one engine (its GPU id is "" on CPU): one rank per engine (here the driver,
             # unsharded) passes; two ranks each send half of the experts that engine holds whole, which it
             # refuses before any send.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             print("one rank:", MyTrainer(model_dir).check_before_send(sock, [""]))
-            two = colocated_sync.ray_get_all([t.check_before_send.remote(sock, ["", "GPU-1"]) for t in trainers])
+            two = helpers.ray_get_all([t.check_before_send.remote(sock, ["", "GPU-1"]) for t in trainers])
             print("two ranks:", two[0].replace("\n", " ")[:300])
-            print("health:", colocated_sync.health(sock))
+            print("health:", helpers.health(sock))
     finally:
         ray.shutdown()
 

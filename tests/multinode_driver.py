@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from proof import checks  # noqa: E402
-import colocated_sync  # noqa: E402
+import helpers  # noqa: E402
 from weight_sync import models  # noqa: E402
 from weight_sync import multinode  # noqa: E402
 from proof import program  # noqa: E402
@@ -50,7 +50,7 @@ class _SendFailsPartWay:
 
     def send_weights(self) -> None:
         self.count += 1
-        raise colocated_sync.ServerError("POST /collective_rpc timed out (simulated)")
+        raise helpers.ServerError("POST /collective_rpc timed out (simulated)")
 
     def sends(self) -> int:
         return self.count
@@ -120,7 +120,7 @@ def _left_of_node_servers() -> list[str]:
 
 def _interface_with(ip: str) -> str | None:
     """The interface holding `ip`, asked of the kernel (SIOCGIFADDR), not of
-    psutil as colocated_sync.gloo_interface_env does."""
+    psutil as helpers.gloo_interface_env does."""
     import fcntl
     import socket
     import struct
@@ -198,14 +198,14 @@ def main(out_path: str, log_dir: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": multinode.job_env()})
     try:
         seen["driver_node"] = ray.get_runtime_context().get_node_id()
-        seen["one_node_for_two"] = _error_of(lambda: colocated_sync.start_trainers(
+        seen["one_node_for_two"] = _error_of(lambda: helpers.start_trainers(
             script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5))  # fmt: skip
 
-        trainers, pg = colocated_sync.start_trainers(script.FSDPTrainer, 2, num_nodes=2)
-        placements = colocated_sync.placements(trainers)
+        trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2)
+        placements = helpers.placements(trainers)
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
-        seen["all_reduce"] = colocated_sync.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
+        seen["all_reduce"] = helpers.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
         seen["node1_env"] = ray.get(trainers[1].__ray_call__.remote(
             lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}))  # fmt: skip
         checks.show_layout(placements, 2)
@@ -217,14 +217,14 @@ def main(out_path: str, log_dir: str) -> None:
         log = str(Path(log_dir) / "server.log")
 
         # A node's server that exits during the start: the wait ends at once, naming the node.
-        first = colocated_sync.start_server(["m"], socket_path=conftest.private_socket_path(),
+        first = helpers.start_server(["m"], socket_path=conftest.private_socket_path(),
                                      log_path=Path(log_dir) / "head.log", launcher=SLEEPS)  # fmt: skip
         failing = multinode.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
         begin = time.monotonic()
-        seen["failed_start"] = _error_of(lambda: colocated_sync.wait_until_ready(
+        seen["failed_start"] = _error_of(lambda: helpers.wait_until_ready(
             first, [], 120, also_check=partial(multinode.raise_node_failure, failing)))  # fmt: skip
         seen["failed_start_s"] = time.monotonic() - begin
-        colocated_sync.stop_server(first)
+        helpers.stop_server(first)
         multinode.stop_node_servers(failing)
 
         # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
@@ -251,14 +251,14 @@ def main(out_path: str, log_dir: str) -> None:
         while ray.get(running[0].failure.remote()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         seen["died_mid_run"] = _error_of(lambda: multinode.raise_node_failure(
-            running, seen_as=colocated_sync.ServerError("POST /sleep failed")))  # fmt: skip
+            running, seen_as=helpers.ServerError("POST /sleep failed")))  # fmt: skip
         # A send the server fails part way while node 1's server is dead (the first node's still
         # answers): not sent again, and node 1 named at once, as run_round calls send_all.
         with _healthy_api() as sock:
             senders = [_SendFailsPartWay.remote() for _ in range(2)]
             ray.get([s.__ray_ready__.remote() for s in senders])  # their workers' start is not the send's time
             begin = time.monotonic()
-            seen["send_with_a_dead_node"] = _error_of(lambda: colocated_sync.send_all(
+            seen["send_with_a_dead_node"] = _error_of(lambda: helpers.send_all(
                 senders, sock, 2, check_failure=partial(multinode.raise_node_failure, running)))  # fmt: skip
             seen["send_with_a_dead_node_s"] = time.monotonic() - begin
             seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])

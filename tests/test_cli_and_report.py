@@ -13,7 +13,8 @@ import ray
 import torch
 
 from proof import checks
-import colocated_sync
+import helpers
+from weight_sync import sources
 from weight_sync import models
 import rlhf_ipc_fsdp_ep as script
 from proof import toy_rl
@@ -284,13 +285,13 @@ def test_fp8_rollout_refuses_a_machine_without_its_kernels_before_gpu_work():
 def test_fp8_rollout_serve_flags():
     """vLLM quantizes the MoE layers alone, per 128 x 128 block, and serves them through its Triton
     MoE kernel (the layout the direct loader writes); bf16 passes no quantization flag."""
-    fp8 = colocated_sync.serve_args("m", ["0"], rollout_dtype="fp8")
+    fp8 = helpers.serve_args("m", ["0"], rollout_dtype="fp8")
     at = fp8.index("--quantization")
     assert fp8[at : at + 6] == ["--quantization", "online", "--quantization-config", '{"moe": "fp8_per_block"}',
                                 "--moe-backend", "triton"]  # fmt: skip
-    assert not {"--quantization", "--quantization-config", "--moe-backend"} & set(colocated_sync.serve_args("m", ["0"]))
+    assert not {"--quantization", "--quantization-config", "--moe-backend"} & set(helpers.serve_args("m", ["0"]))
     with pytest.raises(ValueError, match="rollout_dtype must be 'bf16' or 'fp8'"):
-        colocated_sync.serve_args("m", ["0"], rollout_dtype="fp16")
+        helpers.serve_args("m", ["0"], rollout_dtype="fp16")
 
 
 def test_benchmark_checks_every_loader_before_gpu_work(tmp_path, capsys):
@@ -493,9 +494,9 @@ def test_reward_and_advantages():
     assert toy_rl.reward("ab c") == 1.0
     assert toy_rl.reward("aB1!") == 0.25
     batch = [
-        colocated_sync.Completion("abcd", [1, 2], [3, 4]),
-        colocated_sync.Completion("AB!!", [1, 2], [5, 6]),
-        colocated_sync.Completion("", [1, 2], []),  # no tokens: nothing to learn from
+        helpers.Completion("abcd", [1, 2], [3, 4]),
+        helpers.Completion("AB!!", [1, 2], [5, 6]),
+        helpers.Completion("", [1, 2], []),  # no tokens: nothing to learn from
     ]
     samples, mean = toy_rl.policy_gradient_samples(batch)
     assert mean == pytest.approx(1 / 3)
@@ -506,7 +507,7 @@ def test_reward_and_advantages():
 def test_equal_rewards_take_no_step():
     """Every advantage zero: a step would change nothing and the round would
     wrongly fail as 'logprobs unchanged'; no samples, so no step is taken."""
-    batch = [colocated_sync.Completion("abc", [1], [3]), colocated_sync.Completion("xyz", [1], [4])]
+    batch = [helpers.Completion("abc", [1], [3]), helpers.Completion("xyz", [1], [4])]
     assert toy_rl.policy_gradient_samples(batch) == ([], 1.0)
 
 
@@ -571,7 +572,7 @@ def test_a_job_that_cannot_place_its_trainers_leaves_a_ray_it_did_not_start_runn
     placement group goes with it, once it has one, is
     test_trainer.py's test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group.)"""
     args = script.parse_args(["--model", "tiny", "--num-gpus", "2"])
-    with pytest.raises(colocated_sync.PlacementError, match="asked for 2 GPUs"):
+    with pytest.raises(helpers.PlacementError, match="asked for 2 GPUs"):
         with script.colocated_job(args):
             pass
     assert ray.is_initialized()
@@ -636,7 +637,7 @@ def test_cli_ends_expected_failures_and_ctrl_c_with_one_line(capsys):
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "error: interrupted; the server and the trainers are stopped\n"
     with pytest.raises(SystemExit) as exit_:
-        script.program.cli(raises(colocated_sync.ServerError("the send failed part way")))
+        script.program.cli(raises(helpers.ServerError("the send failed part way")))
     assert exit_.value.code == "error: the send failed part way"  # printed by Python, exit status 1
     with pytest.raises(SystemExit) as exit_:
         script.program.cli(lambda: 3)
@@ -778,7 +779,7 @@ def test_two_ranks_on_one_gpu_are_refused():
     assert "trainer ranks [0, 2] share GPU GPU-a" in checks.placement_problem(
         [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}])
     with pytest.raises(ValueError, match="two trainer ranks on one GPU"):
-        colocated_sync.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})
+        sources.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})
 
 
 def test_the_step_check_sees_a_change_that_keeps_the_sum_of_the_bits():
@@ -837,7 +838,7 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
     expects of any trainer), and where its time went is kept apart (what
     send_breakdown returns, and judged_round reads into the round's JSON)."""
     trainer, seconds = script.RLTrainer(), {"left from the last send": 1.0}
-    sender = colocated_sync.WeightSender(colocated_sync.FailAfterSend(object()), _SendShape(), None, source=None,
+    sender = helpers.WeightSender(helpers.FailAfterSend(object()), _SendShape(), None, source=None,
                                          rank=0, packed=True, packed_buffer_size_bytes=0)  # fmt: skip
     trainer.sender = checks.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None

@@ -15,7 +15,7 @@ from pathlib import Path
 from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
-LIFT = ["colocated_sync.py"]
+LIFT = ["helpers.py", "weight_sync/sources.py"]
 NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "proof/program.py", "proof/checks.py", "proof/exact_check_engine.py",
               "proof/toy_rl.py", "scripts/benchmark.py"]  # the rows that say "nothing"
 
@@ -55,6 +55,15 @@ def test_the_table_is_there():
     assert [files for files, _ in ROWS][0] == LIFT
     not_copied = sum((files for files, needs in ROWS if not needs and files[0] in NOT_COPIED), [])
     assert sorted(not_copied) == sorted(NOT_COPIED)
+
+
+def test_helpers_imports_nothing_of_this_project(tmp_path):
+    """helpers.py alone in an empty directory imports: whatever of this project it
+    uses, it imports where it uses it (and says so), not when it is imported."""
+    folder = copied(tmp_path / "alone", ["helpers.py"])
+    run = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, '.'); import helpers"],
+                         cwd=folder, capture_output=True, text=True, env=alone(folder), timeout=240)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-1500:]
 
 
 def test_each_row_imports_beside_only_what_it_names(tmp_path):

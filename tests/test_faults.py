@@ -18,7 +18,8 @@ import torch.distributed as dist
 from conftest import start_cpu_server
 
 from proof import checks
-import colocated_sync
+import helpers
+from weight_sync import sources
 from weight_sync import models
 from proof import program
 import rlhf_ipc_fsdp_ep as script
@@ -40,9 +41,9 @@ class FailingSendTrainer(script.FSDPTrainer):
         if self.rank == 0:
             if self.mode == "refused":
                 # A chunk without direct_load_start: the real server refuses it.
-                colocated_sync.DirectLoadClient(self.sock, ["GPU-x"], {}).update_weights(CHUNK)
+                sources.DirectLoadClient(self.sock, ["GPU-x"], {}).update_weights(CHUNK)
             while self.mode == "killed":  # keep talking to the server until it dies
-                colocated_sync.collective_rpc(self.sock, "direct_load_layout")
+                helpers.collective_rpc(self.sock, "direct_load_layout")
         dist.barrier()
 
 
@@ -52,7 +53,7 @@ def send_and_expect_failure(start_trainers, sock, mode, during=None, retries=0):
     if during:
         threading.Timer(2.0, during).start()
     begin = time.monotonic()
-    with pytest.raises(colocated_sync.ServerError) as error:
+    with pytest.raises(helpers.ServerError) as error:
         script.send_all(trainers, sock, retries)
     return str(error.value), time.monotonic() - begin
 
@@ -73,7 +74,7 @@ def dummy_server(tmp_path_factory):
     with contextlib.redirect_stdout(printed):
         server = start_cpu_server(models.build_preset("tiny", folder / "tiny"), folder, "--load-format", "dummy")
     yield server, printed.getvalue()
-    colocated_sync.stop_server(server, grace_s=2)
+    helpers.stop_server(server, grace_s=2)
 
 
 def test_weight_checker_on_a_dummy_weight_server(dummy_server):
@@ -81,20 +82,20 @@ def test_weight_checker_on_a_dummy_weight_server(dummy_server):
     server, printed = dummy_server
     # While it started, its progress was printed from its log: each milestone once, in order.
     progress = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("[server]")]
-    labels = [label for _, label in colocated_sync.START_MILESTONES]
+    labels = [label for _, label in helpers.START_MILESTONES]
     assert {"engines starting", "engines ready", "API server listening"} <= set(progress), progress
     assert progress == sorted(set(progress), key=labels.index), progress
     dummy = checks.weight_checker(server.socket_path, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
     assert checks.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
     # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
-    (stored,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
+    (stored,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
     assert stored == {"dp_rank": 0, "parameters": 21}
-    (same,) = colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    (same,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
     assert same["differ"] == []
     checks.weight_checker(server.socket_path, "reset")
-    with pytest.raises(colocated_sync.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
-        colocated_sync.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
+    with pytest.raises(helpers.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
+        helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
     zeros = checks.weight_checker(server.socket_path, "checksum")["checksums"]
     assert set(zeros) == set(dummy)
     changed = set(checks.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
@@ -108,7 +109,7 @@ def test_weight_checker_on_a_dummy_weight_server(dummy_server):
     ):
         assert f"dp0:pp0:pcp0:tp0:{name}" in changed, sorted(changed)
 
-    assert len(colocated_sync.group_members(server.pgid)) >= 2  # API server + engine core at least
+    assert len(helpers.group_members(server.pgid)) >= 2  # API server + engine core at least
 
 
 def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, dummy_server):
@@ -119,7 +120,7 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, du
     server, _ = dummy_server
 
     def kill_the_engine_core():
-        for pid in colocated_sync.group_members(server.pgid):
+        for pid in helpers.group_members(server.pgid):
             if b"EngineCore" in program.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -128,10 +129,10 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, du
             fresh_cpu_trainers, server.socket_path, "killed", during=kill_the_engine_core, retries=1
         )
     finally:
-        colocated_sync.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
+        helpers.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
     assert seconds < 150  # never the 300 s call timeout, nor the 10-minute collective timeout
     assert message.startswith("the send failed part way (not retried: the server does not answer)")
-    assert colocated_sync.group_members(server.pgid) == [] and not colocated_sync.health(server.socket_path)
+    assert helpers.group_members(server.pgid) == [] and not helpers.health(server.socket_path)
 
 
 class PackedSendShape:
@@ -158,14 +159,14 @@ class PackedSendShape:
 
 
 class FlakySendTrainer(script.FSDPTrainer):
-    """FSDPTrainer's own send_weights (colocated_sync.WeightSender), with the
+    """FSDPTrainer's own send_weights (helpers.WeightSender), with the
     client weight_sender builds (FailAfterSend around the direct loader's
     client, on the real server) and an engine that sends as vLLM's does
     (PackedSendShape)."""
 
     def setup_weight_transfer(self, sock, refusing_sends, *_):
-        client = colocated_sync.FailAfterSend(colocated_sync.DirectLoadClient(sock, ["GPU-x"], {}))
-        self.sender = colocated_sync.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends), None,
+        client = helpers.FailAfterSend(sources.DirectLoadClient(sock, ["GPU-x"], {}))
+        self.sender = helpers.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends), None,
                                                   source=None, rank=self.rank, packed=True, packed_buffer_size_bytes=0)
 
     def send_count(self):
@@ -192,7 +193,7 @@ def test_a_send_that_fails_once_is_sent_again(fresh_cpu_trainers, cpu_server, ca
 def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cpu_server):
     trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=99)
     begin = time.monotonic()
-    with pytest.raises(colocated_sync.ServerError) as error:
+    with pytest.raises(helpers.ServerError) as error:
         script.send_all(trainers, cpu_server.socket_path, retries=2)
     assert time.monotonic() - begin < 150  # not the 10-minute collective timeout
     assert str(error.value).startswith("the send failed part way (3 tries); vLLM holds a mix of old and new")
@@ -202,7 +203,7 @@ def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cp
 
 def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     args = script.parse_args(["--send-retries", "2"])
-    job = script.Job(trainers=[], server=colocated_sync.Server(proc=None, socket_path="", log_path=None), served_name="",
+    job = script.Job(trainers=[], server=helpers.Server(proc=None, socket_path="", log_path=None), served_name="",
                      dp_size=1, architecture="", gpu_name="", gpu_uuids=[])  # fmt: skip
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     assert job.send_retries == 2
@@ -210,12 +211,12 @@ def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     assert job.send_retries == 0
 
 
-def _never_healthy_server(tmp_path, code: str) -> colocated_sync.Server:
+def _never_healthy_server(tmp_path, code: str) -> helpers.Server:
     """A real process in the server's place that never answers /health
     (`code` runs instead of vLLM)."""
     from conftest import private_socket_path
 
-    return colocated_sync.start_server(["m"], socket_path=private_socket_path(), log_path=tmp_path / "server.log",
+    return helpers.start_server(["m"], socket_path=private_socket_path(), log_path=tmp_path / "server.log",
                                 launcher=(sys.executable, "-c", code))  # fmt: skip
 
 
@@ -230,9 +231,9 @@ def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_tr
     begin = time.monotonic()
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="missing has no safetensors files on this node"):
-            colocated_sync.wait_until_ready(server, filling, timeout_s=240)
+            helpers.wait_until_ready(server, filling, timeout_s=240)
     finally:
-        colocated_sync.stop_server(server)
+        helpers.stop_server(server)
     assert time.monotonic() - begin < 120  # not the 240 s timeout
 
 
@@ -246,8 +247,8 @@ def test_a_server_that_dies_while_the_trainers_fill_ends_the_start_at_once(ray_c
     slow_fill = ray.remote(_sleep).remote(120)
     server = _never_healthy_server(tmp_path, "import sys; print('no GPU here'); sys.exit(3)")
     begin = time.monotonic()
-    with pytest.raises(colocated_sync.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
-        colocated_sync.wait_until_ready(server, [slow_fill], timeout_s=240)
+    with pytest.raises(helpers.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
+        helpers.wait_until_ready(server, [slow_fill], timeout_s=240)
     assert time.monotonic() - begin < 90  # not the fill's 120 s
-    colocated_sync.stop_server(server)
+    helpers.stop_server(server)
     ray.cancel(slow_fill, force=True)

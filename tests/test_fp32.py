@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from weight_sync import models
-import colocated_sync
+import helpers
+from weight_sync import sources
 from conftest import run_ranks
 
 PRESETS = ("tiny-deepseek-v3", "tiny-glm4-moe")
@@ -38,7 +39,7 @@ def checkpoints(tmp_path_factory):
         path = models.build_preset(preset, tmp_path_factory.mktemp(preset))
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
         models.init_random_weights(model, seed=2)
-        biases = _biases(colocated_sync.state_tensors(model))
+        biases = _biases(sources.state_tensors(model))
         assert len(biases) == 2  # layers 1 and 2: layer 0 is dense
         for i, (name, bias) in enumerate(biases.items()):
             k = torch.arange(1, bias.numel() + 1) + 16 * i
@@ -65,8 +66,8 @@ def test_meta_model_builds_each_tensor_in_the_dtype_from_pretrained_gives_it(che
 
     for path in checkpoints.values():
         for dtype in (torch.bfloat16, torch.float32):
-            built = colocated_sync.state_tensors(models.meta_model(path, dtype))
-            loaded = colocated_sync.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+            built = sources.state_tensors(models.meta_model(path, dtype))
+            loaded = sources.state_tensors(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
             assert {n: t.dtype for n, t in built.items()} == {n: t.dtype for n, t in loaded.items()}, (path, dtype)
             assert {t.dtype for t in _biases(built).values()} == {torch.float32}
             assert {t.dtype for n, t in built.items() if not n.endswith(BIAS)} == {dtype}
@@ -81,8 +82,8 @@ def test_a_parameter_transformers_keeps_in_fp32_is_built_in_fp32(tiny_checkpoint
 
     monkeypatch.setattr(Qwen3MoeForCausalLM, "_keep_in_fp32_modules_strict", ["mlp.gate.weight"])
     model = models.meta_model(tiny_checkpoint, torch.bfloat16)
-    built = colocated_sync.state_tensors(model)
-    loaded = colocated_sync.state_tensors(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16))
+    built = sources.state_tensors(model)
+    loaded = sources.state_tensors(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16))
     assert {n: t.dtype for n, t in built.items()} == {n: t.dtype for n, t in loaded.items()}
     gates = [f"model.layers.{i}.mlp.gate.weight" for i in (0, 1)]
     assert [n for n, t in built.items() if t.dtype == torch.float32] == gates
@@ -94,15 +95,15 @@ def _build_fill_and_send(trainer, checkpoints, out_dir):
     """For each checkpoint, with bf16 weights and with fp32 masters, from the
     checkpoint and at random: the router biases the trainer (the script's
     build_model and init_weights, under FSDP2) holds, and what it sends
-    (colocated_sync.CheckpointForm, as BF16Source sends it)."""
+    (sources.CheckpointForm, as BF16Source sends it)."""
     seen = {}
     for preset, path in checkpoints.items():
         for lr in (None, 1e-2):
             for random_init in (False, True):
                 trainer.build_model(str(path), lr)
                 trainer.init_weights(str(path), random_init=random_init, seed=4)
-                held = _biases(colocated_sync.state_tensors(trainer.model))
-                form = colocated_sync.CheckpointForm(trainer.model, torch.bfloat16)
+                held = _biases(sources.state_tensors(trainer.model))
+                form = sources.CheckpointForm(trainer.model, torch.bfloat16)
                 seen[preset, lr is not None, random_init] = {
                     "held": {n: t.detach().clone() for n, t in held.items()},
                     "metadata": {n: dtype for n, _, dtype in form.metadata if n.endswith(BIAS)},

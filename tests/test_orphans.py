@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import private_socket_path
 
-import colocated_sync
+import helpers
 from proof import program
 from weight_sync import server_watchdog
 
@@ -47,7 +47,7 @@ def _watchdogs_of(socket_path: str) -> list[int]:
 def _gone_within(pgid: int, timeout_s: float) -> float | None:
     """Seconds until group `pgid` is empty, or None if it is not within timeout_s."""
     start = time.monotonic()
-    while colocated_sync.group_members(pgid):
+    while helpers.group_members(pgid):
         if time.monotonic() - start > timeout_s:
             return None
         time.sleep(0.1)
@@ -58,7 +58,7 @@ def _cleanup(driver: subprocess.Popen, pgid: int | None) -> None:
     driver.kill()
     driver.wait()
     driver.stdout.close()
-    if pgid is not None and colocated_sync.group_members(pgid):
+    if pgid is not None and helpers.group_members(pgid):
         os.killpg(pgid, signal.SIGKILL)
 
 
@@ -68,20 +68,20 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     sock = str(private_socket_path())
     driver = _driver(f"""
         import time
-        import colocated_sync
+        import helpers
         from weight_sync import models, server_watchdog
         from proof import program
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
         model = models.build_preset("tiny", tmp / "tiny")
-        server = colocated_sync.start_server(
+        server = helpers.start_server(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
             env={{"PYTHONPATH": {str(TESTS.parent)!r}}},
         )
         print("pgid", server.pgid, flush=True)
-        colocated_sync.wait_until_healthy(server, timeout_s=240)
+        helpers.wait_until_healthy(server, timeout_s=240)
         print("healthy", flush=True)
         time.sleep(600)
     """)
@@ -89,15 +89,15 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         _read_until(driver, "healthy")
-        assert colocated_sync.health(sock)
-        assert len(colocated_sync.group_members(pgid)) >= 2  # API server + engine core at least
+        assert helpers.health(sock)
+        assert len(helpers.group_members(pgid)) >= 2  # API server + engine core at least
         assert len(_watchdogs_of(sock)) == 1
         driver.kill()  # SIGKILL: no finally, no atexit
         driver.wait()
         took = _gone_within(pgid, 60)  # the watchdog's 10 s grace, then SIGKILL: a loaded machine adds more
-        assert took is not None, f"processes {colocated_sync.group_members(pgid)} of the server outlived the driver"
+        assert took is not None, f"processes {helpers.group_members(pgid)} of the server outlived the driver"
         print(f"server group gone {took:.1f}s after the driver's SIGKILL")
-        assert not colocated_sync.health(sock)
+        assert not helpers.health(sock)
         deadline = time.monotonic() + 30
         while _watchdogs_of(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -137,11 +137,11 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     grace_s = 2.0
     driver = _driver(f"""
         import sys, time
-        import colocated_sync
+        import helpers
         from weight_sync import server_watchdog
         from proof import program
-        colocated_sync._WATCHDOG_GRACE_S = {grace_s}
-        server = colocated_sync.start_server(
+        helpers._WATCHDOG_GRACE_S = {grace_s}
+        server = helpers.start_server(
             [], socket_path={sock!r}, log_path={str(log)!r},
             launcher=(sys.executable, "-c", {STUBBORN_SERVER!r}),
         )
@@ -152,7 +152,7 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     try:
         pgid = int(_read_until(driver, "pgid"))
         _wait_for_line(log, "ready")  # the stubborn child is up, its handler in place
-        members = colocated_sync.group_members(pgid)
+        members = helpers.group_members(pgid)
         assert len(members) == 2 and pgid in members, members  # the leader and the stubborn child
         killed_at = time.monotonic()  # before the kill: the watchdog may act before this process runs again
         driver.kill()
@@ -181,40 +181,40 @@ def test_stop_server_also_ends_the_watchdog(tmp_path):
     """stop_server waits for the watchdog too, and the server's Popen is the
     server itself: its exit code, its pid the group's id."""
     sock = str(private_socket_path())
-    server = colocated_sync.start_server(
+    server = helpers.start_server(
         [], socket_path=sock, log_path=tmp_path / "log", launcher=(sys.executable, "-c", STUBBORN_SERVER)
     )
     try:
         deadline = time.monotonic() + 60
-        while len(colocated_sync.group_members(server.pgid)) < 2 or not _watchdogs_of(sock):
+        while len(helpers.group_members(server.pgid)) < 2 or not _watchdogs_of(sock):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert os.getpgid(server.proc.pid) == server.pgid
         (watchdog,) = _watchdogs_of(sock)
         assert os.getpgid(watchdog) != server.pgid  # outside the group: group_members counts only the server's
-        colocated_sync.stop_server(server, grace_s=1)
-        assert colocated_sync.group_members(server.pgid) == []
+        helpers.stop_server(server, grace_s=1)
+        assert helpers.group_members(server.pgid) == []
         assert server.proc.returncode == -signal.SIGTERM  # the server's own status, not a wrapper's
         assert _watchdogs_of(sock) == []
-        colocated_sync.stop_server(server)  # safe to call twice
+        helpers.stop_server(server)  # safe to call twice
     finally:
-        if colocated_sync.group_members(server.pgid):
+        if helpers.group_members(server.pgid):
             os.killpg(server.pgid, signal.SIGKILL)
 
 
 def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
-    server = colocated_sync.start_server(
+    server = helpers.start_server(
         [], socket_path=private_socket_path(), log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"),
     )  # fmt: skip
     try:
-        colocated_sync.wait_until_healthy(server, timeout_s=120, poll_s=0.1)  # it exits long before
-    except colocated_sync.ServerError as e:
+        helpers.wait_until_healthy(server, timeout_s=120, poll_s=0.1)  # it exits long before
+    except helpers.ServerError as e:
         assert "exited with code 3" in str(e) and "bad flag" in str(e)
     else:
         raise AssertionError("no ServerError")
     finally:
-        colocated_sync.stop_server(server)
+        helpers.stop_server(server)
     assert (tmp_path / "log").read_text().startswith("$ " + sys.executable + " -c ")
 
 
@@ -226,7 +226,7 @@ def _ignored_signals(pid: int) -> set[int]:
 
 
 def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path):
-    """As the script does it (program.hangups_unwind around colocated_sync.serving):
+    """As the script does it (program.hangups_unwind around helpers.serving):
     SIGTERM exits with 143 through the finally blocks, which stop the
     server's whole group; a second SIGTERM during that shutdown is ignored.
 
@@ -239,14 +239,14 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
     go_on = tmp_path / "go-on"
     driver = _driver(f"""
         import time
-        import colocated_sync
+        import helpers
         from weight_sync import models, server_watchdog
         from proof import program
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
         tmp = Path({str(tmp_path)!r})
         model = models.build_preset("tiny", tmp / "tiny")
-        stop_server = colocated_sync.stop_server
+        stop_server = helpers.stop_server
 
         def stop_when_told(server, **kwargs):
             print("stop_server called", flush=True)
@@ -254,13 +254,13 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
                 time.sleep(0.05)
             stop_server(server, **kwargs)
 
-        colocated_sync.stop_server = stop_when_told
-        with program.hangups_unwind(), colocated_sync.serving(
+        helpers.stop_server = stop_when_told
+        with program.hangups_unwind(), helpers.serving(
             cpu_serve_args(model, "--load-format", "dummy"), socket_path={sock!r},
             log_path=tmp / "server.log", launcher=CPU_LAUNCHER,
             env={{"PYTHONPATH": {str(TESTS.parent)!r}}},
         ) as server:
-            colocated_sync.wait_until_healthy(server, timeout_s=240)
+            helpers.wait_until_healthy(server, timeout_s=240)
             print("pgid", server.pgid, flush=True)
             time.sleep(600)
     """)
@@ -272,11 +272,11 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
         _read_until(driver, "stop_server called")  # and waiting for go_on: the shutdown is under way
         assert {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} <= _ignored_signals(driver.pid)
         driver.send_signal(signal.SIGTERM)  # while it stops the server
-        assert colocated_sync.health(sock)  # not stopped yet
+        assert helpers.health(sock)  # not stopped yet
         go_on.touch()
         assert driver.wait(timeout=120) == 128 + signal.SIGTERM  # stop_server: 20 s grace, SIGKILL, the watchdog
-        assert colocated_sync.group_members(pgid) == []  # gone before the driver exited
-        assert not colocated_sync.health(sock) and _watchdogs_of(sock) == []
+        assert helpers.group_members(pgid) == []  # gone before the driver exited
+        assert not helpers.health(sock) and _watchdogs_of(sock) == []
     finally:
         _cleanup(driver, pgid)
 
@@ -290,7 +290,7 @@ def test_sigterm_still_unwinds_after_ray_starts():
     exception from a signal handler but KeyboardInterrupt into exit code 1."""
     driver = _driver("""
         import time
-        import ray, colocated_sync
+        import ray, helpers
         from weight_sync import server_watchdog
         from proof import program
 
@@ -303,7 +303,7 @@ def test_sigterm_still_unwinds_after_ray_starts():
                 program.init_ray()
                 ref = slow.remote()
                 print("ready", flush=True)
-                colocated_sync.ray_get_all([ref], also_check=lambda: None)
+                helpers.ray_get_all([ref], also_check=lambda: None)
             finally:
                 time.sleep(4)  # past the point where Ray's handler aborts
                 ray.shutdown()
@@ -328,7 +328,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
     driver = _driver(f"""
         import os, sys, time
         import ray
-        import colocated_sync
+        import helpers
         from weight_sync import server_watchdog
         from proof import program
         from pathlib import Path
@@ -347,7 +347,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         deadline = time.monotonic() + 120
         while not agents_up(ray_processes := program.descendants(os.getpid())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        server = colocated_sync.start_server(
+        server = helpers.start_server(
             [], socket_path={sock!r}, log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
         )
@@ -382,18 +382,18 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
     driver = _driver(f"""
         import os, sys
         import ray
-        import colocated_sync
+        import helpers
         from weight_sync import server_watchdog
         from proof import program
         from conftest import private_socket_path
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
         ray_processes = program.descendants(os.getpid())
-        server = colocated_sync.start_server(
+        server = helpers.start_server(
             [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
         )
-        colocated_sync.stop_server(server)
+        helpers.stop_server(server)
         alive = [p for p in ray_processes if server_watchdog.start_time(int(p.split(":")[0])) == p.split(":")[1]]
         print("alive", len(alive), len(ray_processes), flush=True)
         ray.shutdown()
@@ -411,13 +411,13 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     later: the watchdog still stops what the caller listed in `also_stop`."""
     driver = _driver(f"""
         import os, signal, subprocess, sys, time
-        import colocated_sync
+        import helpers
         from weight_sync import server_watchdog
         from proof import program
         from conftest import private_socket_path
         from pathlib import Path
         other = subprocess.Popen(["sleep", "300"])  # stands in for Ray's processes
-        server = colocated_sync.start_server(
+        server = helpers.start_server(
             [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
             also_stop=program.descendants(os.getpid(), "sleep"),

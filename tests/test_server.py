@@ -14,13 +14,13 @@ import pytest
 from pathlib import Path
 
 from proof import checks
-import colocated_sync
+import helpers
 from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
 
 
 def test_health_and_sleep_state(cpu_server):
-    assert colocated_sync.health(cpu_server.socket_path)
-    assert colocated_sync.is_sleeping(cpu_server.socket_path) is False
+    assert helpers.health(cpu_server.socket_path)
+    assert helpers.is_sleeping(cpu_server.socket_path) is False
 
 
 def test_the_kv_cache_holds_the_tokens_asked_for_not_the_whole_share(cpu_server):
@@ -30,17 +30,17 @@ def test_the_kv_cache_holds_the_tokens_asked_for_not_the_whole_share(cpu_server)
     import re
 
     tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", cpu_server.log_path.read_text())[1].replace(",", ""))
-    assert 1024 <= tokens <= 1024 * 128 // colocated_sync.KV_BLOCK_TOKENS, tokens
+    assert 1024 <= tokens <= 1024 * 128 // helpers.KV_BLOCK_TOKENS, tokens
 
 
 def test_weight_sync_client_quotes_the_servers_errors(cpu_server):
-    client = colocated_sync.weight_sync_client(cpu_server.socket_path)
+    client = helpers.weight_sync_client(cpu_server.socket_path)
     client.init_weight_transfer_engine({"packed": True})
     client.start_weight_update()
     try:
         # A second start while one is active is refused; the error must carry
         # the server's own explanation, not just "HTTP 500".
-        with pytest.raises(colocated_sync.ServerError, match="(?i)active"):
+        with pytest.raises(helpers.ServerError, match="(?i)active"):
             client.start_weight_update()
     finally:
         client.finish_weight_update()
@@ -52,8 +52,8 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
     from transformers import AutoTokenizer
 
     prompts = ["The capital of France is", "Hello, my name is"]
-    first = colocated_sync.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
-    second = colocated_sync.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    first = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    second = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     for prompt, c in zip(prompts, first, strict=True):
@@ -68,7 +68,7 @@ def test_prompt_logprobs_one_per_token_after_the_first(cpu_server):
     assert all(lp <= 0 for lp in lps)
     assert lps == checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
     # The header really picks an engine: this server has one, so DP rank 1 is refused.
-    with pytest.raises(colocated_sync.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
+    with pytest.raises(helpers.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
         checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
 
 
@@ -77,13 +77,13 @@ def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
     and after waking only the weights; awake after the KV cache and the
     scheduler. (The CPU server accepts the calls; freeing memory needs a GPU.)"""
     sock = cpu_server.socket_path
-    assert colocated_sync.sleep(sock, 2) == {"status": "sleeping", "level": 2}
-    assert colocated_sync.is_sleeping(sock)
-    assert colocated_sync.wake_up(sock, ["weights"])["status"] == "sleeping"
-    assert colocated_sync.is_sleeping(sock)
-    colocated_sync.wake_to_serve(sock)
-    assert not colocated_sync.is_sleeping(sock)
-    assert len(colocated_sync.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    assert helpers.sleep(sock, 2) == {"status": "sleeping", "level": 2}
+    assert helpers.is_sleeping(sock)
+    assert helpers.wake_up(sock, ["weights"])["status"] == "sleeping"
+    assert helpers.is_sleeping(sock)
+    helpers.wake_to_serve(sock)
+    assert not helpers.is_sleeping(sock)
+    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
 def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server):
@@ -91,15 +91,15 @@ def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server
     engine (the CPU build cannot release it, and says so: the GPU runs cover
     the release itself), weights never woken, then serving again."""
     sock = cpu_server.socket_path
-    assert colocated_sync.sleep(sock, 0) == {"status": "sleeping", "level": 0}
-    assert colocated_sync.is_sleeping(sock)
-    with pytest.raises(colocated_sync.ServerError, match="Selective discard is not supported on CPU"):
-        colocated_sync.release_kv_cache(sock)
-    colocated_sync.wake_weights(sock, 0)  # nothing to wake: a wake_up?tags=weights here would leave it asleep
-    assert colocated_sync.is_sleeping(sock)
-    colocated_sync.wake_to_serve(sock)
-    assert not colocated_sync.is_sleeping(sock)
-    assert len(colocated_sync.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    assert helpers.sleep(sock, 0) == {"status": "sleeping", "level": 0}
+    assert helpers.is_sleeping(sock)
+    with pytest.raises(helpers.ServerError, match="Selective discard is not supported on CPU"):
+        helpers.release_kv_cache(sock)
+    helpers.wake_weights(sock, 0)  # nothing to wake: a wake_up?tags=weights here would leave it asleep
+    assert helpers.is_sleeping(sock)
+    helpers.wake_to_serve(sock)
+    assert not helpers.is_sleeping(sock)
+    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
 def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts(cpu_server):
@@ -109,16 +109,16 @@ def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts
     after the sync must not be served from them."""
     sock = cpu_server.socket_path
     prompt = ["Reinforcement learning moves weights into a server after every step. " * 12]
-    colocated_sync.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     hits = prefix_cache_hits(sock)
-    colocated_sync.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     assert prefix_cache_hits(sock) > hits  # the prompt's blocks were cached: the check below can fail
-    assert colocated_sync.sleep_for_sync(sock, 0, free_kv_cache=False) is False  # nothing for wake_to_serve to map back
-    colocated_sync.wake_weights(sock, 0)
-    colocated_sync.wake_to_serve(sock, kv_cache=False)
-    assert not colocated_sync.is_sleeping(sock)
+    assert helpers.sleep_for_sync(sock, 0, free_kv_cache=False) is False  # nothing for wake_to_serve to map back
+    helpers.wake_weights(sock, 0)
+    helpers.wake_to_serve(sock, kv_cache=False)
+    assert not helpers.is_sleeping(sock)
     hits = prefix_cache_hits(sock)
-    colocated_sync.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     assert prefix_cache_hits(sock) == hits
 
 
@@ -127,16 +127,16 @@ def test_a_kv_cache_that_cannot_be_mapped_back_is_explained():
     had freed was taken meanwhile (a soak's round 83, other servers starting)."""
     seen = ('POST /wake_up -> HTTP 500: {"error":{"message":"Call to wake_up method failed: CUDA Error: out of '
             'memory at <path>:163","type":"InternalServerError","param":null,"code":500}}')
-    assert colocated_sync.wake_failure(seen, kv_cache=True) == (
+    assert helpers.wake_failure(seen, kv_cache=True) == (
         "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another process "
         "on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it smaller: " + seen)
-    assert colocated_sync.wake_failure(seen, kv_cache=False) == seen  # the cache was kept: not that
-    assert colocated_sync.wake_failure("POST /wake_up -> HTTP 500: something else", kv_cache=True).endswith("something else")
+    assert helpers.wake_failure(seen, kv_cache=False) == seen  # the cache was kept: not that
+    assert helpers.wake_failure("POST /wake_up -> HTTP 500: something else", kv_cache=True).endswith("something else")
 
 
 def prefix_cache_hits(sock) -> float:
     """vLLM's prefix-cache hit counter (tokens), from GET /metrics."""
-    text = colocated_sync._client(sock).get("/metrics", timeout=10).text
+    text = helpers._client(sock).get("/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
 
@@ -147,7 +147,7 @@ def test_only_this_user_can_reach_the_server(cpu_server):
     folder = os.stat(os.path.dirname(sock))
     assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
     assert stat.S_ISSOCK(os.stat(sock).st_mode)
-    ports = {port for _, port in listening_tcp(colocated_sync.group_members(cpu_server.pgid))}
+    ports = {port for _, port in listening_tcp(helpers.group_members(cpu_server.pgid))}
     # The engines' own sockets (gloo, ZMQ) may listen on loopback: none may speak HTTP. (All asked at
     # once: each that does not answer costs its whole timeout.)
     with ThreadPoolExecutor(max(1, len(ports))) as pool:
@@ -155,7 +155,7 @@ def test_only_this_user_can_reach_the_server(cpu_server):
     assert not any(answers.values()), answers
     assert _connect_as_another_user(sock) == errno.EACCES
     # vLLM's own ZMQ sockets between its processes are in the same private directory.
-    bound = _unix_sockets_of(colocated_sync.group_members(cpu_server.pgid))
+    bound = _unix_sockets_of(helpers.group_members(cpu_server.pgid))
     assert bound and all(os.path.dirname(path) == os.path.dirname(sock) for path in bound), bound
     assert {_connect_as_another_user(path) for path in bound} == {errno.EACCES}
 
@@ -192,12 +192,12 @@ def test_a_socket_folder_others_can_enter_is_refused(tmp_path):
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
-    with pytest.raises(colocated_sync.ServerError, match="private to you"):
-        colocated_sync.start_server(["m"], socket_path=folder / "vllm.sock", log_path=tmp_path / "log")
+    with pytest.raises(helpers.ServerError, match="private to you"):
+        helpers.start_server(["m"], socket_path=folder / "vllm.sock", log_path=tmp_path / "log")
 
 
 def test_server_that_dies_at_start_reports_its_log(tmp_path):
-    with pytest.raises(colocated_sync.ServerError, match="exited with code") as err:
+    with pytest.raises(helpers.ServerError, match="exited with code") as err:
         start_cpu_server(tmp_path / "no-such-model", tmp_path)
     assert "no-such-model" in str(err.value)  # the log tail names the cause
 
@@ -222,24 +222,24 @@ def _ignores_sigterm(pid: int) -> bool:
 
 
 def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
-    server = colocated_sync.start_server(
+    server = helpers.start_server(
         [], socket_path=private_socket_path(), log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", FAKE_SERVER),
     )  # fmt: skip
     try:
-        with pytest.raises(colocated_sync.ServerError, match="not healthy after"):
-            colocated_sync.wait_until_healthy(server, timeout_s=2)
+        with pytest.raises(helpers.ServerError, match="not healthy after"):
+            helpers.wait_until_healthy(server, timeout_s=2)
         # Not a fixed wait: on a loaded machine the fake server may not have started its child
         # yet, or the child not yet ignored SIGTERM (a SIGTERM would then end it, proving nothing).
         deadline = time.monotonic() + 60
-        while not ((members := colocated_sync.group_members(server.pgid)) and len(members) == 2
+        while not ((members := helpers.group_members(server.pgid)) and len(members) == 2
                    and all(_ignores_sigterm(pid) for pid in members if pid != server.pgid)):  # fmt: skip
             assert time.monotonic() < deadline, f"the fake server's group is {members}"
             time.sleep(0.1)
-        colocated_sync.stop_server(server, grace_s=1)
-        assert colocated_sync.group_members(server.pgid) == []
+        helpers.stop_server(server, grace_s=1)
+        assert helpers.group_members(server.pgid) == []
     finally:
-        if colocated_sync.group_members(server.pgid):
+        if helpers.group_members(server.pgid):
             os.killpg(server.pgid, signal.SIGKILL)
 
 
@@ -283,21 +283,21 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
     # 4 s: connections idle over 2 s are dropped, so that a loaded machine's pauses between the
     # five calls below (a few hundred ms at worst) do not drop one; the idle wait is 2.5 s.
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "4")
-    server = colocated_sync.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
+    server = helpers.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
                                          launcher=(sys.executable, "-c", COUNTING_SERVER))  # fmt: skip
     try:
-        colocated_sync.wait_until_healthy(server, timeout_s=120)
+        helpers.wait_until_healthy(server, timeout_s=120)
         sock = server.socket_path
-        seen = [colocated_sync.request(sock, "GET", "/connections")["connections"] for _ in range(5)]
+        seen = [helpers.request(sock, "GET", "/connections")["connections"] for _ in range(5)]
         assert seen == [seen[0]] * 5, seen  # one connection for all five
         time.sleep(2.5)  # idle past half the keep-alive timeout
-        assert colocated_sync.request(sock, "GET", "/connections")["connections"] == seen[0] + 1
-        with pytest.raises(colocated_sync.ServerError, match="HTTP 500"):
-            colocated_sync.request(sock, "GET", "/fail")
-        assert colocated_sync.request(sock, "GET", "/connections")["connections"] == seen[0] + 2
+        assert helpers.request(sock, "GET", "/connections")["connections"] == seen[0] + 1
+        with pytest.raises(helpers.ServerError, match="HTTP 500"):
+            helpers.request(sock, "GET", "/fail")
+        assert helpers.request(sock, "GET", "/connections")["connections"] == seen[0] + 2
     finally:
-        colocated_sync.stop_server(server)
-    assert (os.getpid(), server.socket_path) not in colocated_sync._clients
+        helpers.stop_server(server)
+    assert (os.getpid(), server.socket_path) not in helpers._clients
 
 
 ENV_SERVER = """
@@ -308,10 +308,10 @@ print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 
 
 def _server_env(tmp_path, **start_kwargs) -> dict:
-    server = colocated_sync.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
+    server = helpers.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
                                          launcher=(sys.executable, "-c", ENV_SERVER), **start_kwargs)  # fmt: skip
     server.proc.wait(timeout=120)
-    colocated_sync.stop_server(server)
+    helpers.stop_server(server)
     line = next(line for line in server.log_path.read_text().splitlines() if line.startswith("ENV "))
     return json.loads(line[4:])
 
@@ -319,12 +319,12 @@ def _server_env(tmp_path, **start_kwargs) -> dict:
 def test_the_servers_environment_takes_the_fast_start_defaults_unless_told_otherwise(tmp_path, monkeypatch):
     """The engines forked and one Triton cache, unless this process's
     environment (or `env`) says otherwise; the dev routes always on; Ray's GPU mask dropped."""
-    for key in colocated_sync.SERVER_ENV_DEFAULTS:
+    for key in helpers.SERVER_ENV_DEFAULTS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert _server_env(tmp_path) == {**colocated_sync.SERVER_ENV_DEFAULTS, "VLLM_SERVER_DEV_MODE": "1",
+    assert _server_env(tmp_path) == {**helpers.SERVER_ENV_DEFAULTS, "VLLM_SERVER_DEV_MODE": "1",
                                      "CUDA_VISIBLE_DEVICES": None}  # fmt: skip
-    assert colocated_sync.SERVER_ENV_DEFAULTS["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert helpers.SERVER_ENV_DEFAULTS["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
     seen = _server_env(tmp_path, env={"TRITON_CACHE_DIR": "/elsewhere"})
@@ -353,8 +353,8 @@ def test_a_socket_directory_too_long_for_vllms_own_sockets_is_refused(tmp_path):
 
     deep = Path(tempfile.mkdtemp(prefix="d" * (71 - len(tempfile.gettempdir()) - 1)))  # 71 bytes in all
     try:
-        with pytest.raises(colocated_sync.ServerError, match="too long for vLLM's own sockets"):
-            colocated_sync.start_server(["m"], socket_path=deep / "s", log_path=tmp_path / "log")
+        with pytest.raises(helpers.ServerError, match="too long for vLLM's own sockets"):
+            helpers.start_server(["m"], socket_path=deep / "s", log_path=tmp_path / "log")
     finally:
         deep.rmdir()
 

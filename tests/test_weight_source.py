@@ -16,7 +16,8 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
     from vllm.distributed.weight_transfer.base import WeightSource
 
     from proof import checks
-    import colocated_sync
+    import helpers
+    from weight_sync import sources
     from proof import exact_check_engine
 
     trainer.build_model(str(ckpt))
@@ -47,7 +48,7 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         if loader == "direct":  # what weight_sender packs when the expert blocks go in place: all else
             blocks = list(source.expert_blocks)
             assert names[-len(blocks):] == blocks  # the blocks come last
-            part = colocated_sync.PackedPart(source, len(names) - len(blocks))
+            part = sources.PackedPart(source, len(names) - len(blocks))
             # (each taken as the packed producer takes it: copied before the next; not fresh, it would not last)
             packed = [(n, t.clone()) for n, t in (part.iter_full() if "iter_full" in vars(WeightSource) else part)]
             assert [n for n, _ in packed] == [m.name for m in part.metadata] == names[: -len(blocks)]
@@ -109,19 +110,20 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     takes, and either way the same values."""
     from test_families import build_model
 
-    import colocated_sync
+    import helpers
+    from weight_sync import sources
     from weight_sync import direct_load
 
     hf = build_model("gpt_oss", device="cpu")
-    fused = dict(colocated_sync.CheckpointForm(hf, torch.bfloat16))
+    fused = dict(sources.CheckpointForm(hf, torch.bfloat16))
     # What the trainer holds: FSDP2's fully_shard gives the model a subclass of its own,
     # FSDPGptOssForCausalLM, which must not matter. (This one instance only.)
     hf.__class__ = type(f"FSDP{type(hf).__name__}", (type(hf),), {})
-    as_installed = dict(iter(colocated_sync.BF16Source(hf)))
+    as_installed = dict(iter(sources.BF16Source(hf)))
     if not direct_load._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
         assert list(as_installed) == list(fused)
     monkeypatch.setattr(direct_load, "_takes_gpt_oss_experts_one_by_one", lambda: True)
-    source = colocated_sync.BF16Source(hf)
+    source = sources.BF16Source(hf)
     split = dict(iter(source))
     assert [m.name for m in source.metadata] == list(split)
     prefix = "model.layers.0.mlp.experts"
@@ -148,49 +150,50 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from proof import checks
-    import colocated_sync
+    import helpers
+    from weight_sync import sources
     from test_families import build_model
 
     given = []
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init",
                         staticmethod(lambda info, client, source: given.append((client, source)) or object()))
-    monkeypatch.setattr(colocated_sync.ExpertsInPlace, "possible", staticmethod(lambda blocks: True))
+    monkeypatch.setattr(sources.ExpertsInPlace, "possible", staticmethod(lambda blocks: True))
     model = build_model("qwen3_moe", device="cpu")
-    source, other = colocated_sync.LocalExpertSource(model, 1), colocated_sync.LocalExpertSource(model, 1)
+    source, other = sources.LocalExpertSource(model, 1), sources.LocalExpertSource(model, 1)
     names, blocks = [m.name for m in source.metadata], list(source.expert_blocks)
     assert names[-len(blocks):] == blocks and source.experts_in_place.names == blocks
 
     def packed(client, from_source=source) -> list[str]:
-        sender = colocated_sync.weight_sender(0, client, from_source)
+        sender = helpers.weight_sender(0, client, from_source)
         assert given[-1][0] is sender.client and sender.source is from_source
         return [m.name for m in given[-1][1].metadata]
 
-    direct = colocated_sync.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks, source.experts_in_place)
+    direct = sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks, source.experts_in_place)
     assert packed(direct) == names[: -len(blocks)]
     assert packed(checks.TimedClient(direct, {})) == names[: -len(blocks)]
-    assert packed(colocated_sync.weight_sync_client("/nowhere/vllm.sock")) == names
-    assert packed(colocated_sync.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
+    assert packed(helpers.weight_sync_client("/nowhere/vllm.sock")) == names
+    assert packed(sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
     assert packed(direct, from_source=other) == names
     # What a send's chunks carry in all (the client tells the last chunk by it): the packed part's bytes.
     def nbytes(metadata) -> int:
         return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
 
-    in_place = colocated_sync.sync_client("/nowhere/vllm.sock", "direct", source, [""])
+    in_place = sources.sync_client("/nowhere/vllm.sock", "direct", source, [""])
     packed(in_place)
     assert in_place.packed_bytes == nbytes(given[-1][1].metadata) < nbytes(source.metadata)
     none_in_place = SimpleNamespace(metadata=source.metadata, expert_blocks=source.expert_blocks)
-    all_packed = colocated_sync.sync_client("/nowhere/vllm.sock", "direct", none_in_place, [""])
+    all_packed = sources.sync_client("/nowhere/vllm.sock", "direct", none_in_place, [""])
     assert all_packed.experts_in_place is None and all_packed.packed_bytes == nbytes(source.metadata)
     with pytest.raises(ValueError, match="build the client for this source"):  # its last chunk would come early
-        colocated_sync.weight_sender(0, in_place, other)  # (other's blocks are not the client's: packed too)
+        helpers.weight_sender(0, in_place, other)  # (other's blocks are not the client's: packed too)
 
-    trainer = SimpleNamespace(sender=colocated_sync.weight_sender(0, direct, source), device=torch.device("cpu"),
+    trainer = SimpleNamespace(sender=helpers.weight_sender(0, direct, source), device=torch.device("cpu"),
                               model=model, optimizer=None)  # fmt: skip
     for _ in range(2):  # a second measure, with no setup between: still one layer of each
         checks._start_measuring(trainer)
         client, engine_source = given[-1]
         assert isinstance(client.client, checks.TimedClient) and client.client._client is direct
-        assert isinstance(engine_source, colocated_sync.PackedPart)
+        assert isinstance(engine_source, sources.PackedPart)
         fingerprinted = engine_source._source
         assert isinstance(fingerprinted, checks.FingerprintedSource) and fingerprinted._source._source is source
         assert isinstance(trainer.sender, checks.TimedSender)

@@ -537,7 +537,7 @@ def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tenso
 def _unpickle(payload: str) -> dict:
     # The same rule as vLLM's IPC engine: pickled handles only when the server
     # was told to accept them (rlhf_ipc_fsdp_ep.py's server listens on a Unix
-    # socket that only its user can reach; see colocated_sync.start_server).
+    # socket that only its user can reach; see helpers.start_server).
     if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
         raise ValueError("refusing to unpickle the update without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
     return pickle.loads(base64.b64decode(payload))

@@ -20,7 +20,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import colocated_sync
+import helpers
+from weight_sync import sources
 from weight_sync.model_families import FAMILIES
 
 _QWEN3_MOE_COMMON = {
@@ -239,7 +240,7 @@ def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
     if not (plan := model._get_dtype_plan(dtype)):
         return
     pattern, glob_of_group, _ = build_glob_alternation(list(plan))
-    for name, tensor in colocated_sync.state_tensors(model).items():
+    for name, tensor in sources.state_tensors(model).items():
         if not tensor.is_floating_point() or not (match := pattern.search(name)):
             continue
         want = plan[glob_of_group[match.lastgroup]]
@@ -267,7 +268,7 @@ def context_length(model_path: str | os.PathLike) -> int | None:
 def has_experts(model_path: str | os.PathLike) -> bool:
     """Whether the model has fused expert tensors (a MoE): vLLM refuses
     --enable-expert-parallel for a model without experts."""
-    return bool(colocated_sync.fused_expert_tensors(meta_model(model_path)))
+    return bool(sources.fused_expert_tensors(meta_model(model_path)))
 
 
 def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
@@ -296,7 +297,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     same on every rank, so that a sync that misses one shows."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     params = dict(model.named_parameters())
-    for i, (name, buf) in enumerate(colocated_sync.state_tensors(model).items()):
+    for i, (name, buf) in enumerate(sources.state_tensors(model).items()):
         if name not in params and buf.is_floating_point():
             gen = torch.Generator(device=buf.device).manual_seed(seed * 1_000_003 + i)
             buf.normal_(0.0, 0.01, generator=gen)
@@ -426,7 +427,7 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
     # FSDP2 splits like torch.chunk: a rank can hold no rows of a tensor (16 ranks, 60 experts), and
     # then transformers, reading none of its sources, reports it missing or unconvertible.
-    empty = {n for n, t in colocated_sync.state_tensors(model).items()
+    empty = {n for n, t in sources.state_tensors(model).items()
              if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0}  # fmt: skip
     problems = {"missing": sorted(info.missing_keys - tied - empty), "of another shape": sorted(info.mismatched_keys),
                 "not converted": sorted(set(info.conversion_errors) - empty)}  # fmt: skip

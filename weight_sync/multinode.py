@@ -1,5 +1,5 @@
-"""More than one node for colocated_sync.py: the vLLM servers of the other
-nodes. The module to copy beside colocated_sync.py (and its three files)
+"""More than one node for helpers.py: the vLLM servers of the other
+nodes. The module to copy beside helpers.py (and its three files)
 when the trainers and one vLLM server span several nodes of a Ray cluster;
 on one node it is not needed.
 
@@ -8,10 +8,10 @@ where the driver runs, serves the API and its engines; every other node runs
 its engines alone (`vllm serve --headless`), started and owned by a NodeServer
 actor in that node's bundle of the trainers' placement group. Each engine still
 reads the CUDA IPC buffer of the trainer rank on its own GPU. A server that
-exits on any node is named (raise_node_failure) through colocated_sync's
+exits on any node is named (raise_node_failure) through helpers's
 checks: wait_until_ready's `also_check` and send_all's `check_failure`.
 
-On the driver, with colocated_sync's names (start_trainers handles the nodes):
+On the driver, with helpers's names (start_trainers handles the nodes):
 
     trainers, pg = start_trainers(MyTrainer, num_gpus, num_nodes, trainer_args=(...))
     ranks = placements(trainers)                                   # in node order, rank 0 on this node
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import ray
 
-from colocated_sync import (DEFAULT_LAUNCHER, ServerError, death_cause, gloo_interface_env, log_tail, ray_get_all,
+from helpers import (DEFAULT_LAUNCHER, ServerError, death_cause, gloo_interface_env, log_tail, ray_get_all,
                             start_server, stop_server)  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Start the vLLM server so that it cannot outlive the process that started it
-(colocated_sync.start_server runs this; it is not meant to be run by hand).
+(helpers.start_server runs this; it is not meant to be run by hand).
 
     python server_watchdog.py ALIVE_FD DONE_FD GRACE_S [ALSO] -- CMD [ARGS...]
 
@@ -38,7 +38,7 @@ import time
 def proc_stat(pid: int | str) -> list[bytes] | None:
     """The fields of /proc/PID/stat after the process name (state, ppid,
     pgrp, ...; start time is [19]), None if the process is gone. Bytes: a
-    process name need not be UTF-8. (colocated_sync and the tests use it too.)"""
+    process name need not be UTF-8. (helpers and the tests use it too.)"""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()

@@ -1,0 +1,599 @@
+"""What a trainer rank sends, beside helpers.py: its weights in checkpoint
+form (CheckpointForm, BF16Source: what vLLM's own loader reads, every family's
+names, persistent buffers included, gathered one FSDP module at a time) and the
+direct loader's trainer half (LocalExpertSource: each rank's own expert blocks
+without a gather, ExpertsInPlace: those blocks copied by the engine straight
+from the trainer's memory, DirectLoadClient: the chunks handed to the server's
+direct_load.py). A trainer rank builds its sender with them:
+
+    source = weight_source(model, world_size, "direct")     # or "vllm": vLLM's own loader
+    client = sync_client(sock, "direct", source, trainer_gpu_uuids)
+    sender = helpers.weight_sender(rank, client, source)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta
+
+from helpers import collective_rpc, metadata_bytes, weight_sync_client
+from weight_sync.direct_load import TrainerSource, vllm_load_form
+
+
+def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct") -> TrainerSource:
+    """What vLLM receives from a rank of `model` (FSDP2 over `world_size`
+    ranks, or whole on one), in bf16 whatever the master dtype: for the
+    direct loader, each rank's own experts and the rest whole
+    (LocalExpertSource); for vLLM's loader, the checkpoint form (BF16Source)."""
+    return LocalExpertSource(model, world_size) if loader == "direct" else BF16Source(model)
+
+
+def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids: list[str]):
+    """Whom rank 0 tells about each chunk: the direct loader or vLLM's weight
+    routes. The direct loader's client, when weight_sender builds vLLM's
+    engine, first has every engine check that it holds the expert blocks
+    `source` will send and that a trainer rank is on its GPU."""
+    if loader == "direct":
+        in_place = getattr(source, "experts_in_place", None)
+        skipped = set(in_place.names) if in_place is not None else set()  # (weight_sender sends them in place)
+        packed_bytes = metadata_bytes(m for m in source.metadata if m.name not in skipped)
+        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes)
+    return weight_sync_client(sock)
+
+
+class DirectLoadClient:
+    """The same calls as vLLM's HTTPVLLMWeightSyncClient, sent to the server's
+    direct loader (direct_load.py) through /collective_rpc instead of vLLM's
+    weight routes. `expert_blocks` ({name: shape} of the expert blocks each
+    rank will send) is checked against every engine when vLLM's IPC engine is
+    built, so a layout the server cannot take fails before any send.
+    The send's first chunk also starts the sync on the engines, and
+    `packed_bytes`, if given, is what a send's chunks carry in all: the chunk
+    that completes it also finishes the sync. A send of one chunk is one
+    round trip."""
+
+    def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple],
+                 experts_in_place: ExpertsInPlace | None = None, packed_bytes: int | None = None) -> None:  # fmt: skip
+        if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
+            raise ValueError(f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader "
+                             "needs one rank per GPU")  # fmt: skip
+        self.sock = sock
+        self.trainer_gpu_uuids = list(trainer_gpu_uuids)
+        self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
+        self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
+        self.packed_bytes = packed_bytes
+        self._start: dict | None = None  # what the engines' direct_load_start takes, until a call carries it
+        self._left: int | None = None  # what this send's chunks have still to carry
+        self._finished: dict | None = None  # what the last chunk's finish reported
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        if not init_info.get("packed"):
+            raise ValueError("the direct loader reads packed IPC buffers: use packed=True")
+        expected = {"blocks": self.expert_blocks, "dtype": "bfloat16", "trainer_gpu_uuids": self.trainer_gpu_uuids}
+        collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
+
+    def start_weight_update(self) -> dict:
+        """Start a send; the engines start with its first chunk (with
+        experts in place, each engine then copies its trainer rank's expert
+        blocks from the trainer's memory). Asks the server nothing."""
+        self._left, self._finished = self.packed_bytes, None
+        handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
+        self._start = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles} if handles else {}
+        return {}
+
+    def update_weights(self, update_info: dict) -> dict:
+        """One chunk (the first one also starts the sync, the last one also
+        finishes it); returns what the first DP engine reports of it."""
+        if self._left is not None:
+            self._left -= sum(update_info["tensor_sizes"])
+        update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids, "last": self._left == 0}
+        if self._start is not None:
+            update["start"], self._start = self._start, None
+        result = collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
+        self._finished = result.get("finished")
+        return result
+
+    def finish_weight_update(self, weight_version: str | None = None) -> dict:
+        """Process what the send wrote, unless its last chunk did; returns
+        what the first DP engine reports of it."""
+        finished, self._finished, self._left = self._finished, None, None
+        if finished is not None:
+            return finished
+        if self._start is not None:  # a send without chunks: start it now
+            start, self._start = self._start, None
+            collective_rpc(self.sock, "direct_load_start", _pickled(start) if start else "")
+        return collective_rpc(self.sock, "direct_load_finish")[0]
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
+
+
+def _pickled(value) -> str:
+    """`value` as the direct loader takes it: pickled (CUDA IPC handles), in base64."""
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(value)).decode()
+
+
+# ===========================================================================
+# What a trainer rank sends: the tensors `save_pretrained` would write
+# ===========================================================================
+
+# vLLM's loaders are written against checkpoints on disk, and transformers 5
+# keeps many models in another form in memory (Mixtral's per-expert w1/w2/w3
+# files become one fused `mlp.experts.gate_up_proj`; DeepSeek-V3's router bias
+# is a buffer, which `named_parameters()` never yields). Rather than a table
+# per family, ask transformers: what `save_pretrained` writes is `state_dict()`
+# minus tied copies, through `revert_weight_conversion`. CheckpointForm does
+# the same one group of tensors at a time, each FSDP2 module gathered once.
+# The direct loader's fast path also needs the in-memory fused experts in
+# vLLM's layout (fused_expert_tensors, direct_loader_problem) and the vLLM
+# layer each belongs to (expert_block_names); tests/test_families.py checks
+# both against vLLM's own models.
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` starts from, without copying anything:
+    parameters and persistent buffers under their `state_dict()` names, each
+    tied weight once (the name `named_parameters()` keeps, which is the tie's
+    source, e.g. `model.embed_tokens.weight`), minus `_keys_to_ignore_on_save`.
+    Values are the live (possibly DTensor or meta) tensors."""
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(prefix=prefix, recurse=False):
+            leaf = name.rpartition(".")[2]
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                out.setdefault(name, buf)
+    return {k: v for k, v in out.items() if k not in ignore}
+
+
+def _conversions(model: torch.nn.Module) -> None:
+    """Attach transformers' conversion list to `model` once, as
+    `from_pretrained` does (`revert_weight_conversion` would otherwise rebuild
+    it on every call: the same list, minus PrefixChange, which it drops for a
+    model not loaded from a checkpoint)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    if getattr(model, "_weight_conversions", None) is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+        model._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)] or None
+
+
+def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    _conversions(model)
+    return revert_weight_conversion(model, tensors)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
+    """In-memory names grouped so that each group reverts on its own: every
+    name alone, except names whose reversal writes the same checkpoint name
+    (a checkpoint tensor that `from_pretrained` split into several, such as a
+    fused qkv). Computed on meta tensors: no data is touched."""
+    state = state_tensors(model)
+    owners: dict[str, list[str]] = defaultdict(list)
+    for name, t in state.items():
+        for out in _revert(model, {name: _meta(t)}):
+            owners[out].append(name)
+    # union the names that share an output (a tiny union-find over names)
+    parent = {name: name for name in state}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            n = parent[n]
+        return n
+
+    for names in owners.values():
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in state:
+        groups[root(name)].append(name)
+    return list(groups.values())
+
+
+def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype | None):
+    """`dtype` for floating tensors, except those transformers keeps in fp32
+    whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. the
+    routers' e_score_correction_bias), which vLLM also holds in fp32."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor.dtype
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    if keep and re.search("|".join(re.escape(k) for k in keep), name):
+        return torch.float32
+    return dtype
+
+
+class CheckpointForm:
+    """The checkpoint form of `model`, worked out once from its structure
+    (meta tensors: no data touched) and produced on demand, one conversion
+    group at a time; under FSDP2 one all-gather per FSDP module (its
+    `unshard()`), not one per parameter:
+
+        form = CheckpointForm(model, torch.bfloat16)
+        form.metadata                   # [(checkpoint name, shape, dtype)], in order
+        for name, tensor in form: ...   # the same tensors, with their data
+        form.origins                    # each one's (module, attribute), if it is that tensor cast
+
+    `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
+    names to leave out (a caller sending those its own way); `fresh`: every
+    tensor stays valid while the consumer keeps it (a copy of what FSDP
+    gathered, or the parameter itself where nothing is gathered); else,
+    where no cast is needed, what FSDP gathered, valid only until the next
+    tensor is taken (for a consumer that copies each at once). A group that
+    transformers' conversion leaves as it is (one tensor, same name and shape:
+    most of them) skips the conversion on every sync."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=(),
+                 fresh: bool = True) -> None:  # fmt: skip
+        self._model, self._dtype, self._fresh = model, dtype, fresh
+        state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
+        self._groups, self._unchanged, self._owners, self._group_metadata, renamed = [], [], [], [], []
+        for group in conversion_groups(model):
+            if set(group) & excluded:
+                if not set(group) <= excluded:  # would drop a tensor nobody sends
+                    raise ValueError(f"{sorted(set(group) - excluded)} convert together with "
+                                     f"{sorted(set(group) & excluded)}, which are sent another way")  # fmt: skip
+                continue
+            meta = {n: _meta(state[n]) for n in group}
+            out = _revert(model, meta)
+            self._groups.append(group)
+            self._unchanged.append(list(out) == group and all(out[n] is meta[n] for n in group))
+            renamed.append(len(group) == len(out) == 1 and next(iter(out.values())) is meta[group[0]])
+            metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
+            self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
+            self._group_metadata.append(metadata)
+        # Where each tensor lives (module, attribute), found once: FSDP2 swaps the attribute
+        # for the unsharded parameter while its module is unsharded, so it is read on every sync.
+        self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                       for group in self._groups for n in group}  # fmt: skip
+        # Each tensor's origin where it is one model tensor, cast or renamed (its whole under FSDP2):
+        # (module, attribute); or one expert's piece of a fused expert tensor: (module, attribute,
+        # (expert, first row of dim 1, rows)); None where a conversion makes it from others.
+        fused = fused_expert_tensors(model)
+        origins = []
+        for group, metadata, unchanged, only_renamed in zip(self._groups, self._group_metadata, self._unchanged,
+                                                            renamed, strict=True):  # fmt: skip
+            if unchanged or only_renamed:
+                origins.append([self._where[name] for name in group])
+            else:
+                origins.append(_expert_origins(group, metadata, self._where, fused))
+        order = _gather_order(self._owners)
+        # Each group's tensors' dtypes as sent, by name: worked out here, not on every sync.
+        dtypes = [{name: dtype for name, _, dtype in metadata} for metadata in self._group_metadata]
+        self._groups, self._unchanged, self._owners, self._dtypes = (
+            [x[i] for i in order] for x in (self._groups, self._unchanged, self._owners, dtypes))  # fmt: skip
+        self.metadata = [m for i in order for m in self._group_metadata[i]]
+        self.origins = [o for i in order for o in origins[i]]
+
+    @torch.no_grad()
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        unsharded = None  # the FSDP2 module whose parameters are gathered now
+        try:
+            for group, unchanged, owner, dtypes in zip(self._groups, self._unchanged, self._owners, self._dtypes,
+                                                       strict=True):  # fmt: skip
+                if owner is not unsharded:
+                    if unsharded is not None:
+                        unsharded.reshard()
+                    if owner is not None:
+                        owner.unshard()  # one all-gather for all its parameters, in its compute dtype
+                    unsharded = owner
+                gathered = {n: _full(getattr(*self._where[n])).detach() for n in group}
+                if owner is not None and (wrong := {t.dtype for t in gathered.values()} - {self._dtype, torch.float32}):
+                    raise ValueError(f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
+                                     f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}")  # fmt: skip
+                for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
+                    # Fresh: a copy of what FSDP gathered, since reshard() frees its memory
+                    # and a consumer may keep what it was given (vLLM's unpacked send does).
+                    yield name, t.to(dtypes[name], copy=self._fresh and owner is not None)
+                del gathered
+        finally:  # also when the consumer stops early: the module's own (sharded) parameters back
+            if unsharded is not None:
+                unsharded.reshard()
+
+
+# Which rows of a fused expert tensor ([E, 2I, H] gate rows then up rows; [E, H, I]) each expert's
+# tensor in checkpoint form is, by its name: what the conversion must have cut it from.
+_EXPERT_PIECES = {"gate_up_proj": {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}, "down_proj": {"down_proj": None,
+                                                                                                     "w2": None}}
+_ONE_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _expert_origins(group: list[str], metadata: list[tuple], where: dict, fused: dict) -> list:
+    """The origins (CheckpointForm.origins) of the tensors a conversion makes
+    of `group`: each expert's tensor cut from a fused expert tensor in vLLM's
+    layout, its slice of it, found from its checkpoint name alone (expert id;
+    gate, up or down), not from what the conversion does, so that a
+    conversion that cuts the wrong slice fails the exact check; else None."""
+    layout = fused.get(group[0]) if len(group) == 1 else None
+    pieces = _EXPERT_PIECES.get(group[0].rpartition(".")[2])
+    if layout is None or pieces is None or layout["transposed"] or not layout["concatenated"]:
+        return [None] * len(metadata)
+    experts, rows = layout["shape"][0], layout["shape"][1]
+    origins = []
+    for name, shape, _ in metadata:
+        found = _ONE_EXPERT_TENSOR.search(name)
+        half = pieces.get(found.group(2), "none") if found else "none"
+        expert = int(found.group(1)) if found else experts
+        size = rows if half is None else rows // 2
+        if half == "none" or expert >= experts or tuple(shape) != (size, *layout["shape"][2:]):
+            origins.append(None)
+            continue
+        origins.append((*where[group[0]], (expert, 0 if half is None else half * size, size)))
+    return origins
+
+
+def _gather_order(owners: list) -> list[int]:
+    """The groups in an order that gathers each FSDP module once per sync:
+    each module's groups together, where its first group was (the root's
+    embeddings and lm_head, a layer's experts and its norms are apart in the
+    model's own order); a group no module gathers keeps its place."""
+    def module_of(i: int):
+        return id(owners[i]) if owners[i] is not None else ("alone", i)
+
+    first: dict = {}
+    for i in range(len(owners)):
+        first.setdefault(module_of(i), i)
+    return sorted(range(len(owners)), key=lambda i: (first[module_of(i)], i))
+
+
+def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype],
+                dtype: torch.dtype | None):  # fmt: skip
+    """The FSDP2 module whose unshard() gathers the parameters `names`
+    (`params`: the model's parameter names), if one module does and all are
+    sent cast to `dtype` (FSDP's gather in its compute dtype then gives the
+    same bits as gathering and casting); else None: each is then gathered on
+    its own with full_tensor(). None also where FSDP2 shards over one rank:
+    its one shard is the whole parameter, nothing to gather (_full)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owners = set()
+    for name in names:
+        if name not in params:
+            continue  # a buffer: not sharded
+        if _whole_shard(model.get_parameter(name)):
+            return None
+        module = name.rpartition(".")[0]
+        while not isinstance(model.get_submodule(module), FSDPModule):
+            if not module:
+                return None
+            module = module.rpartition(".")[0]
+        owners.add(module)
+    if len(owners) != 1 or dtype is None or dtypes != {dtype}:
+        return None
+    return model.get_submodule(owners.pop())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value: its FSDP2 shards gathered, or its one shard where it has one."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    return t.to_local() if _whole_shard(t) else t.full_tensor()
+
+
+def _whole_shard(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor over one rank: its local shard is all of it."""
+    return hasattr(t, "device_mesh") and t.device_mesh.size() == 1
+
+
+# ---------------------------------------------------------------------------
+# The in-memory fused expert tensors (what the direct loader copies as they are)
+# ---------------------------------------------------------------------------
+
+
+def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
+    """The in-memory parameters that hold all experts of a layer stacked on
+    dim 0 (name -> global shape and layout), i.e. those a rank holds a block
+    of experts of under FSDP2. Found through transformers' own marker: the
+    modules `use_experts_implementation` wraps carry `num_experts`,
+    `is_transposed` ([E, H, 2I] instead of [E, 2I, H]) and `is_concatenated`
+    (gate rows then up rows, rather than interleaved)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
+            continue
+        for name, p in module.named_parameters(prefix=prefix, recurse=False):
+            if p.dim() >= 2 and p.shape[0] == module.num_experts:
+                out[name] = {
+                    "shape": tuple(p.shape),
+                    "transposed": bool(module.is_transposed),
+                    "concatenated": bool(module.is_concatenated),
+                }
+    return out
+
+
+def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each fused expert tensor's in-memory name -> the name the direct loader
+    receives a rank's block of it under: its leaf name under the experts
+    module's CHECKPOINT name, which is the name vLLM gives its fused expert
+    layer. Mixtral: `model.layers.0.mlp.experts.gate_up_proj` ->
+    `model.layers.0.block_sparse_moe.experts.gate_up_proj` (the checkpoint has
+    `...block_sparse_moe.experts.<e>.w1.weight`, ...). The module's name is
+    the common prefix of its experts' checkpoint names, minus expert ids."""
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name in fused_expert_tensors(model):
+        by_module[name.rpartition(".")[0]].append(name)
+    out, params = {}, dict(model.named_parameters())
+    for names in by_module.values():
+        saved = [out_name for n in names for out_name in _revert(model, {n: _meta(params[n])})]
+        parts = os.path.commonprefix(saved).split(".")[:-1]  # whole components only
+        while parts and parts[-1].isdigit():
+            parts.pop()
+        out.update({n: ".".join([*parts, n.rpartition(".")[2]]) for n in names})
+    return out
+
+
+class PackedPart(TrainerSource):
+    """The first `count` tensors of `source` (what goes through the packed buffer)."""
+
+    def __init__(self, source: TrainerSource, count: int) -> None:
+        self._source, self._count = source, count
+
+    def param_metas(self) -> list[ParamMeta]:
+        return list(self._source.metadata[: self._count])
+
+    def tensors(self):
+        tensors = self._source.tensors()
+        try:
+            yield from itertools.islice(tensors, self._count)
+        finally:
+            tensors.close()  # the rest is not produced (a CheckpointForm reshards what it gathered)
+
+
+class ExpertsInPlace:
+    """A rank's own expert blocks (LocalExpertSource), for the engine on its
+    GPU to copy straight from the trainer's memory (one copy per expert
+    weight, none through the packed buffer): each block's CUDA IPC handle,
+    exported once while the block stays where it is (FSDP2 keeps a shard's
+    storage; the optimizer steps it in place), gathered to rank 0 for every
+    send once the rank's GPU is synchronized. Only for blocks held as vLLM
+    holds them (bf16, contiguous, on the GPU); fp32 masters go packed, cast."""
+
+    def __init__(self, blocks: dict[str, torch.nn.Parameter]) -> None:
+        self.names = list(blocks)  # the names they are sent under, in send order
+        self._params = list(blocks.values())
+        self._exported: tuple[list, list] | None = None  # (where the blocks were, their handles)
+        self.gathered: dict[str, list] | None = None  # every rank's handles by GPU (rank 0 uses them)
+
+    @staticmethod
+    def possible(blocks: dict[str, torch.nn.Parameter]) -> bool:
+        """Whether every rank holds its blocks as vLLM does (every rank at
+        once: each send's handshake must be the same on all of them)."""
+        local = [_local(p) for p in blocks.values()]
+        here = bool(local) and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in local)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = torch.tensor([int(here)])  # (on the CPU: the process group's gloo part)
+            dist.all_reduce(every, op=dist.ReduceOp.MIN)
+            return bool(every.item())
+        return here
+
+    def packed_part(self, source: TrainerSource) -> PackedPart:
+        """What of `source` (these blocks the last it yields; a source wrapped
+        around it, too) goes through the packed buffer while they go in place."""
+        return PackedPart(source, len(source.metadata) - len(self.names))
+
+    def gather(self) -> None:
+        """Every rank at once: its GPU synchronized, its handles (exported
+        again only if a block moved) to every rank."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        local = [_local(p) for p in self._params]
+        where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
+        if self._exported is None or self._exported[0] != where:
+            self._exported = (where, [(n, reduce_tensor(t)[1]) for n, t in zip(self.names, local, strict=True)])
+        torch.cuda.synchronize()  # the step's last writes, before rank 0 tells the engines to read
+        mine = {str(torch.cuda.get_device_properties(local[0].device).uuid): self._exported[1]}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            mine = {uuid: handles for rank in every for uuid, handles in rank.items()}
+        self.gathered = mine
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage on this rank (its FSDP2 shard), detached."""
+    return (param.to_local() if hasattr(param, "to_local") else param).detach()
+
+
+class BF16Source(TrainerSource):
+    """What vLLM's own loader receives: every tensor as `save_pretrained`
+    would write it (CheckpointForm: each family's checkpoint
+    names, persistent buffers such as a router's correction bias included),
+    gathered one FSDP module at a time, in bf16 (fp32 where transformers keeps
+    a tensor in fp32). Names and shapes are worked out once, not per sync.
+    `fresh`: as CheckpointForm takes it."""
+
+    def __init__(self, module: torch.nn.Module, exclude=(), fresh: bool = True) -> None:
+        self._form = CheckpointForm(module, torch.bfloat16, exclude, fresh)
+        split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
+        self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
+        self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
+        # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
+        # model tensor cast (its whole under FSDP2), and (expert, first row, rows) after them if it
+        # is one expert's slice of it; else None. Lets a check read the model instead.
+        self.origins = [None if not origin or (meta[0] in split and len(origin) > 2)
+                        else (*origin[:2], False, (e, 0, meta[1][1])) if meta[0] in split  # its expert e, whole
+                        else (*origin[:2], False, *origin[2:])
+                        for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
+                        for e, _ in enumerate(split.get(meta[0], [meta]))]  # fmt: skip
+
+    def param_metas(self) -> list[ParamMeta]:
+        return self._metas
+
+    def tensors(self):
+        for name, tensor in self._form:
+            if name in self._split:  # one expert at a time
+                yield from zip(self._split[name], tensor.unbind(0), strict=True)
+            else:
+                yield name, tensor
+
+
+class LocalExpertSource(BF16Source):
+    """What the direct loader receives from one rank: BF16Source's tensors,
+    except the fused expert tensors, of which each rank sends its own FSDP
+    shard without a gather, under the name of vLLM's expert layer
+    (expert_block_names). FSDP2 shards dim 0, so rank r holds
+    experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
+    gives the engine on rank r's GPU. Every rank yields the same names and
+    shapes, as vLLM's packed IPC producer requires; every rank builds its
+    source at once (they agree whether the blocks can go in place). Its
+    tensors are not fresh (CheckpointForm): the direct loader takes packed
+    sends only, whose producer copies each tensor into its buffer before it
+    takes the next."""
+
+    def __init__(self, module: torch.nn.Module, world_size: int) -> None:
+        if problem := direct_loader_problem(module, world_size):
+            raise ValueError(problem)
+        self._blocks = expert_block_names(module)  # in-memory name -> name sent
+        super().__init__(module, exclude=self._blocks, fresh=False)
+        self._params = dict(module.named_parameters())
+        self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
+                              for name, sent in self._blocks.items()}  # fmt: skip
+        self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
+        self.origins += [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True)
+                         for name in self._blocks]  # fmt: skip
+        own = {sent: self._params[name] for name, sent in self._blocks.items()}
+        self.experts_in_place = ExpertsInPlace(own) if ExpertsInPlace.possible(own) else None
+
+    def tensors(self):
+        yield from super().tensors()
+        for name, sent in self._blocks.items():  # last (weight_sender sends them in place if it can)
+            yield sent, _local(self._params[name]).to(torch.bfloat16)
+
+
+def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
+    """Why the direct loader cannot sync this model over `world_size`
+    GPUs, or None. It sends what vLLM's loader gets (the checkpoint form),
+    except that each rank sends its own block of each fused expert tensor
+    (expert_block_names), which the server copies as it is into
+    its own experts. So each fused expert tensor must be one the server knows
+    (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
+    rows), with experts that split evenly over the GPUs."""
+    from weight_sync.direct_load import EXPERT_TENSORS, USE_VLLMS_LOADER
+
+    fix = f"; {USE_VLLMS_LOADER}"
+    for name, layout in fused_expert_tensors(model).items():
+        if name.rpartition(".")[2] not in EXPERT_TENSORS:
+            return f"the direct loader copies fused {'/'.join(EXPERT_TENSORS)} experts only, not {name}{fix}"
+        if layout["transposed"] or not layout["concatenated"]:
+            return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
+        if layout["shape"][0] % world_size:
+            return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
+                    f"{world_size} GPUs as the direct loader needs{fix}")  # fmt: skip
+    return None
