@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import threading
@@ -526,8 +527,8 @@ def prepare_exact_check(job) -> dict:
     answer = answers[0]
     # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
     # Where each piece of a stacked parameter lands in it: the trainer fingerprints it at those rows.
-    measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()},
-             engines_rows(answers))  # fmt: skip
+    rows = rows_on_every_engine(engines_rows(answers), [name for name, *_ in sent], job.dp_size)
+    measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()}, rows)
     if answer.get("by_value"):
         print(f"[exact] {len(answer['by_value'])} parameters, which vLLM lays out its own way, are compared by "
               f"their values, not element by element in their place: {answer['by_value'][:4]}", flush=True)  # fmt: skip
@@ -551,6 +552,35 @@ def engines_rows(answers: list[dict]) -> dict[int, int]:
                 raise RuntimeError(f"exact check: DP engine {dp_rank} places sent tensor {index} at row {row}, "
                                    f"another engine at row {rows[int(index)]}")  # fmt: skip
     return rows
+
+
+# One expert's tensor, as vLLM's own loader takes it (`<layer>.experts.<id>.<name>`).
+_ONE_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+
+
+def rows_on_every_engine(rows: dict[int, int], names: list[str], dp_size: int) -> dict[int, int]:
+    """`rows` (engines_rows) with the rows of the experts' tensors that DP
+    engines other than the first hold: /collective_rpc answers with the first
+    engine's prepare alone, which places only its own experts. Under vLLM's
+    linear expert placement engine k holds experts [k*E/D, (k+1)*E/D) in its
+    slots in order, so expert e's tensor lands where expert e mod E/D's does on
+    the first engine (E: the layer's experts, D: the DP engines)."""
+    if dp_size <= 1:
+        return rows
+    where = {name: index for index, name in enumerate(names)}
+    experts: dict[str, int] = {}
+    for name in names:
+        if found := _ONE_EXPERT.match(name):
+            experts[found[1]] = max(experts.get(found[1], 0), int(found[2]) + 1)
+    out = dict(rows)
+    for index, name in enumerate(names):
+        found = _ONE_EXPERT.match(name)
+        if index in out or not found or experts[found[1]] % dp_size:
+            continue
+        first = where.get(f"{found[1]}{int(found[2]) % (experts[found[1]] // dp_size)}{found[3]}")
+        if first is not None and first in rows:
+            out[index] = rows[first]
+    return out
 
 
 @dataclass

@@ -855,6 +855,20 @@ def test_fingerprints_read_back_each_under_its_own_index():
     assert checks._read_back({}) == {}
 
 
+def test_the_rows_of_experts_other_engines_hold_follow_the_linear_placement():
+    """/collective_rpc answers with the first DP engine's prepare alone, which
+    places only its own experts' tensors: with 2 engines and 4 experts a layer,
+    engine 1 holds experts 2 and 3 in slots 0 and 1, where the first engine
+    holds experts 0 and 1, so their rows are those; other tensors keep theirs
+    (and one DP engine needs nothing filled in)."""
+    names = ["model.layers.0.self_attn.q_proj.weight"] + [
+        f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj")]
+    first = {0: 0, 1: 0, 2: 64, 3: 128, 4: 192}  # q, and experts 0 and 1 (gate, up) in their slots
+    assert checks.rows_on_every_engine(first, names, 2) == {**first, 5: 0, 6: 64, 7: 128, 8: 192}
+    assert checks.rows_on_every_engine(first, names, 1) == first
+    assert checks.rows_on_every_engine({0: 0}, names[:1], 2) == {0: 0}
+
+
 def test_the_trainer_takes_each_pieces_row_from_the_engine_that_holds_it():
     """With DP > 1 through vLLM's loader each engine holds, and places, only
     its own experts' tensors: the trainer gets every engine's rows, not the
