@@ -22,8 +22,8 @@ the server on the same GPUs, then each round:
                  log_path="vllm-server.log") as server:
         wait_until_healthy(server, timeout_s=1200)
         sock = server.socket_path
-        # in every rank, once: source = ModuleSource(model)   # vLLM's; or weight_sync.sources.weight_source(...)
-        #                      sender = weight_sender(rank, weight_sync_client(sock), source)
+        # in every rank, once: source = sources.weight_source(model, world_size, loader)   # weight_sync/sources.py
+        #                      sender = weight_sender(rank, sources.sync_client(sock, loader, source, uuids), source)
         freed = sleep_for_sync(sock, level=0, free_kv_cache=True)   # /sleep (+ /release_kv_cache_memory): train now
         wake_weights(sock, level=0)                                 # /wake_up?tags=weights (levels 1, 2)
         send_all(trainers, sock, retries=1)                         # every rank's send_weights(): sender.send()
@@ -35,8 +35,8 @@ Public names:
   its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions (post_completions,
                    openai_client: the openai client), collective_rpc, request (any other route)
   the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, leave_ray
-  a trainer rank   weight_sender (WeightSender) around a vLLM WeightSource: vLLM's ModuleSource, or
-                   weight_sync/sources.py's (weight_source, sync_client: the checkpoint form, the direct loader)
+  a trainer rank   weight_sender (WeightSender) around a vLLM WeightSource (weight_sync/sources.py's
+                   weight_source and sync_client: the checkpoint form, the direct loader)
   more nodes       gloo_interface_env; the other nodes' servers are in weight_sync/multinode.py
 
 Any HTTP client reaches the server through the socket, e.g.
@@ -1051,7 +1051,7 @@ def weight_sender(rank: int, client, source, packed: bool = True,
     the largest tensor), and each DP engine reads its own GPU's; rank 0
     calls `client` (weight_sync_client: vLLM's routes; the direct loader's:
     weight_sync.sources.sync_client) for each chunk. `source`: a vLLM
-    WeightSource (vLLM's ModuleSource, or weight_sync.sources'). The expert
+    WeightSource (weight_sync.sources.weight_source's). The expert
     blocks a source has in place (LocalExpertSource of a bf16 trainer: the
     last it yields) skip the buffer: the engines copy them from the trainer's
     memory."""
