@@ -15,7 +15,8 @@ as run_round() does it:
                                             own GPU's buffer (direct loader: its own experts)
   6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again (once the trainers have emptied
                                             PyTorch's cache, if its KV cache was freed)
-  7. gate                                   vLLM's logprobs on every DP engine = the trainer's
+  7. exact check and gate                   every DP engine holds what its GPU's trainer rank sent,
+                                            bit for bit; vLLM's logprobs on every engine = the trainer's
 
     python rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2      # no download
 """
@@ -36,16 +37,12 @@ import ray
 import torch
 import torch.distributed as dist
 
-from proof import checks
 import helpers
-from weight_sync import sources
-from weight_sync import models
-from proof import program
-from proof import toy_rl
-from helpers import (gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers,
-                            wait_until_ready)  # fmt: skip
-from weight_sync.multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
+from helpers import gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
+from proof import checks, program, toy_rl
+from weight_sync import models, sources
 from weight_sync.direct_load import untested_vllm_warning
+from weight_sync.multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [

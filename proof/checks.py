@@ -25,12 +25,9 @@ import ray
 import torch
 import torch.distributed as dist
 
-from proof import exact_check_engine
-from weight_sync import fp8_experts
 import helpers
-from weight_sync import sources
-from weight_sync import models
-from weight_sync import multinode
+from proof import exact_check_engine
+from weight_sync import fp8_experts, models, multinode, sources
 from weight_sync.direct_load import TrainerSource
 
 GiB = 1024**3
@@ -46,7 +43,7 @@ def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | 
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
     out = helpers.post_completions(sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0,
-                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+                                   extra_body={"prompt_logprobs": 0})  # fmt: skip
     per_position = out.choices[0].prompt_logprobs
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.
@@ -498,7 +495,7 @@ def check_coverage(job, sleep_level: int) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
     helpers.send_all(job.trainers, job.server.socket_path, job.send_retries,
-                            check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
+                     check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
     helpers.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)
@@ -1066,7 +1063,7 @@ class RankMeasurement:
         self.sent_source = sender.source  # for the exact check: what this rank sends
         self.fingerprinted = FingerprintedSource(TimedSource(sender.source, self.send_seconds))
         measured = helpers.weight_sender(sender.rank, TimedClient(sender.client.client, self.send_seconds),
-                                                self.fingerprinted, sender.packed, sender.packed_buffer_size_bytes)
+                                         self.fingerprinted, sender.packed, sender.packed_buffer_size_bytes)
         trainer.sender = TimedSender(measured, self.send_seconds, self.device, unmeasured=sender)
         if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
             trainer.optimizer = StepWatch(trainer.optimizer, trainer.model, self.device)
@@ -1322,7 +1319,7 @@ def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: 
     """For each rank, the process group of the vLLM server on its node (ranks
     go in node order), as `memory` takes them."""
     per_node = [server.pgid, *helpers.ray_get_all([s.pgid.remote() for s in node_servers],
-                                                         who="a node's server actor")]
+                                                  who="a node's server actor")]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 

@@ -26,7 +26,8 @@ import time
 import torch
 
 from weight_sync import fp8_experts
-from weight_sync.direct_load import EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank, fp8_scales, local_expert_ids
+from weight_sync.direct_load import (EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank,
+                                     fp8_scales, local_expert_ids)  # fmt: skip
 from weight_sync.fp8_experts import fp8_reference, fp8_shards
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything

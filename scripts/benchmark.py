@@ -91,8 +91,8 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
     def batch() -> tuple[float, int]:
         def one(rank: int) -> int:
             out = helpers.post_completions(job.server.socket_path, rank, model=job.served_name,
-                                                  prompt=shares[rank], max_tokens=tokens, temperature=0.0,
-                                                  extra_body={"ignore_eos": True})  # fmt: skip
+                                           prompt=shares[rank], max_tokens=tokens, temperature=0.0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
             return out.usage.completion_tokens
 
         start = time.perf_counter()

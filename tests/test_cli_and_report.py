@@ -839,7 +839,7 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
     send_breakdown returns, and judged_round reads into the round's JSON)."""
     trainer, seconds = script.RLTrainer(), {"left from the last send": 1.0}
     sender = helpers.WeightSender(helpers.FailAfterSend(object()), _SendShape(), None, source=None,
-                                         rank=0, packed=True, packed_buffer_size_bytes=0)  # fmt: skip
+                                  rank=0, packed=True, packed_buffer_size_bytes=0)  # fmt: skip
     trainer.sender = checks.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None
     assert list(seconds) == ["total"] and seconds["total"] >= 0.02

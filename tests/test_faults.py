@@ -167,7 +167,7 @@ class FlakySendTrainer(script.FSDPTrainer):
     def setup_weight_transfer(self, sock, refusing_sends, *_):
         client = helpers.FailAfterSend(sources.DirectLoadClient(sock, ["GPU-x"], {}))
         self.sender = helpers.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends), None,
-                                                  source=None, rank=self.rank, packed=True, packed_buffer_size_bytes=0)
+                                           source=None, rank=self.rank, packed=True, packed_buffer_size_bytes=0)
 
     def send_count(self):
         return self.sender.engine.sends

@@ -284,7 +284,7 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
     # five calls below (a few hundred ms at worst) do not drop one; the idle wait is 2.5 s.
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "4")
     server = helpers.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
-                                         launcher=(sys.executable, "-c", COUNTING_SERVER))  # fmt: skip
+                                  launcher=(sys.executable, "-c", COUNTING_SERVER))  # fmt: skip
     try:
         helpers.wait_until_healthy(server, timeout_s=120)
         sock = server.socket_path
@@ -309,7 +309,7 @@ print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 
 def _server_env(tmp_path, **start_kwargs) -> dict:
     server = helpers.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
-                                         launcher=(sys.executable, "-c", ENV_SERVER), **start_kwargs)  # fmt: skip
+                                  launcher=(sys.executable, "-c", ENV_SERVER), **start_kwargs)  # fmt: skip
     server.proc.wait(timeout=120)
     helpers.stop_server(server)
     line = next(line for line in server.log_path.read_text().splitlines() if line.startswith("ENV "))

@@ -46,7 +46,7 @@ from pathlib import Path
 import ray
 
 from helpers import (DEFAULT_LAUNCHER, ServerError, death_cause, gloo_interface_env, log_tail, ray_get_all,
-                            start_server, stop_server)  # fmt: skip
+                     start_server, stop_server)  # fmt: skip
 
 
 class NodeServer:
