@@ -2,8 +2,8 @@
 
 N GPUs, shared: N FSDP2 trainer ranks (one Ray actor per GPU) and one
 `vllm serve` (data parallel N/TP, expert parallel) pinned to the same GPUs,
-reachable only by this user (a Unix socket in a private directory). One round,
-as run_round() does it:
+reachable only by this user (a Unix socket in a private directory). One round:
+steps 1-6 in run_round(), step 7 from outside it (proof/checks.py's RoundProof):
 
   1. generate                               vLLM samples; trainer and vLLM score the tokens
   2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for
@@ -220,8 +220,7 @@ class FSDPTrainer:
 
 
 class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
-    """The trainer main() runs: FSDPTrainer with the toy RL step (toy_rl.py).
-    (checks.measure times and inspects its sends and steps from outside.)"""
+    """The trainer main() runs: FSDPTrainer with the toy RL step (toy_rl.py)."""
 
 
 # --- The server and the job -----------------------------------------------------------------------
@@ -229,9 +228,8 @@ class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
 
 def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
                experts: bool = True, context_len: int | None = None) -> list[str]:  # fmt: skip
-    """helpers.serve_args from the flags, for one node's GPUs
-    (`context_len`: the model's, for the default KV cache), with the exact
-    check's worker extension (exact_check_engine.py) in place of the direct loader's."""
+    """helpers.serve_args from the flags, for one node's GPUs (`context_len`: the model's, for the
+    default KV cache), with the exact check's worker extension in place of the direct loader's."""
     return helpers.serve_args(
         args.model, gpu_ids, num_nodes=args.num_nodes, tensor_parallel_size=args.tensor_parallel_size,
         experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -276,12 +274,11 @@ class Job:
 
 @contextmanager
 def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, trainer_cls: type | None = None):
-    """Reserve the GPUs, start a trainer rank on each (`trainer_cls`, any
-    class with FSDPTrainer's methods, or such a Ray actor; the script's RLTrainer by default) with the model sharded
-    over them, start `vllm serve` on the same GPUs (on more nodes: through a
-    NodeServer actor on each other node). On the way out (error, Ctrl-C,
-    SIGTERM, SIGHUP) stop every node's server, the trainers, and Ray if this
-    started it."""
+    """Reserve the GPUs, start a trainer rank on each (`trainer_cls`: any class with
+    FSDPTrainer's methods, or such a Ray actor; RLTrainer by default) with the model
+    sharded over them, start `vllm serve` on the same GPUs (on more nodes: through a
+    NodeServer actor on each other node). On the way out (error, Ctrl-C, SIGTERM,
+    SIGHUP) stop every node's server, the trainers, and Ray if this started it."""
     with program.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
         workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
@@ -354,10 +351,8 @@ def serve_plan(args: argparse.Namespace, placements: list[dict], model_path: Pat
 def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:
     """Every rank allocates its shard of the model, then fills it; returns the
     fill's refs, to wait on while the server starts. The memory comes first:
-    vLLM, starting, requires its share of each GPU to be free, and sizes its
-    KV cache assuming no other process's memory changes meanwhile; filling
-    (random weights in place, or the checkpoint read into the shards) takes
-    no more."""
+    vLLM, starting, needs its share of each GPU free and sizes its KV cache
+    assuming no other process's memory changes; filling takes no more."""
     ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
     return [t.init_weights.remote(str(model_path), args.model in models.PRESETS, args.seed) for t in trainers]
 
@@ -375,53 +370,40 @@ def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, load
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
         print(f"[sync] expert blocks: {how}", flush=True)
-    # Only the direct loader's sends are retried: after a failed chunk, vLLM
-    # 0.32's own route leaves its layer-wise reload half done, and a second
-    # send would load on top of it.
+    # Only the direct loader's sends are retried: after a failed chunk, vLLM's own route leaves
+    # its layer-wise reload half done, and a second send would load on top of it.
     job.send_retries = args.send_retries if loader == "direct" else 0
 
 
-def run_round(job: Job, args: argparse.Namespace, first_sync: bool, proven: bool = False) -> checks.RoundRecord:
-    """generate -> sleep -> (train) -> wake weights -> send -> wake KV -> exact
-    check and gate. `proven`: the previous sync passed the exact check."""
-    sock, trainers, timer = job.server.socket_path, job.trainers, checks.PhaseTimer()
+def run_round(job: Job, args: argparse.Namespace, proof: checks.RoundProof) -> None:
+    """generate -> sleep -> (train) -> wake weights -> send -> wake KV. `proof`
+    (proof/checks.py) watches from outside: it times each step and scores the
+    batch, and judges the sync once the round is done (proof.verdict())."""
+    sock, trainers = job.server.socket_path, job.trainers
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
     temperature = args.temperature if args.train else 0.0
     batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
-    sequences = [c.prompt_token_ids + c.token_ids for c in batch]
-    before = checks.job_logprob_gap(job, sequences)
+    proof.generated(batch)
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
-    with timer.phase("sleep"):
+    with proof.step("sleep"):
         kv_cache_freed = helpers.sleep_for_sync(sock, args.sleep_level, frees_kv_cache(args))
     loss = None
     if samples:
-        with timer.phase("train"):
+        with proof.step("train"):
             loss = ray_get_all([t.train_step.remote(samples) for t in trainers])[0]
-    with timer.phase("wake_weights"):
+    if args.train:
+        proof.trained(reward_mean, loss)
+    with proof.step("wake_weights"):
         helpers.wake_weights(sock, args.sleep_level)
-    with timer.phase("send"):
-        _, retried = send_all(trainers, sock, job.send_retries,
-                              check_failure=partial(raise_node_failure, job.node_servers))
-    with timer.phase("wake_kv"):
+    with proof.step("send"):
+        _, proof.send_retries = send_all(trainers, sock, job.send_retries,
+                                         check_failure=partial(raise_node_failure, job.node_servers))
+    with proof.step("wake_kv"):
         if kv_cache_freed:
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
         helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
-    # 7. The proof: every engine holds, bit for bit, what the trainer rank on
-    # its GPU sent (checked in a thread of its own, beside the gate); and vLLM now
-    # scores the same tokens as the trainer.
-    exact_started = checks.start_exact_check(job) if args.tensor_parallel_size == 1 else None  # TP shards: not checked
-    after = checks.job_logprob_gap(job, sequences)
-    exact = checks.exact_check(exact_started) if exact_started is not None else None
-    training = {"reward_mean": reward_mean, "loss": loss} if args.train else None
-    # If the previous sync was proven exact, vLLM held the trainer's weights
-    # bit for bit when `before` was measured: the change test's reference
-    # (never the gate's tolerance, which only the trainer's own noise widens).
-    return checks.judged_round(args, trainers, timer.seconds, before, after, retried,
-                               weights_updated=first_sync or bool(samples), exact=exact,
-                               noise=before if proven else None, training=training,
-                               server_pgids=job.server_pgids, kernel_noise=job.kernel_noise)  # fmt: skip
 
 
 def frees_kv_cache(args: argparse.Namespace) -> bool:
@@ -451,11 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
         while more_rounds(args, len(rounds), time.monotonic() - first_round_at):
             i = len(rounds) + 1
-            soak = f" ({time.monotonic() - first_round_at:.0f} of {args.soak_seconds:.0f} s)" if args.soak_seconds else ""
-            print(f"=== round {i}/{args.rounds}{soak} ===", flush=True)
+            soak = f" ({time.monotonic() - first_round_at:.0f} of {args.soak_seconds:.0f} s)"
+            print(f"=== round {i}/{args.rounds}{soak if args.soak_seconds else ''} ===", flush=True)
             # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
-            proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
-            rounds.append(run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
+            proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
+            run_round(job, args, proof)
+            rounds.append(proof.verdict())  # 7. the exact check and the gate
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("after the last sync", args.prompts, greedy)

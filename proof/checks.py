@@ -787,6 +787,55 @@ def judged_round(args, trainers: list, phases: dict[str, float], before: Logprob
     return record
 
 
+class RoundProof:
+    """One round's proof and measurement, from outside the round: the round
+    calls it at its named steps (`generated` with the batch both sides score,
+    `step` around each phase, `trained` after the step), and `verdict()`,
+    once the round is done, runs the exact check beside the gate and returns
+    the round's record. `first_sync`: vLLM still holds its dummy weights;
+    `previous`: the previous round's record, if any ([] or [record])."""
+
+    def __init__(self, job, args, first_sync: bool, previous: list[RoundRecord] = ()) -> None:
+        self.job, self.args, self.first_sync = job, args, first_sync
+        # Did the previous sync pass the exact check? Then vLLM held the trainer's weights bit for bit.
+        self.proven = any(r.exact_check and r.exact_check["passed"] for r in previous)
+        self.timer = PhaseTimer()
+        self.sequences: list[list[int]] = []
+        self.before: LogprobGap | None = None
+        self.training: dict | None = None
+        self.send_retries = 0  # what send_all returned: sends the server failed part way and that were sent again
+
+    def generated(self, batch: list[helpers.Completion]) -> None:
+        """The tokens the trainer and every DP engine score, before and after the sync."""
+        self.sequences = [c.prompt_token_ids + c.token_ids for c in batch]
+        self.before = job_logprob_gap(self.job, self.sequences)
+
+    def step(self, name: str):
+        """`with proof.step("send"): ...`: the phase timed (PhaseTimer)."""
+        return self.timer.phase(name)
+
+    def trained(self, reward_mean: float, loss: float | None) -> None:
+        """With --train: the batch's mean reward and the step's loss (None: no step was taken)."""
+        self.training = {"reward_mean": reward_mean, "loss": loss}
+
+    def verdict(self) -> RoundRecord:
+        """The exact check (in a thread of its own, beside the gate; with TP
+        each engine holds shards, not checked) and the gate: vLLM now scores
+        the batch as the trainer does. If the previous sync was proven exact,
+        vLLM held the trainer's weights bit for bit when `before` was
+        measured: the change test's reference (never the gate's tolerance,
+        which only the trainer's own noise widens)."""
+        job, args = self.job, self.args
+        started = start_exact_check(job) if args.tensor_parallel_size == 1 else None
+        after = job_logprob_gap(job, self.sequences)
+        exact = exact_check(started) if started is not None else None
+        stepped = self.training is not None and self.training["loss"] is not None
+        return judged_round(args, job.trainers, self.timer.seconds, self.before, after, self.send_retries,
+                            weights_updated=self.first_sync or stepped, exact=exact,
+                            noise=self.before if self.proven else None, training=self.training,
+                            server_pgids=job.server_pgids, kernel_noise=job.kernel_noise)  # fmt: skip
+
+
 def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     exact = record.exact_check
     if exact is not None:

@@ -140,8 +140,9 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
     for i in range(1, args.rounds + 1):
         print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
               f"buffer, round {i}/{args.rounds} ===", flush=True)  # fmt: skip
-        proven = bool(rounds) and bool(rounds[-1].exact_check and rounds[-1].exact_check["passed"])
-        rounds.append(script.run_round(job, args, first_sync=i == 1 and coverage is None, proven=proven))
+        proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
+        script.run_round(job, args, proof)
+        rounds.append(proof.verdict())
         print_send_breakdown(rounds[-1].send_breakdown_s)
         print_floor(with_floor(rounds[-1].to_json(), device_copy_gb_per_s))
         if i == 1 and started_at is not None:

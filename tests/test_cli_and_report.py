@@ -855,6 +855,52 @@ def test_fingerprints_read_back_each_under_its_own_index():
     assert checks._read_back({}) == {}
 
 
+def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch):
+    """RoundProof, which the round calls at its named steps, hands the gate
+    what the round did: the phases it timed, the retries, the training step
+    (weights changed only on a first sync or a step taken), the exact check
+    (none with TP), and the gap before the sync as the change test's
+    reference only when the previous round's exact check passed."""
+    from types import SimpleNamespace
+
+    judged = []
+    monkeypatch.setattr(checks, "start_exact_check", lambda job: "started")
+    monkeypatch.setattr(checks, "exact_check", lambda started: f"verdict of {started}")
+    monkeypatch.setattr(checks, "judged_round", lambda *a, **kw: judged.append((a, kw)) or "record")
+    job = SimpleNamespace(trainers=["rank 0"], server_pgids=[7], kernel_noise="noise")
+    batch = [helpers.Completion("hi", [1, 2], [3])]
+
+    def round_of(args, first_sync, previous=(), loss="no step"):
+        gaps = iter(["gap before", "gap after"])
+        monkeypatch.setattr(checks, "job_logprob_gap", lambda job, sequences: (sequences, next(gaps)))
+        proof = checks.RoundProof(job, args, first_sync=first_sync, previous=list(previous))
+        proof.generated(batch)
+        with proof.step("sleep"):
+            pass
+        if loss != "no step":
+            proof.trained(0.5, loss)
+        proof.send_retries = 1
+        assert proof.verdict() == "record"
+        return judged[-1]
+
+    args = SimpleNamespace(tensor_parallel_size=1)
+    (a, kw) = round_of(args, first_sync=True)
+    assert a[0] is args and a[1] == ["rank 0"] and list(a[2]) == ["sleep"] and a[5] == 1
+    assert a[3] == ([[1, 2, 3]], "gap before") and a[4] == ([[1, 2, 3]], "gap after")
+    assert kw["weights_updated"] and kw["exact"] == "verdict of started" and kw["noise"] is None
+    assert kw["training"] is None and kw["server_pgids"] == [7] and kw["kernel_noise"] == "noise"
+    passed = SimpleNamespace(exact_check={"passed": True})
+    (_, kw) = round_of(args, first_sync=False, previous=[passed], loss=None)  # trained: every reward the same
+    assert not kw["weights_updated"] and kw["training"] == {"reward_mean": 0.5, "loss": None}
+    assert kw["noise"] == ([[1, 2, 3]], "gap before")
+    (_, kw) = round_of(args, first_sync=False, previous=[SimpleNamespace(exact_check={"passed": False})], loss=0.1)
+    assert kw["weights_updated"] and kw["noise"] is None
+    (_, kw) = round_of(args, first_sync=False, previous=[SimpleNamespace(exact_check=None)])
+    assert kw["noise"] is None
+    (_, kw) = round_of(SimpleNamespace(tensor_parallel_size=2), first_sync=False, previous=[passed])
+    assert kw["exact"] is None
+
+
 def test_the_rows_of_experts_other_engines_hold_follow_the_linear_placement():
     """/collective_rpc answers with the first DP engine's prepare alone, which
     places only its own experts' tensors: with 2 engines and 4 experts a layer,
