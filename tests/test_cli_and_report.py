@@ -110,6 +110,38 @@ def test_every_flag_is_in_the_readme_and_only_those():
     assert parser_flags == readme_flags
 
 
+def test_the_readmes_headline_numbers_are_those_of_the_json_it_links():
+    """The README's first paragraph quotes a benchmark: its vLLM version,
+    date, the direct loader's and vLLM's cycles after the first sync (as
+    ranges, to the digits printed), the floor ratios and the loaders'
+    agreement are those of the JSON files it links, so a number edited by
+    hand, or a JSON replaced, fails here until both say the same."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    intro = readme.split("\n## ", 1)[0].replace("\n", " ")
+    links = dict(re.findall(r"\[([a-z -]+|JSON)\]\((docs/benchmarks/[^)]+\.json)\)", intro))
+    run, layerwise = (json.loads((ROOT / links[k]).read_text()) for k in ("JSON", "layer-wise"))
+
+    def cycles(result: dict, loader: str) -> list[float]:
+        (variant,) = [v for v in result["variants"] if v["weight_loader"] == loader]
+        return [r["cycle_s"] for r in variant["rounds"][1:]]  # after the first sync, which replaces dummy weights
+
+    def quoted(values: list[float], digits: int) -> str:
+        return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+    floor_s = run["variants"][0]["rounds"][0]["bytes_per_gpu"] / (run["device_copy_gb_per_s"][0] * 1e9)
+    assert f"vLLM {run['vllm_version']}, {run['date'][:10]}" in intro
+    assert run["vllm_reload_mode"] == "direct" and layerwise["vllm_reload_mode"] == "layerwise"
+    assert f"{quoted(cycles(run, 'direct'), 3)} s ({quoted([c / floor_s for c in cycles(run, 'direct')], 1)}×" in intro
+    assert f"against {quoted(cycles(run, 'vllm'), 2)} s through vLLM's loader" in intro
+    assert f"({quoted(cycles(layerwise, 'vllm'), 1)} s layer-wise)" in intro
+    assert f"{run['variants'][0]['rounds'][0]['bytes_per_gpu'] / 1e9:.1f} GB" in intro
+    assert run["loaders_agree"]["agree"] and "bit for bit the same" in intro
+    assert all(r["exact_check"]["passed"] and r["gate_passed"] for r in
+               [r for result in (run, layerwise) for v in result["variants"] for r in v["rounds"]])
+
+
 def test_help_lists_every_flag_and_exits_0(capsys):
     """--help formats every flag's help (argparse reads a lone % there as a format) and exits 0."""
     with pytest.raises(SystemExit) as exit_:
