@@ -1,11 +1,10 @@
 """Colocated weight sync: an FSDP2 trainer's weights into a vLLM server
 (data parallel + expert parallel) on the same GPUs, over vLLM's CUDA-IPC
 weight-transfer engine: the server's launch and its HTTP endpoints, the
-trainer ranks, the send. The module to copy into your RL code, with two files
-of weight_sync/ beside it: direct_load.py (the server's worker extension,
-which the server imports from its PYTHONPATH; also where vLLM 0.32, 0.33 and
-0.34 differ) and server_watchdog.py (the program that stops the server if
-this process dies).
+trainer ranks, the send. The module to copy into your RL code, with
+weight_sync/direct_load.py beside it for the direct loader (the server's
+worker extension, which the server imports from its PYTHONPATH; also where
+vLLM 0.32, 0.33 and 0.34 differ).
 
 The server listens on a Unix socket in a directory only its user can enter,
 never on a TCP port: its dev routes (/sleep, /collective_rpc, the weight
@@ -212,7 +211,7 @@ def start_server(
     be private to this user (0700, as tempfile.mkdtemp makes it); vLLM's ZMQ
     sockets go there too. `env` goes over SERVER_ENV_DEFAULTS, this process's
     environment and SERVER_ENV; Ray's GPU mask is dropped (choose GPUs with
-    `--device-ids`). A watchdog (server_watchdog.py) stops the whole group
+    `--device-ids`). A watchdog (server_watchdog) stops the whole group
     once this process is gone, however it ended, and then the processes in
     `also_stop` ("PID:START" strings)."""
     socket_path = os.fspath(socket_path)
@@ -245,11 +244,11 @@ def start_server(
 
 def _start_watched(cmd: list[str], log, env: dict[str, str],
                    also_stop: Sequence[str] = ()) -> tuple[subprocess.Popen, tuple[int, int]]:  # fmt: skip
-    """Popen(cmd) as the leader of a new process group, through
-    server_watchdog.py, which forks the watchdog off (outside the group) and
-    then execs `cmd`: the Popen is the server itself. The group holds the
-    server's API servers, engine cores and DP coordinator, so stop_server and
-    the watchdog can signal every one of them, not only the parent.
+    """Popen(cmd) as the leader of a new process group, through the watchdog
+    program (server_watchdog), which forks the watchdog off (outside the
+    group) and then execs `cmd`: the Popen is the server itself. The group
+    holds the server's API servers, engine cores and DP coordinator, so
+    stop_server and the watchdog can signal every one of them.
 
     Two pipes: only this process holds the write end of `alive`, so the
     watchdog reads EOF when this process is gone; only the watchdog holds the
@@ -258,8 +257,8 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
     done_r, done_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT, str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S),
-             *([",".join(also_stop)] if also_stop else []), "--", *cmd],
+            [sys.executable, "-I", "-S", "-c", _watchdog_program(), WATCHDOG_MARKER, str(alive_r), str(done_w),
+             str(_WATCHDOG_GRACE_S), *([",".join(also_stop)] if also_stop else []), "--", *cmd],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -279,7 +278,19 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
 
 # The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
 _WATCHDOG_GRACE_S = 10.0
-_WATCHDOG_SCRIPT = str(Path(__file__).resolve().parent / "weight_sync" / "server_watchdog.py")
+# The watchdog's first argument (its sys.argv[1]): what tells its processes apart by their command line.
+WATCHDOG_MARKER = "helpers.server_watchdog"
+
+
+def _watchdog_program() -> str:
+    """The watchdog as a program of its own: server_watchdog and the /proc
+    functions it calls, from this file's source, with the standard library
+    alone (it starts fast and holds next to no memory)."""
+    import inspect
+
+    parts = [inspect.getsource(f) for f in (proc_stat, start_time, group_members, server_watchdog)]
+    return "\n".join(["from __future__ import annotations", "import os, select, signal, sys, time", *parts,
+                      "server_watchdog()"])  # fmt: skip
 
 
 def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
@@ -301,6 +312,159 @@ def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
                 break
     finally:
         os.close(done_r)
+
+
+# ---------------------------------------------------------------------------
+# The watchdog: a program of its own (_watchdog_program), standard library only
+# ---------------------------------------------------------------------------
+
+
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the process name (state, ppid,
+    pgrp, ...; start time is [19]), None if the process is gone. Bytes: a
+    process name need not be UTF-8."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> str | None:
+    """Process `pid`'s start time (clock ticks after boot), None if it is gone or a zombie."""
+    stat = proc_stat(pid)
+    return None if stat is None or stat[0] == b"Z" else stat[19].decode()
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
+    return [
+        int(entry)
+        for entry in filter(str.isdigit, os.listdir("/proc"))
+        if (stat := proc_stat(entry)) is not None and stat[0] != b"Z" and int(stat[2]) == pgid
+    ]
+
+
+def server_watchdog() -> None:
+    """python -c <_watchdog_program()> helpers.server_watchdog ALIVE_FD DONE_FD GRACE_S [ALSO] -- CMD [ARGS...]
+
+    Run by start_server as the leader of the server's new process group: it
+    forks off a watchdog into a session of its own, outside that group, then
+    execs CMD, which keeps this PID (the caller's Popen is the server itself:
+    its pid is the group's id, poll() its exit code).
+
+    The watchdog reads EOF on ALIVE_FD, a pipe whose write end only the caller
+    holds, once the caller is gone however it ended (SIGKILL included), or
+    when stop_server closes it. Then it SIGTERMs the group, SIGKILLs what is
+    left after GRACE_S, and exits once the group is empty, as it also does
+    when the group empties on its own. Its exit closes DONE_FD, which only it
+    holds. ALSO ("PID:START,...") names other processes the caller started
+    that must not outlive it (a local Ray's agents outlive a SIGKILLed driver
+    by minutes): SIGKILLed only if the caller is gone, not when stop_server
+    lets the watchdog go (it writes "r" first); START keeps a reused PID safe."""
+
+    def say(text: str) -> None:
+        try:
+            os.write(2, f"[server_watchdog] {text}\n".encode())
+        except OSError:
+            pass
+
+    def wait_gone(pgid: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while group_members(pgid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def stop_group(pgid: int, grace_s: float) -> None:
+        if not group_members(pgid):
+            return
+        say(f"the process that started the vLLM server is gone: stopping its process group {pgid}")
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            if wait_gone(pgid, wait_s):
+                return
+        say(f"processes {group_members(pgid)} of group {pgid} survived SIGKILL")
+
+    def watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also: list[str]) -> None:
+        """Until the caller is gone (EOF on alive_fd) or the group is empty."""
+        leader_alive, released = True, False
+        while True:
+            # While the leader runs, block on its pidfd; after that (its
+            # engines may live on), look at the group once a second.
+            waiting = [alive_fd] + ([leader_fd] if leader_alive and leader_fd is not None else [])
+            timeout = None if (leader_alive and leader_fd is not None) or also else 1.0
+            try:
+                ready, _, _ = select.select(waiting, [], [], timeout)
+            except InterruptedError:
+                continue
+            if alive_fd in ready:
+                try:
+                    data = os.read(alive_fd, 4096)
+                except OSError:
+                    data = b""
+                released = released or b"r" in data  # stop_server says so before it lets go
+                if not data:  # EOF: the caller is gone, or stop_server let go
+                    stop_group(pgid, grace_s)
+                    if also and not released:  # the caller is gone: what else it started goes too
+                        say(f"stopping {len(also)} other processes the caller started")
+                        for pid, start in (entry.split(":") for entry in also):
+                            if start_time(int(pid)) == start:  # still that same process
+                                try:
+                                    os.kill(int(pid), signal.SIGKILL)
+                                except ProcessLookupError:
+                                    pass
+                    return
+            if leader_fd is not None and leader_fd in ready:
+                leader_alive = False
+            # An empty group ends the watch, unless other processes are in our
+            # care: then only the caller's release or death does.
+            if (not leader_alive or leader_fd is None) and not also and not group_members(pgid):
+                return
+
+    alive_fd, done_fd, grace_s, *rest = sys.argv[2:]
+    also = rest.pop(0).split(",") if rest and rest[0] != "--" else []
+    if len(rest) < 2 or rest[0] != "--":
+        sys.exit("usage: server_watchdog ALIVE_FD DONE_FD GRACE_S [PID:START,...] -- CMD [ARGS...]")
+    alive_fd, done_fd, cmd, leader = int(alive_fd), int(done_fd), rest[1:], os.getpid()
+    try:
+        leader_fd = os.pidfd_open(leader)  # readable once the server exits (Linux 5.3+)
+    except (AttributeError, OSError):
+        leader_fd = None
+    child = os.fork()
+    if child == 0:
+        # The watchdog, twice forked: a session and group of its own, so the
+        # server's group holds only the server's processes and signals to it
+        # never reach here; not a child of the server, which would not reap it.
+        try:
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_IGN)
+            fd = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(fd, 0)
+            os.close(fd)
+            watch(leader, alive_fd, leader_fd, float(grace_s), also)
+        except BaseException as e:  # noqa: BLE001 - say it in the server's log, whatever it was
+            say(f"failed: {e!r}")
+            os._exit(1)
+        os._exit(0)  # closes done_fd: the caller sees the watchdog gone
+    # The server: wait until the watchdog is out of the group, let go of its
+    # ends of the pipes, and become the server.
+    os.waitpid(child, 0)
+    for fd in (alive_fd, done_fd, leader_fd):
+        if fd is not None:
+            os.close(fd)
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:
+        say(f"cannot run {cmd[0]}: {e}")
+        os._exit(127)
 
 
 def log_tail(server: Server, lines: int = 40) -> str:
@@ -368,20 +532,6 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
                 f"{server.log_path}:\n{log_tail(server)}"
             )
         time.sleep(poll_s)
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_bytes()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after the command's name, which may hold spaces
-        if fields[0] != b"Z" and int(fields[2]) == pgid:
-            alive.append(int(pid))
-    return alive
 
 
 def _wait_group_gone(server: Server, timeout_s: float) -> bool:

@@ -30,7 +30,6 @@ os.environ.update(
 )
 
 import helpers  # noqa: E402
-from weight_sync import server_watchdog  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
 SERVED_NAME = "tiny"
@@ -235,7 +234,7 @@ def _rank_main(rank, world_size, ports, fn, args):
 def live(pids):
     """Which of these PIDs still run (zombies count as gone): the process-tree
     check after each failure case."""
-    return [pid for pid in pids if server_watchdog.start_time(pid) is not None]
+    return [pid for pid in pids if helpers.start_time(pid) is not None]
 
 
 @pytest.fixture
