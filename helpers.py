@@ -1,48 +1,21 @@
-"""Colocated weight sync: an FSDP2 trainer's weights into a vLLM server
-(data parallel + expert parallel) on the same GPUs, over vLLM's CUDA-IPC
-weight-transfer engine: the server's launch and its HTTP endpoints, the
-trainer ranks, the send. The module to copy into your RL code, with two files
-of weight_sync/ beside it: direct_load.py (the server's worker extension,
-which the server imports from its PYTHONPATH; also where vLLM 0.32, 0.33 and
-0.34 differ) and server_watchdog.py (the program that stops the server if
-this process dies).
-
-The server listens on a Unix socket in a directory only its user can enter,
-never on a TCP port: its dev routes (/sleep, /collective_rpc, the weight
-routes) and the pickled IPC handles they take would let any client that
-reaches them run code in the server.
-
-On the driver: one trainer rank per GPU (a Ray actor of your own class, in one
-process group, with a send_weights() method that calls its WeightSender),
-the server on the same GPUs, then each round:
+"""Colocated weight sync: an FSDP2 trainer's weights into a vLLM server (DP + EP) on the same GPUs over
+vLLM's CUDA-IPC weight transfer: the server's start (under a watchdog) and routes, the trainer ranks, the
+send. Copy it alone for vLLM's own loader, with weight_sync/direct_load.py for the direct loader; it imports
+nothing of this project. The server listens on a Unix socket in a directory only its user can enter (its
+dev routes and pickled IPC handles let a client run code in it). Each trainer rank is a Ray actor of your
+class; its send_weights() calls sender.send():
 
     trainers, pg = start_trainers(MyTrainer, num_gpus, trainer_args=(...))
-    gpu_ids = [p["gpu_ids"][0] for p in placements(trainers)]   # pin the server to the trainers' GPUs
+    gpu_ids = [p["gpu_ids"][0] for p in placements(trainers)]   # the server on the trainers' GPUs
     with serving([model_path, *serve_args(model_name, gpu_ids)], socket_path=private_dir / "vllm.sock",
                  log_path="vllm-server.log") as server:
         wait_until_healthy(server, timeout_s=1200)
-        sock = server.socket_path
-        # in every rank, once: source = sources.weight_source(model, world_size, loader)   # weight_sync/sources.py
-        #                      sender = weight_sender(rank, sources.sync_client(sock, loader, source, uuids), source)
-        freed = sleep_for_sync(sock, level=0, free_kv_cache=True)   # /sleep (+ /release_kv_cache_memory): train now
+        sock = server.socket_path   # each rank, once: sender = weight_sender(rank, weight_sync_client(sock),
+                                    #   ModuleSource(model)), or weight_sync.sources' source and client
+        freed = sleep_for_sync(sock, level=0, free_kv_cache=True)   # /sleep (+ /release_kv_cache_memory)
         wake_weights(sock, level=0)                                 # /wake_up?tags=weights (levels 1, 2)
-        send_all(trainers, sock, retries=1)                         # every rank's send_weights(): sender.send()
-        # if freed: every rank's torch.cuda.empty_cache() first
-        wake_to_serve(sock, kv_cache=freed)                         # /wake_up?tags=kv_cache&tags=scheduling
-
-Public names:
-  the server       serve_args, start_server, serving, wait_until_healthy, stop_server, Server, ServerError
-  its routes       health, sleep_for_sync, wake_weights, wake_to_serve, completions (post_completions,
-                   openai_client: the openai client), collective_rpc, request (any other route)
-  the trainers     start_trainers, placements, ray_get_all, send_all, wait_until_ready, leave_ray
-  a trainer rank   weight_sender (WeightSender) around a vLLM WeightSource (weight_sync/sources.py's
-                   weight_source and sync_client: the checkpoint form, the direct loader)
-  more nodes       gloo_interface_env; the other nodes' servers are in weight_sync/multinode.py
-
-Any HTTP client reaches the server through the socket, e.g.
-`curl --unix-socket <socket> http://localhost/health`, or
-`openai.OpenAI(base_url="http://localhost/v1", api_key="-",
-http_client=httpx.Client(transport=httpx.HTTPTransport(uds=<socket>)))`.
+        send_all(trainers, sock, retries=1)                         # every rank's sender.send()
+        wake_to_serve(sock, kv_cache=freed)   # after every rank's torch.cuda.empty_cache() if freed
 """
 
 from __future__ import annotations
@@ -55,14 +28,13 @@ import os
 import select
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -73,10 +45,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-
-# Every call that can wait on the server (a chunk of weights included) gives
-# up after this long: well inside the trainers' 10-minute collective timeout,
-# so a hung server is reported as such, not as a dead trainer.
+# A call that waits on the server (a chunk of weights too) gives up after this, well inside the trainers'
+# 10-minute collective timeout: a hung server is reported as such, not as a dead trainer.
 SERVER_CALL_TIMEOUT_S = 300.0
 
 
@@ -84,32 +54,18 @@ class ServerError(RuntimeError):
     """The vLLM server failed to start, died, or answered a route with an error."""
 
 
-# ---------------------------------------------------------------------------
-# The server process
-# ---------------------------------------------------------------------------
-
+# ---- The server process ----
 # Run the CLI through Python: it works where no `vllm` console script is installed.
 DEFAULT_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.cli.main")
 
-# The dev routes (/sleep, /wake_up, /collective_rpc, weight transfer) exist
-# only in dev mode, and the IPC handles arrive pickled, which vLLM refuses to
-# unpickle unless told to. Both are safe only because nobody but this user
-# can reach the server (see start_server).
-SERVER_ENV = {
-    "VLLM_SERVER_DEV_MODE": "1",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-}
+# The dev routes (/sleep, /collective_rpc, weight transfer) need dev mode, the pickled IPC handles the
+# insecure serialization: both safe only because nobody but this user can reach the server (start_server).
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
-# For a faster start, unless this process's environment says otherwise: vLLM's
-# engine processes forked from its API server, which has imported vLLM already
-# (spawned, each imports it again); and one Triton cache for every run (a run
-# that compiles keeps Triton's kernels in vLLM's compile cache, a later run that
-# loads that compiled code looks for them in Triton's own cache, and compiles
-# them all again).
-SERVER_ENV_DEFAULTS = {
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-    "TRITON_CACHE_DIR": str(Path.home() / ".triton" / "cache"),
-}
+# A faster start: engine processes forked from the API server, which has imported vLLM; one Triton cache
+# (code loaded from vLLM's compile cache looks for its kernels there, else compiles them again).
+SERVER_ENV_DEFAULTS = {"VLLM_WORKER_MULTIPROC_METHOD": "fork",
+                       "TRITON_CACHE_DIR": str(Path.home() / ".triton" / "cache")}
 
 
 @dataclass
@@ -122,13 +78,11 @@ class Server:
     started_at: float = field(default_factory=time.monotonic)
     healthy_after_s: float | None = None  # what wait_until_healthy returned
     milestones_shown: set[str] = field(default_factory=set)  # print_progress
-    # The write end of the watchdog's `alive` pipe, the read end of its `done` pipe (start_server).
-    watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)
+    watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)  # `alive`'s write end, `done`'s read end
 
     @property
     def pgid(self) -> int:
-        # start_new_session=True makes the server the leader of its own group.
-        return self.proc.pid
+        return self.proc.pid  # start_new_session=True makes the server the leader of its own group
 
 
 KV_BLOCK_TOKENS = 16  # vLLM's smallest KV cache block (tokens)
@@ -137,101 +91,60 @@ KV_BLOCK_TOKENS = 16  # vLLM's smallest KV cache block (tokens)
 def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tensor_parallel_size: int = 1,
                experts: bool = True, gpu_memory_utilization: float = 0.35, kv_cache_memory_bytes: int | None = None,
                kv_cache_tokens: int | None = None, enforce_eager: bool = False, max_model_len: int | None = None,
-               node: int = 0,
-               head: tuple[str, int] | None = None,
+               node: int = 0, head: tuple[str, int] | None = None,
                worker_extension: str = "weight_sync.direct_load.DirectLoadWorker",
                rollout_dtype: str = "bf16") -> list[str]:  # fmt: skip
-    """`vllm serve` flags after the model's path, for the engines on one
-    node's GPUs (`gpu_ids`, as many on each of `num_nodes` nodes): one DP
-    engine per TP group, experts (if the model has them) split over every GPU
-    of every node, dummy weights (the trainer sends the real ones), memory it
-    can release while the trainer works, IPC weight transfer, the direct
-    loader (`worker_extension`, reached through /collective_rpc). On more
-    nodes, node 0 runs the API server and its engines, every other node its
-    engines alone (--headless), which reach node 0's at `head` (address, port).
-    `rollout_dtype` "fp8": vLLM serves the routed experts in block-wise FP8
-    (e4m3, one scale per 128 x 128 block, quantized from the bf16 weights it
-    receives at every sync), through its Triton MoE kernel, the layout the
-    direct loader writes; everything else stays bf16.
-
-    The KV cache: `kv_cache_memory_bytes`, or `kv_cache_tokens` (counted in
-    vLLM's smallest blocks, 16 tokens; a backend with larger blocks holds
-    more), else what `gpu_memory_utilization` leaves. Size it for the batch:
-    every sync resets vLLM's prefix cache, a loop over every block, which
-    takes 0.2-0.3 s for the ~40 GiB a 0.35 share of an H200 leaves."""
+    """`vllm serve` flags after the model's path for one node's engines (`gpu_ids`; as many on each of
+    `num_nodes`, nodes > 0 headless, reaching node 0 at `head`): a DP engine per TP group, experts over every
+    GPU, dummy weights (the trainer sends them), sleep mode, IPC weight transfer, `worker_extension`. "fp8":
+    vLLM quantizes the routed experts it receives to block-wise FP8. The KV cache: `kv_cache_memory_bytes`, or
+    `kv_cache_tokens`, else what `gpu_memory_utilization` leaves (each sync resets every block: 0.25 s per 40 GiB)."""
     if kv_cache_memory_bytes and kv_cache_tokens:
         raise ValueError("pass kv_cache_memory_bytes or kv_cache_tokens, not both")
     dp_size = len(gpu_ids) * num_nodes // tensor_parallel_size
-    # fmt: off
-    flags = [
-        "--served-model-name", served_name,
-        "--tensor-parallel-size", str(tensor_parallel_size),
-        "--data-parallel-size", str(dp_size),
-        *(["--enable-expert-parallel"] if experts else []),
-        "--device-ids", ",".join(gpu_ids),
-        "--enable-sleep-mode",
-        "--load-format", "dummy",
-        "--weight-transfer-config", json.dumps({"backend": "ipc"}),
-        "--worker-extension-cls", worker_extension,
-        "--gpu-memory-utilization", str(gpu_memory_utilization),
-    ]
+    flags = ["--served-model-name", served_name, "--tensor-parallel-size", str(tensor_parallel_size),
+             "--data-parallel-size", str(dp_size), *(["--enable-expert-parallel"] if experts else []),
+             "--device-ids", ",".join(gpu_ids), "--enable-sleep-mode", "--load-format", "dummy",
+             "--weight-transfer-config", json.dumps({"backend": "ipc"}), "--worker-extension-cls", worker_extension,
+             "--gpu-memory-utilization", str(gpu_memory_utilization)]  # fmt: skip
     if num_nodes > 1:
         local = dp_size // num_nodes
         flags += ["--data-parallel-size-local", str(local), "--data-parallel-address", head[0],
-                  "--data-parallel-rpc-port", str(head[1])]
+                  "--data-parallel-rpc-port", str(head[1])]  # fmt: skip
         if node > 0:
             flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
-    # fmt: on
     if rollout_dtype == "fp8":
         flags += ["--quantization", "online", "--quantization-config", json.dumps({"moe": "fp8_per_block"}),
                   "--moe-backend", "triton"]
     elif rollout_dtype != "bf16":
         raise ValueError(f"rollout_dtype must be 'bf16' or 'fp8', not {rollout_dtype!r}")
-    if enforce_eager:
-        flags.append("--enforce-eager")
-    if max_model_len:
-        flags += ["--max-model-len", str(max_model_len)]
-    if kv_cache_memory_bytes:
-        flags += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
-    if kv_cache_tokens:
-        flags += ["--num-gpu-blocks-override", str(-(-kv_cache_tokens // KV_BLOCK_TOKENS))]
+    flags += ["--enforce-eager"] if enforce_eager else []
+    flags += ["--max-model-len", str(max_model_len)] if max_model_len else []
+    flags += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)] if kv_cache_memory_bytes else []
+    flags += ["--num-gpu-blocks-override", str(-(-kv_cache_tokens // KV_BLOCK_TOKENS))] if kv_cache_tokens else []
     return flags
 
 
-def start_server(
-    serve_args: Sequence[str],
-    *,
-    socket_path: str | os.PathLike,
-    log_path: str | os.PathLike,
-    env: dict[str, str] | None = None,
-    launcher: Sequence[str] = DEFAULT_LAUNCHER,
-    also_stop: Sequence[str] = (),
-) -> Server:
-    """Start `vllm serve <serve_args>` listening on `socket_path`, in its own
-    process group, with its output in `log_path`. The socket's directory must
-    be private to this user (0700, as tempfile.mkdtemp makes it); vLLM's ZMQ
-    sockets go there too. `env` goes over SERVER_ENV_DEFAULTS, this process's
-    environment and SERVER_ENV; Ray's GPU mask is dropped (choose GPUs with
-    `--device-ids`). A watchdog (server_watchdog.py) stops the whole group
-    once this process is gone, however it ended, and then the processes in
-    `also_stop` ("PID:START" strings)."""
+def start_server(serve_args: Sequence[str], *, socket_path: str | os.PathLike, log_path: str | os.PathLike,
+                 env: dict[str, str] | None = None, launcher: Sequence[str] = DEFAULT_LAUNCHER,
+                 also_stop: Sequence[str] = ()) -> Server:  # fmt: skip
+    """Start `vllm serve <serve_args>` on `socket_path` (in a 0700 directory, where vLLM's ZMQ sockets
+    go too), in its own process group, logging to `log_path`; `env` over SERVER_ENV_DEFAULTS, this process's
+    environment and SERVER_ENV, without Ray's GPU mask (`--device-ids` chooses). A watchdog stops the group
+    once this process is gone, however it ended, and then `also_stop` ("PID:START")."""
     socket_path = os.fspath(socket_path)
-    folder = os.stat(os.path.dirname(os.path.abspath(socket_path)))
-    if folder.st_uid != os.getuid() or stat.S_IMODE(folder.st_mode) & 0o077:
+    folder = os.path.dirname(os.path.abspath(socket_path))
+    if os.stat(folder).st_uid != os.getuid() or stat.S_IMODE(os.stat(folder).st_mode) & 0o077:
         raise ServerError(f"the server's socket must be in a directory private to you (0700): {socket_path}")
     if len(socket_path.encode()) > 100:  # the kernel's limit for a socket path is 107 bytes
         raise ServerError(f"socket path too long for a Unix socket ({len(socket_path)} bytes): {socket_path}")
-    if len(os.path.dirname(os.path.abspath(socket_path)).encode()) > 70:  # + vLLM's "/<uuid4>" for its ZMQ sockets
+    if len(folder.encode()) > 70:  # + vLLM's "/<uuid4>" for its ZMQ sockets
         raise ServerError(f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
                           f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory")  # fmt: skip
-    log_path = Path(log_path)
     full_env = {**SERVER_ENV_DEFAULTS, **os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("CUDA_VISIBLE_DEVICES", None)
-    # vLLM's own processes talk over ZMQ sockets it creates under this
-    # directory (/tmp by default, with the umask's modes: a user of the same
-    # group could connect, and its decoders unpickle what the dev routes
-    # accept). In the socket's private directory, nobody else can reach them.
-    full_env["VLLM_RPC_BASE_PATH"] = os.path.dirname(os.path.abspath(socket_path))
+    # vLLM's own ZMQ sockets (/tmp by default, which a user of the same group could reach: they unpickle).
+    full_env["VLLM_RPC_BASE_PATH"] = folder
     cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
     if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
         # What Popen would raise: the watchdog's exec fails only in the child.
@@ -240,33 +153,26 @@ def start_server(
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop)
-    return Server(proc=proc, socket_path=socket_path, log_path=log_path, watchdog_fds=watchdog_fds)
+    return Server(proc=proc, socket_path=socket_path, log_path=Path(log_path), watchdog_fds=watchdog_fds)
+
+
+_WATCHDOG_GRACE_S = 10.0  # the watchdog's, between SIGTERM and SIGKILL
+WATCHDOG_MARKER = "helpers.server_watchdog"  # its first argument: its processes' command line tells them apart
 
 
 def _start_watched(cmd: list[str], log, env: dict[str, str],
                    also_stop: Sequence[str] = ()) -> tuple[subprocess.Popen, tuple[int, int]]:  # fmt: skip
-    """Popen(cmd) as the leader of a new process group, through
-    server_watchdog.py, which forks the watchdog off (outside the group) and
-    then execs `cmd`: the Popen is the server itself. The group holds the
-    server's API servers, engine cores and DP coordinator, so stop_server and
-    the watchdog can signal every one of them, not only the parent.
-
-    Two pipes: only this process holds the write end of `alive`, so the
-    watchdog reads EOF when this process is gone; only the watchdog holds the
-    write end of `done`, so stop_server reads EOF when the watchdog is gone."""
+    """Popen(cmd) as the leader of a new process group, through the watchdog program, which forks
+    the watchdog off (outside the group) and execs `cmd`: the Popen is the server. Only this process holds
+    the write end of `alive`, only the watchdog that of `done`: each reads EOF when the other is gone."""
     alive_r, alive_w = os.pipe()
     done_r, done_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _WATCHDOG_SCRIPT, str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S),
-             *([",".join(also_stop)] if also_stop else []), "--", *cmd],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            pass_fds=(alive_r, done_w),
-        )  # fmt: skip
+            [sys.executable, "-I", "-S", "-c", _watchdog_program(), WATCHDOG_MARKER, str(alive_r), str(done_w),
+             str(_WATCHDOG_GRACE_S), *([",".join(also_stop)] if also_stop else []), "--", *cmd],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            pass_fds=(alive_r, done_w))  # fmt: skip
     except BaseException:
         os.close(alive_w)
         os.close(done_r)
@@ -277,58 +183,163 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
     return proc, (alive_w, done_r)
 
 
-# The watchdog's grace between SIGTERM and SIGKILL once the starting process is gone.
-_WATCHDOG_GRACE_S = 10.0
-_WATCHDOG_SCRIPT = str(Path(__file__).resolve().parent / "weight_sync" / "server_watchdog.py")
+def _watchdog_program() -> str:
+    """server_watchdog and what it calls, from this file: standard library only, it starts fast and stays small."""
+    import inspect
+    parts = [inspect.getsource(f) for f in (proc_stat, start_time, group_members, stop_group, server_watchdog)]
+    return "\n".join(["from __future__ import annotations", "import os, select, signal, sys, time",
+                      "from contextlib import suppress", *parts, "server_watchdog()"])  # fmt: skip
 
 
 def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
-    """Close the server's `alive` pipe (its watchdog then stops what is left of
-    the group, and exits), and wait until the watchdog is gone."""
+    """Let the watchdog go (it stops what is left of the group and exits), and wait until it is gone."""
     if server.watchdog_fds is None:
         return
     (alive_w, done_r), server.watchdog_fds = server.watchdog_fds, None
-    try:
+    with suppress(OSError):
         os.write(alive_w, b"r")  # a release, not the caller's death: leave its `also_stop` alone
-    except OSError:
-        pass
     os.close(alive_w)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select([done_r], [], [], left)
-            if ready and not os.read(done_r, 4096):  # EOF: the watchdog exited
-                break
+    try:  # readable at EOF alone, once the watchdog exited: only it holds the write end, and never writes
+        select.select([done_r], [], [], timeout_s)
     finally:
         os.close(done_r)
 
 
+# ---- The watchdog: a program of its own (_watchdog_program), standard library only ----
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the name (state, ppid, pgrp, ...; start time [19]), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> str | None:
+    """Process `pid`'s start time (clock ticks after boot), None if it is gone or a zombie."""
+    stat = proc_stat(pid)
+    return None if stat is None or stat[0] == b"Z" else stat[19].decode()
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
+    return [int(entry) for entry in filter(str.isdigit, os.listdir("/proc"))
+            if (stat := proc_stat(entry)) is not None and stat[0] != b"Z" and int(stat[2]) == pgid]  # fmt: skip
+
+
+def stop_group(pgid: int, grace_s: float) -> list[int]:
+    """SIGTERM process group `pgid`, SIGKILL what is left after `grace_s`;
+    returns what is still there 10 s after SIGKILL (else [])."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return []
+        deadline = time.monotonic() + wait_s
+        while (left := group_members(pgid)) and time.monotonic() <= deadline:
+            time.sleep(0.2)
+        if not left:
+            return []
+    return left
+
+
+def server_watchdog() -> None:
+    """python -c <_watchdog_program()> helpers.server_watchdog ALIVE_FD DONE_FD GRACE_S [ALSO] -- CMD [ARGS...]
+    The group's leader forks off a watchdog into a session of its own, then execs CMD, keeping its PID. On
+    EOF on ALIVE_FD (the caller is gone, however it ended, or stop_server let go) the watchdog stops the
+    group (SIGTERM, SIGKILL after GRACE_S) and exits, closing DONE_FD; as it does when the group empties.
+    ALSO ("PID:START,..."): the caller's other processes (a local Ray's agents outlive a SIGKILLed driver
+    by minutes), SIGKILLed only if the caller is gone (stop_server writes "r" first); START: not a reused PID."""
+
+    def say(text: str) -> None:
+        with suppress(OSError):
+            os.write(2, f"[server_watchdog] {text}\n".encode())
+
+    def watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also: list[str]) -> None:
+        watching_leader, released = leader_fd is not None, False
+        while True:
+            # Block on the leader's pidfd while it runs; then (its engines may live on) look once a second.
+            ready, _, _ = select.select([alive_fd] + ([leader_fd] if watching_leader else []), [], [],
+                                        None if watching_leader or also else 1.0)  # fmt: skip
+            if alive_fd in ready:
+                data = b""
+                with suppress(OSError):
+                    data = os.read(alive_fd, 4096)
+                released = released or b"r" in data  # stop_server says so before it lets go
+                if not data:  # EOF: the caller is gone, or stop_server let go
+                    if group_members(pgid):
+                        say(f"the process that started the vLLM server is gone: stopping its process group {pgid}")
+                        if left := stop_group(pgid, grace_s):
+                            say(f"processes {left} of group {pgid} survived SIGKILL")
+                    if also and not released:  # the caller is gone: what else it started goes too
+                        say(f"stopping {len(also)} other processes the caller started")
+                        for pid, start in (entry.split(":") for entry in also):
+                            if start_time(int(pid)) == start:  # still that same process
+                                with suppress(ProcessLookupError):
+                                    os.kill(int(pid), signal.SIGKILL)
+                    return
+            watching_leader = watching_leader and leader_fd not in ready
+            # An empty group ends the watch, unless ALSO is in our care (then only the caller's release or death).
+            if not watching_leader and not also and not group_members(pgid):
+                return
+
+    alive_fd, done_fd, grace_s, *rest = sys.argv[2:]
+    also = rest.pop(0).split(",") if rest and rest[0] != "--" else []
+    if len(rest) < 2 or rest[0] != "--":
+        sys.exit("usage: server_watchdog ALIVE_FD DONE_FD GRACE_S [PID:START,...] -- CMD [ARGS...]")
+    alive_fd, done_fd, cmd, leader = int(alive_fd), int(done_fd), rest[1:], os.getpid()
+    try:
+        leader_fd = os.pidfd_open(leader)  # readable once the server exits (Linux 5.3+)
+    except (AttributeError, OSError):
+        leader_fd = None
+    child = os.fork()
+    if child == 0:
+        # Twice forked, in a session of its own: out of the server's group and its signals, and not the
+        # server's child (which would not reap it).
+        try:
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_IGN)
+            os.dup2(fd := os.open(os.devnull, os.O_RDONLY), 0)
+            os.close(fd)
+            watch(leader, alive_fd, leader_fd, float(grace_s), also)
+        except BaseException as e:  # noqa: BLE001 - say it in the server's log, whatever it was
+            say(f"failed: {e!r}")
+            os._exit(1)
+        os._exit(0)  # closes done_fd: the caller sees the watchdog gone
+    # The server: once the watchdog is out of the group, let go of the pipes and become the server.
+    os.waitpid(child, 0)
+    for fd in (alive_fd, done_fd, leader_fd):
+        if fd is not None:
+            os.close(fd)
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:
+        say(f"cannot run {cmd[0]}: {e}")
+        os._exit(127)
+
+
 def log_tail(server: Server, lines: int = 40) -> str:
     try:
-        text = server.log_path.read_text(errors="replace")
+        return "\n".join(server.log_path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
 
 
-# What a starting `vllm serve` (0.32) is doing, from the first log line that
-# says so, in the order they come. Only for progress lines: a milestone whose
-# wording changes is not shown, nothing else depends on it.
+# A starting `vllm serve`'s milestones by their first log line (0.32), for progress lines only.
 START_MILESTONES = (
-    ("Initializing a V1 LLM engine", "engines starting"),
-    ("Model loading took", "model built (dummy weights)"),
-    ("Starting torch.compile", "torch.compile ..."),
-    ("torch.compile took", "torch.compile done"),
-    ("Capturing CUDA", "capturing CUDA graphs ..."),
-    ("Available KV cache memory", "memory profiled, KV cache sized"),
+    ("Initializing a V1 LLM engine", "engines starting"), ("Model loading took", "model built (dummy weights)"),
+    ("Starting torch.compile", "torch.compile ..."), ("torch.compile took", "torch.compile done"),
+    ("Capturing CUDA", "capturing CUDA graphs ..."), ("Available KV cache memory", "memory profiled, KV cache sized"),
     ("init engine (profile, create kv cache, warmup model) took", "engines ready"),
     ("Starting vLLM server on", "API server listening"),
-)
+)  # fmt: skip
 
 
 def print_progress(server: Server) -> None:
-    """Print each START_MILESTONES line the server's log has reached since
-    the last call, with the seconds since its start."""
+    """Print each START_MILESTONES line the log has reached since the last call."""
     try:
         text = server.log_path.read_text(errors="replace")
     except OSError:
@@ -340,87 +351,39 @@ def print_progress(server: Server) -> None:
 
 
 def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0, also_check=None) -> float:
-    """Block until GET /health answers 200, printing the server's progress
-    (print_progress) meanwhile; return seconds since start.
-
-    Raises ServerError at once if the process exits, or when the deadline
-    passes, quoting the end of the server's log either way. `also_check()`,
-    if given, runs every poll, and may raise to stop the wait (e.g. when a
-    server on another node has exited).
-    """
+    """Until GET /health answers 200, printing progress; seconds since start. ServerError with the
+    log's end if the server exits or at the deadline; `also_check()` runs every poll, and may raise."""
     deadline = time.monotonic() + timeout_s
     while True:
         print_progress(server)
-        code = server.proc.poll()
-        if code is not None:
-            raise ServerError(
-                f"vLLM server exited with code {code} during start; last lines of "
-                f"{server.log_path}:\n{log_tail(server)}"
-            )
+        if (code := server.proc.poll()) is not None:
+            raise ServerError(f"vLLM server exited with code {code} during start; last lines of "
+                              f"{server.log_path}:\n{log_tail(server)}")  # fmt: skip
         if also_check:  # after our own server's exit: that one we name for sure
             also_check()
         if health(server.socket_path):
             print_progress(server)  # the lines the log reached since this poll's first look
             return time.monotonic() - server.started_at
         if time.monotonic() > deadline:
-            raise ServerError(
-                f"vLLM server not healthy after {timeout_s:.0f}s; last lines of "
-                f"{server.log_path}:\n{log_tail(server)}"
-            )
+            raise ServerError(f"vLLM server not healthy after {timeout_s:.0f}s; last lines of "
+                              f"{server.log_path}:\n{log_tail(server)}")  # fmt: skip
         time.sleep(poll_s)
 
 
-def group_members(pgid: int) -> list[int]:
-    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_bytes()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after the command's name, which may hold spaces
-        if fields[0] != b"Z" and int(fields[2]) == pgid:
-            alive.append(int(pid))
-    return alive
-
-
-def _wait_group_gone(server: Server, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while group_members(server.pgid):
-        server.proc.poll()  # reap the parent so it does not linger as a zombie
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def stop_server(server: Server, grace_s: float = 20.0) -> None:
-    """SIGTERM the server's whole process group, SIGKILL what is left after
-    `grace_s`, and wait until every process is gone, its watchdog included.
-    Safe to call twice."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(server.pgid, sig)
-        except ProcessLookupError:
-            break
-        if _wait_group_gone(server, wait_s):
-            break
-    else:
-        raise ServerError(f"processes {group_members(server.pgid)} of the vLLM server survived SIGKILL")
-    try:
-        server.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    """SIGTERM the server's group, SIGKILL what is left after `grace_s`, wait for every process and the watchdog."""
+    if left := stop_group(server.pgid, grace_s):
+        raise ServerError(f"processes {left} of the vLLM server survived SIGKILL")
+    with suppress(subprocess.TimeoutExpired):
+        server.proc.wait(timeout=10)  # the leader's exit status, and no zombie left
     _release_watchdog(server)
     _forget_client(server.socket_path)
 
 
 @contextmanager
 def serving(serve_args: Sequence[str], **start_kwargs):
-    """start_server(serve_args, **start_kwargs) and yield the server, still
-    starting (wait_until_healthy, once you have done what can overlap its
-    start); on the way out, stop it, saying so and quoting its log if it had
-    exited on its own."""
+    """start_server(...), yielding the server still starting (wait_until_healthy
+    later); on the way out stop it, quoting its log if it had exited on its own."""
     server = start_server(serve_args, **start_kwargs)
     try:
         yield server
@@ -438,8 +401,7 @@ def serving(serve_args: Sequence[str], **start_kwargs):
 
 @contextmanager
 def signals_ignored():
-    """Let a cleanup finish: a second Ctrl-C, SIGTERM or SIGHUP meanwhile
-    would otherwise cut it short and leave processes behind."""
+    """Let a cleanup finish: a second Ctrl-C, SIGTERM or SIGHUP would cut it short and leave processes behind."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = [signal.signal(sig, signal.SIG_IGN) for sig in sigs]
     try:
@@ -449,25 +411,16 @@ def signals_ignored():
             signal.signal(sig, handler)
 
 
-# ---------------------------------------------------------------------------
-# HTTP routes: one small function each. `sock` is the server's socket path.
-# ---------------------------------------------------------------------------
-
-
-# One client per server socket and process, its connection kept open between
-# calls: a round makes a handful of calls milliseconds apart, and a new client
-# for each would build a transport and connect anew each time.
+# ---- HTTP routes: one small function each. `sock` is the server's socket path ----
+# One client per socket and process, its connection kept open: a round's calls are milliseconds apart.
 _clients: dict[tuple[int, str], httpx.Client] = {}
 
 
 def _client(sock: str) -> httpx.Client:
     key = (os.getpid(), sock)  # (a forked child opens its own connection)
     if key not in _clients:
-        # Plain HTTP over a local socket: no TLS context to build (loading the
-        # CA certificates costs ~30 ms) and no proxy. An idle connection is
-        # dropped at half the server's keep-alive timeout (vLLM's
-        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so it is never reused
-        # just as the server closes it.
+        # No TLS context (~30 ms to build), no proxy; an idle connection dropped at half the server's
+        # keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), never reused just as the server closes it.
         idle_s = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2
         transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=idle_s))
         _clients[key] = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
@@ -475,24 +428,21 @@ def _client(sock: str) -> httpx.Client:
 
 
 def _forget_client(sock: str, close: bool = True) -> None:
-    """Drop this process's client for a server: closed (the server stopped),
-    or left to a call another thread may still be making on it."""
+    """Drop this process's client for `sock`: closed, or (close=False) left to a call another thread may be making."""
     client = _clients.pop((os.getpid(), sock), None)
     if client is not None and close:
         client.close()
 
 
 def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
-    """Call any route (httpx's keyword arguments); return its JSON; raise
-    ServerError with the server's own error text."""
+    """Call any route (httpx's keyword arguments); return its JSON; raise ServerError with the server's text."""
     try:
         resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
     except httpx.HTTPError as e:
         _forget_client(sock, close=False)
         raise ServerError(f"{method} {route} failed: {e!r}") from e
     if resp.status_code != 200:
-        # vLLM's server may reset a connection after an error reply (seen
-        # after an HTTP 500): the next call starts on a new one.
+        # vLLM may reset the connection after an error reply (seen after a 500): the next call opens anew.
         _forget_client(sock, close=False)
         raise ServerError(f"{method} {route} -> HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json() if resp.content else None
@@ -507,58 +457,41 @@ def health(sock: str) -> bool:
 
 
 def sleep(sock: str, level: int) -> dict:
-    """POST /sleep: level 0 only pauses scheduling; level 1 also offloads the
-    weights to CPU, level 2 discards them; both free the KV cache."""
+    """POST /sleep: level 0 pauses scheduling; 1 also offloads the weights to CPU, 2 discards them."""
     return request(sock, "POST", "/sleep", params={"level": level})
 
 
 def release_kv_cache(sock: str) -> dict:
-    """POST /release_kv_cache_memory: after /sleep?level=0, give the KV
-    cache's GPU memory back (the weights stay); /wake_up?tags=kv_cache maps it
-    again. Resets the prefix cache, whose entries the old weights computed."""
+    """POST /release_kv_cache_memory (after /sleep?level=0): the KV cache freed, the prefix cache reset."""
     return request(sock, "POST", "/release_kv_cache_memory")
 
 
 def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
-    """Stop serving until the sync. At level 0 the weights stay mapped (the
-    send overwrites them in place) and, with `free_kv_cache`, the KV cache's
-    memory goes to the trainer (for a training step); without, only the
-    prefix cache is reset, since the old weights computed its entries:
-    nothing to unmap now and map back later (vLLM's reset still visits
-    every block of the cache). Levels 1 and 2 free
-    the KV cache and the weights. Returns whether the KV cache is freed (what
-    wake_to_serve must map back)."""
+    """Stop serving until the sync: level 0 keeps the weights mapped (written in place) and frees the
+    KV cache (`free_kv_cache`) or resets the prefix cache; 1 and 2 free both. Returns whether the KV cache is freed."""
     sleep(sock, level)
     if level == 0:
-        if free_kv_cache:
-            release_kv_cache(sock)
-        else:
-            reset_prefix_cache(sock)
+        release_kv_cache(sock) if free_kv_cache else reset_prefix_cache(sock)
     return level > 0 or free_kv_cache
 
 
 def reset_prefix_cache(sock: str) -> None:
-    """POST /reset_prefix_cache: forget the cached prompts' KV entries."""
     request(sock, "POST", "/reset_prefix_cache")
 
 
 def wake_weights(sock: str, level: int) -> None:
-    """POST /wake_up?tags=weights: map the weights back before the send,
-    unless level 0 kept them mapped."""
+    """POST /wake_up?tags=weights before the send, unless level 0 kept them mapped."""
     if level > 0:
         wake_up(sock, ["weights"])
 
 
 def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
     """POST /wake_up?tags=...: map back the named memory pools (all if None)."""
-    params = [("tags", t) for t in tags] if tags else None
-    return request(sock, "POST", "/wake_up", params=params)
+    return request(sock, "POST", "/wake_up", params=[("tags", t) for t in tags] if tags else None)
 
 
 def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
-    """POST /wake_up?tags=kv_cache&tags=scheduling: the KV cache back (unless
-    the sleep kept it), the scheduler running; raise unless the server is then
-    fully awake."""
+    """POST /wake_up?tags=kv_cache (if freed)&tags=scheduling; raise unless then awake."""
     try:
         state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
     except ServerError as e:
@@ -568,12 +501,11 @@ def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
 
 
 def wake_failure(error: str, kv_cache: bool) -> str:
-    """What a failed wake_up means, in front of the server's own words: out
-    of memory while mapping a freed KV cache back is memory taken meanwhile."""
+    """Out of memory while mapping a freed KV cache back is memory taken meanwhile: say so."""
     if kv_cache and "out of memory" in error.lower():
-        return ("vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by "
-                "another process on the GPU, or kept by the trainer); keep the KV cache through the sync, or "
-                f"make it smaller: {error}")
+        return ("vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another "
+                "process on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it "
+                f"smaller: {error}")
     return error
 
 
@@ -588,12 +520,12 @@ class Completion:
     token_ids: list[int]
 
 
-def openai_client(sock: str):
-    """The openai client for vLLM's OpenAI-compatible routes, over the server's
-    socket (this process's connection to it). `requests` cannot reach a Unix
-    socket, and the socket is what keeps other users out."""
-    import openai
+_openai_clients: dict[int, tuple] = {}
 
+
+def openai_client(sock: str):
+    """The openai client over the socket (`requests` cannot reach a Unix socket)."""
+    import openai
     transport = _client(sock)
     made = _openai_clients.get(id(transport))
     if made is None or made[0] is not transport:  # (a dropped connection's client goes with it)
@@ -602,16 +534,10 @@ def openai_client(sock: str):
     return made[1]
 
 
-_openai_clients: dict[int, tuple] = {}
-
-
 def post_completions(sock: str, dp_rank: int | None = None, **fields):
-    """POST /v1/completions through the openai client (`fields` as its
-    `completions.create` takes them; vLLM's own through `extra_body`);
-    `dp_rank` pins it to one DP engine. Raises ServerError with the server's
-    own error text."""
+    """POST /v1/completions through the openai client (vLLM's own fields in
+    `extra_body`); `dp_rank` pins one DP engine. Raises ServerError."""
     import openai
-
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
     try:
         return openai_client(sock).completions.create(extra_headers=headers, timeout=SERVER_CALL_TIMEOUT_S, **fields)
@@ -623,43 +549,26 @@ def post_completions(sock: str, dp_rank: int | None = None, **fields):
         raise ServerError(f"POST /v1/completions failed: {e!r}") from e
 
 
-def completions(
-    sock: str,
-    model: str,
-    prompts: list[str],
-    max_tokens: int,
-    temperature: float = 0.0,
-    dp_rank: int | None = None,
-) -> list[Completion]:
-    """One completion per prompt (greedy by default), with the prompt's and
-    the output's token ids (vLLM's return_token_ids)."""
+def completions(sock: str, model: str, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+                dp_rank: int | None = None) -> list[Completion]:  # fmt: skip
+    """One completion per prompt (greedy by default), with the prompt's and the output's token ids."""
     out = post_completions(sock, dp_rank, model=model, prompt=prompts, max_tokens=max_tokens,
                            temperature=temperature, extra_body={"return_token_ids": True})  # fmt: skip
     by_index = {c.index: c for c in out.choices}
-    return [
-        Completion(c.text, list(c.prompt_token_ids), list(c.token_ids))
-        for c in (by_index[i] for i in range(len(prompts)))
-    ]
+    return [Completion(c.text, list(c.prompt_token_ids), list(c.token_ids))
+            for c in (by_index[i] for i in range(len(prompts)))]  # fmt: skip
 
 
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
-    """POST /collective_rpc: call `method` on the worker of every engine
-    (string arguments only). Returns the first DP engine's results; an error
-    on any engine fails the call."""
+    """POST /collective_rpc: `method` (string arguments) on every engine's worker; the first DP engine's results."""
     body = {"method": method, "args": list(args), "timeout": timeout}
     out = request(sock, "POST", "/collective_rpc", timeout=timeout + 10, json=body)
     return out["results"] if out else []
 
 
-# ---------------------------------------------------------------------------
-# Weight sync clients: what vLLM's IPC trainer engine calls on trainer rank 0
-# ---------------------------------------------------------------------------
-
-
+# ---- Weight sync clients: what vLLM's IPC trainer engine calls on trainer rank 0 ----
 def weight_sync_client(sock: str):
-    """vLLM's HTTPVLLMWeightSyncClient (its /start_weight_update,
-    /update_weights, /finish_weight_update routes), over the Unix socket, and
-    raising ServerError with the server's reply instead of a bare HTTP status."""
+    """vLLM's HTTPVLLMWeightSyncClient (its weight routes) over the socket, raising ServerError."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     class WeightSyncClient(HTTPVLLMWeightSyncClient):
@@ -670,19 +579,12 @@ def weight_sync_client(sock: str):
 
 
 class FailAfterSend:
-    """Rank 0's weight sync client, made safe to retry. Every rank meets at a
-    barrier per chunk and only rank 0 calls the client: had a call raised,
-    rank 0 would leave while the others wait at the next barrier (for the
-    10-minute collective timeout). So after a failed call the send's other
-    updates are skipped, `finish_weight_update` still runs (the direct
-    loader's finish closes its session), and `raise_failure()` raises the
-    first error once every rank is through (send_all retries then)."""
+    """Rank 0's weight sync client, safe to retry: every rank meets at a barrier per chunk, so rank 0
+    must not raise in the send. After a failed call the updates are skipped, finish still runs (the direct
+    loader's closes its session), and raise_failure() raises once every rank is through."""
 
     def __init__(self, client) -> None:
         self.client, self._failure = client, None  # (the client it wraps)
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.client.init_weight_transfer_engine(init_info)  # at setup, not in a send: raise now
 
     def start_weight_update(self) -> None:
         self._failure = None
@@ -700,7 +602,7 @@ class FailAfterSend:
         if failure is not None:
             raise failure
 
-    def __getattr__(self, name: str):  # anything else vLLM may call
+    def __getattr__(self, name: str):  # anything else vLLM calls, e.g. init_weight_transfer_engine: at setup, raising
         return getattr(self.client, name)
 
     def _call(self, method, *args) -> None:
@@ -710,13 +612,9 @@ class FailAfterSend:
             self._failure = self._failure or e
 
 
-# ===========================================================================
-# The trainer ranks: one Ray actor per GPU, in one process group
-# ===========================================================================
-
-# Every rank takes part in collectives, so a call is made on all of them at
-# once and must not wait on a rank that is gone (ray_get_all).
-
+# ---- The trainer ranks: one Ray actor per GPU, in one process group ----
+# Calls go to every rank at once (collectives) and must not wait on a dead one (ray_get_all). A rank is of
+# any class: these functions run in it through Ray's __ray_call__; send_all calls its send_weights().
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (SERVER_CALL_TIMEOUT_S)
 
 
@@ -728,54 +626,35 @@ class TrainerDied(RuntimeError):
     """A trainer rank's process died (killed, out of memory, crashed)."""
 
 
-# A trainer rank is an object of any class, started as a Ray actor by
-# start_trainers, which runs these functions in it (Ray's __ray_call__), so
-# that the class needs no base class; send_all calls its send_weights().
-
 _store = None  # rank 0's: the store the ranks meet at
-_listener = None  # rank 0 on more nodes: the TCP socket its store listens on
 
 
 def open_rendezvous(host: str, world_size: int) -> str | int:
-    """Rank 0: open the store where the ranks meet; returns where the
-    others find it (for join_process_group). One node (`host` 127.0.0.1):
-    a torch FileStore in a 0700 directory of its own (no port any local
-    user could connect to); returns the file's path, which must stay while
-    the ranks run (leave_ray, remove_rendezvous). More nodes (`host`: rank
-    0's address): a TCPStore, bound by us on that one address only (torch's
-    own listens on every interface, and has no authentication: the job
-    needs a network you trust); returns the port."""
-    global _store, _listener
-    if host == "127.0.0.1":
-        folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # if this rank ends normally
-        path = folder / "store"
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # ours, before torch opens it
-        _store = file_store(path, world_size)
-        return str(path)
-    _listener = socket.create_server((host, 0))
-    port = _listener.getsockname()[1]
-    _store = dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=_listener.fileno(),
-                           wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-    return port
+    """Rank 0: open the store the ranks meet at; returns where. One node: a FileStore in a 0700 directory
+    (no port for other local users), its path, to keep while the ranks run. More: a TCPStore, its port."""
+    global _store
+    if host != "127.0.0.1":  # more than one node: multinode.py (copied beside this file for more nodes)
+        from weight_sync import multinode
+
+        _store, port = multinode.open_tcp_rendezvous(host, world_size, COLLECTIVE_TIMEOUT)
+        return port
+    folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # if this rank ends normally
+    path = folder / "store"
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # ours, before torch opens it
+    _store = file_store(path, world_size)
+    return str(path)
 
 
 def join_process_group(rank: int, world_size: int, host: str, where: str | int) -> None:
-    """Join the process group at what rank 0's open_rendezvous returned:
-    the store's file (one node) or its port on `host`. On a GPU (Ray made
-    this rank's the only one visible) CUDA tensors (FSDP2) go over NCCL, the
-    rest over gloo: vLLM's IPC engine syncs every chunk with
-    all_gather_object + barrier on this group, which then wait on the host
-    instead of spinning an NCCL kernel on the GPU that the colocated engine
-    is copying on. (No device_id: it would bind the barrier to NCCL.)"""
-    if rank == 0:
-        store = _store
-    elif isinstance(where, str):
-        store = file_store(where, world_size)
+    """Join the group at what open_rendezvous returned. CUDA tensors over NCCL, the rest over gloo:
+    vLLM's IPC engine's per-chunk all_gather_object + barrier wait on the host, not on the engine's GPU."""
+    if host != "127.0.0.1":  # more than one node: multinode.py (copied beside this file for more nodes)
+        from weight_sync import multinode
+
+        store = multinode.join_tcp_rendezvous(rank, host, where, world_size, _store, COLLECTIVE_TIMEOUT)
     else:
-        store = dist.TCPStore(host, where, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    if host != "127.0.0.1":  # more than one node: gloo on the interface the other nodes reach
-        os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
+        store = _store if rank == 0 else file_store(where, world_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", store=store,
@@ -783,7 +662,7 @@ def join_process_group(rank: int, world_size: int, host: str, where: str | int) 
 
 
 def placement() -> dict:
-    """Which GPU, on which node, Ray gave this rank (called in it, after join_process_group)."""
+    """Which GPU, on which node, Ray gave this rank (run in it)."""
     info = {"rank": dist.get_rank(), "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
     if torch.cuda.is_available():
@@ -793,18 +672,15 @@ def placement() -> dict:
 
 
 def placements(trainers: list) -> list[dict]:
-    """placement() of every trainer rank."""
     return ray_get_all([t.__ray_call__.remote(_in_rank, placement) for t in trainers])
 
 
 def _in_rank(_trainer, fn, *args):
-    """What __ray_call__ runs in a rank: `fn(*args)`, without the trainer object."""
-    return fn(*args)
+    return fn(*args)  # what __ray_call__ runs in a rank: `fn(*args)`, without the trainer object
 
 
 def file_store(path: str | os.PathLike, world_size: int) -> dist.FileStore:
-    """Torch's FileStore at `path` for `world_size` ranks, with the collectives' timeout.
-    (It opens the file again for every operation: its directory must outlive the ranks.)"""
+    """Torch's FileStore with the collectives' timeout (it reopens the file: its directory must outlive the ranks)."""
     store = dist.FileStore(str(path), world_size)
     store.set_timeout(COLLECTIVE_TIMEOUT)
     return store
@@ -814,30 +690,23 @@ _rendezvous_dirs: dict[str, Path] = {}  # placement group id -> its trainers' on
 
 
 def remove_rendezvous(pg) -> None:
-    """Remove the directory of the one-node store that `pg`'s trainers met
-    at (call it when they are gone, or going: they open it on every use)."""
+    """Remove the one-node store's directory of `pg`'s trainers (gone, or going)."""
     if (where := _rendezvous_dirs.pop(pg.id.hex(), None)) is not None:
         shutil.rmtree(where, ignore_errors=True)
 
 
 @atexit.register
 def _remove_rendezvous_left() -> None:
-    """At this process's exit, what remove_rendezvous was not called for:
-    Ray stops a job's trainers with its driver."""
+    """At exit, the stores remove_rendezvous was not called for (Ray stops a job's trainers with its driver)."""
     for where in _rendezvous_dirs.values():
         shutil.rmtree(where, ignore_errors=True)
 
 
 def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpus_per_trainer: float = 1,
                    placement_timeout_s: float = 60, trainer_args: tuple = ()) -> tuple[list, object]:  # fmt: skip
-    """Reserve one GPU per trainer rank, the same number on each of
-    `num_nodes` nodes, the first of them this one (where vLLM's API server
-    and trainer rank 0 run); start the ranks in node order, each an actor of
-    `trainer_cls` (any class, or one that is a Ray actor already:
-    `@ray.remote`), built with `trainer_args`; and join them in one
-    torch.distributed process group (dist.get_rank() in each is its rank).
-    Returns (trainers, placement group). Raises PlacementError if Ray cannot
-    place them in time."""
+    """One GPU per trainer rank, as many on each of `num_nodes` nodes, the first this one; the ranks
+    (actors of `trainer_cls`, any class, built with `trainer_args`) joined in one process group in node
+    order. Returns (trainers, placement group); PlacementError if Ray cannot place them in time."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -850,25 +719,20 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
     if here_gpus < per_node * gpus_per_trainer:
         raise PlacementError(f"this node has {here_gpus:g} GPUs in Ray, and needs {per_node * gpus_per_trainer:g}: "
                              "run the script on a GPU node (it runs vLLM's API server and trainer rank 0)")  # fmt: skip
-    # One bundle per node. CUDA IPC only works between processes on one machine, so every
-    # trainer rank shares its node with the engine on its GPU: STRICT_PACK puts one node's
-    # ranks together, STRICT_SPREAD the nodes apart; the first node is this one.
+    # A bundle per node (CUDA IPC stays on one machine: each rank beside its GPU's engine), the first this one.
     bundle = {"CPU": per_node, **({"GPU": per_node * gpus_per_trainer} if gpus_per_trainer else {})}
     pg = placement_group([bundle] * num_nodes, strategy="STRICT_SPREAD" if num_nodes > 1 else "STRICT_PACK",
                          bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (num_nodes - 1))  # fmt: skip
     if not pg.wait(timeout_seconds=placement_timeout_s):
         ray.util.remove_placement_group(pg)
-        raise PlacementError(
-            f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, the first "
-            f"one this node) within {placement_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
-        )
+        raise PlacementError(f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, "
+                             f"the first one this node) within {placement_timeout_s:.0f}s; cluster resources: "
+                             f"{ray.cluster_resources()}")  # fmt: skip
     actor = trainer_cls if isinstance(trainer_cls, ray.actor.ActorClass) else ray.remote(trainer_cls)
     try:
-        trainers = [
-            actor.options(num_cpus=1, num_gpus=gpus_per_trainer, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=r // per_node)).remote(*trainer_args)
-            for r in range(num_trainers)
-        ]  # fmt: skip
+        trainers = [actor.options(num_cpus=1, num_gpus=gpus_per_trainer,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r // per_node))
+                    .remote(*trainer_args) for r in range(num_trainers)]  # fmt: skip
         # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
         host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
         where = ray_get_all([trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers)])[0]
@@ -884,23 +748,12 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
 
 
 def gloo_interface_env(node_ip: str) -> dict[str, str]:
-    """GLOO_SOCKET_IFNAME for a process that talks gloo to other nodes: the
-    network interface that holds this node's cluster address. Without it,
-    gloo binds the address the host's name resolves to, on many
-    distributions 127.0.1.1, which no other node reaches. A value the user
-    set wins."""
-    import psutil  # a Ray dependency
-
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
-    names = [name for name, addrs in psutil.net_if_addrs().items() if any(a.address == node_ip for a in addrs)]
-    return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
+    from weight_sync.multinode import gloo_interface_env  # more than one node: multinode.py, copied beside
+    return gloo_interface_env(node_ip)
 
 
 def leave_ray(started_ray: bool, pg) -> None:
-    """Leave Ray as we found it: shut down if we started it (again is a no-op),
-    else our placement group removed, and the trainers with it; and their
-    one-node rendezvous directory."""
+    """Ray as we found it: shut down if we started it, else our group removed; and the rendezvous directory."""
     if started_ray:
         ray.shutdown()
     elif pg is not None:
@@ -910,11 +763,8 @@ def leave_ray(started_ray: bool, pg) -> None:
 
 
 def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
-    """ray.get(refs), but raise as soon as any one fails: the others may be
-    blocked in a collective waiting for it. A ServerError (the server
-    refused or died) is raised as itself, prefixed by `who` raised it; a dead
-    actor (`who`'s process) as TrainerDied. `also_check()`, if given, runs
-    every 2 s while they run, and may raise to stop the wait."""
+    """ray.get(refs), raising once one fails (the others may wait for it in a collective): ServerError
+    prefixed by `who`, a dead actor as TrainerDied. `also_check()` runs every 2 s meanwhile, and may raise."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=None if also_check is None else 2)
@@ -933,22 +783,16 @@ def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
 
 
 def death_cause(error: Exception) -> str:
-    """The first line of Ray's report, and the error that killed the actor if
-    it names one (e.g. CUDA out of memory in the constructor)."""
+    """The first line of Ray's report, and the error that killed the actor if it names one."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     cause = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
     return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
 
 
 def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) -> tuple[list, int]:
-    """send_weights() on every rank; returns what each rank reports and how
-    many times the send was retried. A send the server failed part way (an
-    HTTP error, a refused chunk, a timeout) is sent again from the start, up to
-    `retries` times: vLLM is still asleep, and every weight is re-sent. A dead
-    rank (TrainerDied) or a dead server is not retried: the server must
-    answer, and `check_failure(error)`, if given, runs at every failed send
-    (`error`: the send's, as if not retried) and may raise in its place, naming
-    a cause found elsewhere (on more nodes: another node's server exited)."""
+    """send_weights() on every rank; their reports and the retries. A send the server failed part way is
+    sent again, whole, up to `retries` times (vLLM is still asleep); not after a dead rank or a silent server.
+    `check_failure(error)` runs at each failure and may raise a cause found elsewhere (another node's server)."""
     first = why = None
     for attempt in range(retries + 1):
         sends = [t.send_weights.remote() for t in trainers]
@@ -972,14 +816,12 @@ def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) ->
                   f"(retry {attempt + 1} of {retries})", flush=True)  # fmt: skip
     detail = why or (f"{attempt + 1} tries" if attempt else "")
     raise ServerError(f"the send failed part way{f' ({detail})' if detail else ''}; "
-                              f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
+                      f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
 
 
 def _answering(sock: str):
-    """A check for ray_get_all that raises once the server has failed GET
-    /health twice in a row. A server whose engine died keeps its API server
-    up while it waits for open requests, such as the chunk in flight, which
-    then never return (until SERVER_CALL_TIMEOUT_S)."""
+    """For ray_get_all: raise once /health failed twice in a row (a dead engine's API
+    server stays up, and the chunk in flight never returns)."""
     misses = [0]
 
     def check() -> None:
@@ -991,11 +833,8 @@ def _answering(sock: str):
 
 
 def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check=None) -> float:
-    """Wait for the trainers' weights and for the server's health, printing
-    its progress; a failed rank, or a server that exits, fails at once.
-    `also_check()`, if given, runs every 2 s meanwhile, and may raise to stop
-    the wait (on more nodes: another node's server exited). Returns when the
-    last rank's weights were in, in seconds into the server's start."""
+    """Wait for the trainers' weights (`filling`), then for health (wait_until_healthy);
+    returns when the weights were in, in seconds into the server's start."""
     while filling and server.proc.poll() is None:
         done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
         ray_get_all(done)
@@ -1005,17 +844,12 @@ def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check
     filled_after_s = time.monotonic() - server.started_at
     if not filling:  # else the server exited first, and wait_until_healthy says how
         print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
-    left = timeout_s - filled_after_s
-    server.healthy_after_s = wait_until_healthy(server, left, also_check=also_check)
+    server.healthy_after_s = wait_until_healthy(server, timeout_s - filled_after_s, also_check=also_check)
     print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
     return filled_after_s
 
 
-# ---------------------------------------------------------------------------
-# A trainer rank's half of the sync
-# ---------------------------------------------------------------------------
-
-
+# ---- A trainer rank's half of the sync ----
 def metadata_bytes(metadata) -> int:
     """What tensors of this metadata (ParamMeta) take, in bytes."""
     return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
@@ -1023,21 +857,18 @@ def metadata_bytes(metadata) -> int:
 
 @dataclass
 class WeightSender:
-    """One trainer rank's side of the sync (weight_sender builds it, and
-    keeps its arguments: another can be built around the same source)."""
+    """One trainer rank's side of the sync (weight_sender builds it; another can be built around the same source)."""
 
     client: FailAfterSend
     engine: Any  # vLLM's IPC trainer engine
     experts_in_place: Any  # the direct loader's blocks the engines copy from this rank (sources.ExpertsInPlace)
-    source: Any  # all it sends (a WeightSource): the packed part, then the blocks in place: the packed part, then the blocks in place
+    source: Any  # all it sends (a WeightSource): the packed part, then the blocks in place
     rank: int
     packed: bool
     packed_buffer_size_bytes: int
 
     def send(self) -> None:
-        """One full sync; every rank calls it at once. A server error on
-        rank 0 is raised once every rank is through the send, so that the
-        send can be retried (send_all)."""
+        """One full sync on every rank at once; rank 0's server error raised after it."""
         if self.experts_in_place is not None:
             self.experts_in_place.gather()  # rank 0's client hands every rank's handles to the engines
         self.engine.send_weights()
@@ -1046,15 +877,9 @@ class WeightSender:
 
 def weight_sender(rank: int, client, source, packed: bool = True,
                   packed_buffer_size_bytes: int = 4 * 1024**3) -> WeightSender:  # fmt: skip
-    """vLLM's IPC trainer engine on this rank: it packs `source`'s tensors into
-    one reusable IPC buffer (of `packed_buffer_size_bytes`, which must hold
-    the largest tensor), and each DP engine reads its own GPU's; rank 0
-    calls `client` (weight_sync_client: vLLM's routes; the direct loader's:
-    weight_sync.sources.sync_client) for each chunk. `source`: a vLLM
-    WeightSource (weight_sync.sources.weight_source's). The expert
-    blocks a source has in place (LocalExpertSource of a bf16 trainer: the
-    last it yields) skip the buffer: the engines copy them from the trainer's
-    memory."""
+    """vLLM's IPC trainer engine on this rank: `source`'s tensors (a vLLM WeightSource: ModuleSource,
+    or weight_sync.sources') packed into one IPC buffer each engine reads on its GPU; rank 0 calls `client`
+    per chunk (weight_sync_client, or sources.sync_client: the direct loader, whose expert blocks skip it)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
@@ -1069,7 +894,5 @@ def weight_sender(rank: int, client, source, packed: bool = True,
     client = FailAfterSend(client)
     engine = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
-        client=client,
-        source=packed_part,
-    )
+        client=client, source=packed_part)  # fmt: skip
     return WeightSender(client, engine, in_place, source, rank, packed, packed_buffer_size_bytes)

@@ -15,9 +15,8 @@ from contextlib import contextmanager
 
 import ray
 
-from helpers import PlacementError, ServerError, TrainerDied
+from helpers import PlacementError, ServerError, TrainerDied, proc_stat, start_time
 from weight_sync.multinode import job_env
-from weight_sync.server_watchdog import proc_stat, start_time
 
 
 def cli(main_fn) -> None:

@@ -130,7 +130,7 @@ def server_process(case: str, engine_core: bool) -> int | None:
             continue
         if engine_core and b"EngineCore" in cmd:
             return pid
-        if not engine_core and (b"vllm.entrypoints.cli.main" in cmd or b"APIServer" in cmd) and b"server_watchdog" not in cmd:
+        if not engine_core and (b"vllm.entrypoints.cli.main" in cmd or b"APIServer" in cmd) and b"helpers.server_watchdog" not in cmd:
             return pid
     return None
 

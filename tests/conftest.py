@@ -30,16 +30,15 @@ os.environ.update(
 )
 
 import helpers  # noqa: E402
-from weight_sync import server_watchdog  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
 SERVED_NAME = "tiny"
 CPU_MAX_MODEL_LEN = 512  # cpu_serve_args' --max-model-len
 
 
-def cpu_serve_args(model_dir, *extra, worker: str = "proof.exact_check_engine.ExactCheckWorker"):
+def cpu_serve_args(model_dir, *extra, worker: str | None = "proof.exact_check_engine.ExactCheckWorker"):
     """The script's flags minus what vLLM cannot do on CPU (sleep mode, DP MoE);
-    `worker`: the worker extension (the lift's own: direct_load.DirectLoadWorker)."""
+    `worker`: the worker extension (the lift's own: direct_load.DirectLoadWorker; None: vLLM's default)."""
     return [
         str(model_dir),
         "--served-model-name",
@@ -51,8 +50,7 @@ def cpu_serve_args(model_dir, *extra, worker: str = "proof.exact_check_engine.Ex
         "8",
         "--weight-transfer-config",
         '{"backend": "ipc"}',
-        "--worker-extension-cls",
-        worker,
+        *(["--worker-extension-cls", worker] if worker else []),
         *extra,
     ]
 
@@ -98,6 +96,22 @@ def tiny_checkpoint(tmp_path_factory):
     path = models.build_preset("tiny", tmp_path_factory.mktemp("tiny-ckpt"))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
     models.init_random_weights(model, seed=1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_checkpoint(tmp_path_factory):
+    """A dense tiny model (the "tiny-qwen3" preset: Qwen3, no experts) with
+    random weights saved as safetensors: what vLLM's loader reads."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weight_sync import models
+
+    path = models.build_preset("tiny-qwen3", tmp_path_factory.mktemp("tiny-dense-ckpt"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    models.init_random_weights(model, seed=2)
     model.save_pretrained(path)
     return path
 
@@ -235,7 +249,7 @@ def _rank_main(rank, world_size, ports, fn, args):
 def live(pids):
     """Which of these PIDs still run (zombies count as gone): the process-tree
     check after each failure case."""
-    return [pid for pid in pids if server_watchdog.start_time(pid) is not None]
+    return [pid for pid in pids if helpers.start_time(pid) is not None]
 
 
 @pytest.fixture

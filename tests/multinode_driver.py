@@ -33,7 +33,6 @@ import helpers  # noqa: E402
 from weight_sync import models  # noqa: E402
 from weight_sync import multinode  # noqa: E402
 from proof import program  # noqa: E402
-from weight_sync import server_watchdog  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
 SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
@@ -113,7 +112,7 @@ def _left_of_node_servers() -> list[str]:
     left = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         argv = program.cmdline(pid)
-        if b"rlhf-ipc-node-" in argv and server_watchdog.start_time(pid) is not None:
+        if b"rlhf-ipc-node-" in argv and helpers.start_time(pid) is not None:
             left.append(argv.replace(b"\0", b" ").decode(errors="replace")[:200])
     return left
 
@@ -269,9 +268,9 @@ def main(out_path: str, log_dir: str) -> None:
         pid = ray.get(orphaned[0].__ray_call__.remote(_server_pid))
         ray.kill(orphaned[0])
         deadline = time.monotonic() + 60
-        while server_watchdog.start_time(pid) is not None and time.monotonic() < deadline:
+        while helpers.start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
-        seen["orphan_alive_after_s"] = None if server_watchdog.start_time(pid) is None else 60
+        seen["orphan_alive_after_s"] = None if helpers.start_time(pid) is None else 60
         deadline = time.monotonic() + 30  # the watchdog exits once it sees the group empty: not a fixed wait
         while _left_of_node_servers() and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -1,8 +1,9 @@
 """The README's copy table is true: each file it names imports with only the
 files its last column names beside it, in an empty directory with nothing
-else of this project on the path; and the lift runs a user's own RL code
-there (tests/lifted_rl.py): its own trainer class as 2 Ray ranks, FSDP2,
-the server started through the lift, the direct loader's check before a send."""
+else of this project on the path; the lift runs a user's own RL code there
+(tests/lifted_rl.py): its own trainer class as 2 Ray ranks, FSDP2, the
+server started through the lift, the direct loader's check before a send;
+and helpers.py alone runs one with vLLM's own loader (tests/helpers_alone_rl.py)."""
 
 import json
 import os
@@ -96,3 +97,40 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     assert "one rank: passed" in out
     assert re.search(r"two ranks: refused: .*holds experts 0\.\.7 .* sends experts 0\.\.3", out), out
     assert "health: True" in out
+
+
+def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, tiny_dense_checkpoint):
+    """helpers.py ALONE in an empty folder beside a user's script (tests/helpers_alone_rl.py): its own
+    trainer class, FSDP2 over 2 Ray ranks on gloo, vLLM's ModuleSource over a dense model (tiny Qwen3), and
+    a real CPU vLLM server with vLLM's default worker, started through helpers (its watchdog inline).
+
+    What it checks: ModuleSource's names and shapes are those of the checkpoint vLLM's loader read; rank
+    0's client (helpers.weight_sync_client in FailAfterSend) through vLLM's real weight routes
+    (/init_weight_transfer_engine, /start_weight_update, /finish_weight_update) leaves the served weights
+    as they were; after vLLM zeroes them (/weight_checker), the tensors ModuleSource yields, loaded by
+    vLLM's own loader (reload_weights: model.load_weights, as the IPC engine's receive_weights calls it),
+    give back every served weight bit for bit and the same greedy completion; and helpers stops the
+    server with nothing left: its process group empty, its watchdog gone.
+
+    What it does not do on CPU: the IPC data plane. vLLM's IPC trainer engine (helpers.weight_sender)
+    asks torch.cuda for the GPU's UUID when it is built and shares each packed chunk as a CUDA IPC handle,
+    and the server's receive_weights rebuilds the handles with rebuild_cuda_tensor: neither exists
+    without a GPU, and the tests do not stand in for them. The tensors travel through a file instead, to
+    the same loader."""
+    folder = copied(tmp_path / "my_rl", ["helpers.py"])
+    shutil.copy(ROOT / "tests" / "helpers_alone_rl.py", folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["helpers.py", "helpers_alone_rl.py"]
+    flags = cpu_serve_args(tiny_dense_checkpoint, worker=None)[1:]  # vLLM's default worker
+    argv = [sys.executable, "helpers_alone_rl.py", str(tiny_dense_checkpoint), json.dumps(flags),
+            json.dumps(CPU_LAUNCHER)]  # fmt: skip
+    run = subprocess.run(argv, cwd=folder, env=alone(folder), capture_output=True, text=True, timeout=600)
+    out = run.stdout
+    print(out)
+    assert run.returncode == 0, (out + run.stderr)[-4000:]
+    assert "ranks [0, 1]" in out and "same metadata on every rank: True" in out, out
+    assert re.search(r"ModuleSource's names and shapes are the loaded checkpoint's: True \d+", out), out
+    assert "weight routes round trip, weights as served: True" in out, out
+    assert "zeroed: True" in out, out
+    assert re.search(r"sent \[(\d+), \1\] loaded back by vLLM's loader, weights as served: True", out), out
+    assert re.search(r"same greedy completion: True [1-9]", out), out
+    assert "watchdogs while serving: 1" in out and "group left: []" in out and "watchdogs left: []" in out, out

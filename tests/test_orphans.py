@@ -1,6 +1,6 @@
 """The server cannot outlive the process that started it: a driver
 that is SIGKILLed, with no finally block or atexit run, still leaves nothing
-behind, because server_watchdog.py stops the server's whole group."""
+behind, because the server's watchdog (helpers.server_watchdog) stops its whole group."""
 
 import os
 import signal
@@ -14,7 +14,6 @@ from conftest import private_socket_path
 
 import helpers
 from proof import program
-from weight_sync import server_watchdog
 
 TESTS = Path(__file__).resolve().parent
 
@@ -38,8 +37,8 @@ def _watchdogs_of(socket_path: str) -> list[int]:
     pids = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         argv = program.cmdline(pid).split(b"\0")
-        if any(a.endswith(b"server_watchdog.py") for a in argv) and socket_path.encode() in argv:
-            if server_watchdog.start_time(pid) is not None:  # not a zombie
+        if helpers.WATCHDOG_MARKER.encode() in argv and socket_path.encode() in argv:
+            if helpers.start_time(pid) is not None:  # not a zombie
                 pids.append(pid)
     return pids
 
@@ -69,7 +68,7 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
     driver = _driver(f"""
         import time
         import helpers
-        from weight_sync import models, server_watchdog
+        from weight_sync import models
         from proof import program
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
@@ -138,7 +137,6 @@ def test_what_ignores_sigterm_is_sigkilled_after_the_grace(tmp_path):
     driver = _driver(f"""
         import sys, time
         import helpers
-        from weight_sync import server_watchdog
         from proof import program
         helpers._WATCHDOG_GRACE_S = {grace_s}
         server = helpers.start_server(
@@ -240,7 +238,7 @@ def test_sigterm_runs_the_cleanup_and_a_second_one_cannot_cut_it_short(tmp_path)
     driver = _driver(f"""
         import time
         import helpers
-        from weight_sync import models, server_watchdog
+        from weight_sync import models
         from proof import program
         from conftest import CPU_LAUNCHER, cpu_serve_args
         from pathlib import Path
@@ -291,7 +289,6 @@ def test_sigterm_still_unwinds_after_ray_starts():
     driver = _driver("""
         import time
         import ray, helpers
-        from weight_sync import server_watchdog
         from proof import program
 
         @ray.remote
@@ -329,7 +326,6 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         import os, sys, time
         import ray
         import helpers
-        from weight_sync import server_watchdog
         from proof import program
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
@@ -366,7 +362,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         deadline = time.monotonic() + 60
         left = ray_processes
         while left and time.monotonic() < deadline:
-            left = [p for p in ray_processes if server_watchdog.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+            left = [p for p in ray_processes if helpers.start_time(int(p.split(":")[0])) == p.split(":")[1]]
             time.sleep(0.2)
         assert left == [], f"Ray processes outlived the driver: {left}"
         assert _gone_within(pgid, 60) is not None
@@ -383,7 +379,6 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
         import os, sys
         import ray
         import helpers
-        from weight_sync import server_watchdog
         from proof import program
         from conftest import private_socket_path
         from pathlib import Path
@@ -394,7 +389,7 @@ def test_stopping_the_server_normally_leaves_the_callers_ray_alone(tmp_path):
             launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
         )
         helpers.stop_server(server)
-        alive = [p for p in ray_processes if server_watchdog.start_time(int(p.split(":")[0])) == p.split(":")[1]]
+        alive = [p for p in ray_processes if helpers.start_time(int(p.split(":")[0])) == p.split(":")[1]]
         print("alive", len(alive), len(ray_processes), flush=True)
         ray.shutdown()
     """)
@@ -412,7 +407,6 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     driver = _driver(f"""
         import os, signal, subprocess, sys, time
         import helpers
-        from weight_sync import server_watchdog
         from proof import program
         from conftest import private_socket_path
         from pathlib import Path
@@ -424,12 +418,12 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
         )
         # The watchdog leaves the server's group before the server execs its
         # command: killing the group sooner would kill the watchdog with it.
-        while b"server_watchdog" in program.cmdline(server.proc.pid):
+        while helpers.WATCHDOG_MARKER.encode() in program.cmdline(server.proc.pid).split(b"\\0"):
             time.sleep(0.05)
         os.killpg(server.pgid, signal.SIGKILL)  # the server dies first
         server.proc.wait()
         time.sleep(1)
-        print("other", other.pid, server_watchdog.start_time(other.pid), flush=True)
+        print("other", other.pid, helpers.start_time(other.pid), flush=True)
         time.sleep(600)
     """)
     try:
@@ -437,9 +431,9 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
         driver.kill()
         driver.wait()
         deadline = time.monotonic() + 10
-        while server_watchdog.start_time(int(pid)) == start and time.monotonic() < deadline:
+        while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert server_watchdog.start_time(int(pid)) != start, "the listed process outlived the caller"
+        assert helpers.start_time(int(pid)) != start, "the listed process outlived the caller"
     finally:
         _cleanup(driver, None)
 

@@ -1,5 +1,5 @@
 """More than one node for helpers.py: the vLLM servers of the other
-nodes. The module to copy beside helpers.py (and its three files)
+nodes. The module to copy beside helpers.py (and weight_sync/direct_load.py)
 when the trainers and one vLLM server span several nodes of a Ray cluster;
 on one node it is not needed.
 
@@ -30,7 +30,9 @@ On the driver, with helpers's names (start_trainers handles the nodes):
         stop_node_servers(node_servers)
 
 Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
-free_port, job_env (for ray.init: the driver's settings on every node). The model must be at the same
+free_port, job_env (for ray.init: the driver's settings on every node), gloo_interface_env; and the
+trainers' rendezvous across nodes, which helpers.start_trainers calls (open_tcp_rendezvous,
+join_tcp_rendezvous). The model must be at the same
 path on every node (or each node builds it: resolve_model), and
 the job must run on a network you trust: vLLM's and the trainers' handshakes listen on the cluster network.
 """
@@ -44,9 +46,49 @@ import tempfile
 from pathlib import Path
 
 import ray
+import torch.distributed as dist
 
-from helpers import (DEFAULT_LAUNCHER, ServerError, death_cause, gloo_interface_env, log_tail, ray_get_all,
-                     start_server, stop_server)  # fmt: skip
+from helpers import DEFAULT_LAUNCHER, ServerError, death_cause, log_tail, ray_get_all, start_server, stop_server
+
+
+_listener = None  # rank 0's: the TCP socket its store listens on
+
+
+def open_tcp_rendezvous(host: str, world_size: int, timeout) -> tuple:
+    """Rank 0 of trainers on more nodes (helpers.open_rendezvous): a TCPStore
+    bound by us on rank 0's address `host` only (torch's own listens on every
+    interface, and has no authentication: the job needs a network you trust).
+    Returns (the store, its port)."""
+    global _listener
+    _listener = socket.create_server((host, 0))
+    port = _listener.getsockname()[1]
+    store = dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=_listener.fileno(),
+                          wait_for_workers=False, timeout=timeout)  # fmt: skip
+    return store, port
+
+
+def join_tcp_rendezvous(rank: int, host: str, port: int, world_size: int, rank0_store, timeout):
+    """The store a rank joins the process group at (helpers.join_process_group):
+    rank 0's own, or a client of it at `host`:`port`; and gloo on the interface
+    of this node's cluster address, which the other nodes reach."""
+    os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
+    if rank == 0:
+        return rank0_store
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
+def gloo_interface_env(node_ip: str) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for a process that talks gloo to other nodes: the
+    network interface that holds this node's cluster address. Without it,
+    gloo binds the address the host's name resolves to, on many
+    distributions 127.0.1.1, which no other node reaches. A value the user
+    set wins."""
+    import psutil  # a Ray dependency
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    names = [name for name, addrs in psutil.net_if_addrs().items() if any(a.address == node_ip for a in addrs)]
+    return {"GLOO_SOCKET_IFNAME": names[0]} if names else {}
 
 
 class NodeServer:
