@@ -747,11 +747,6 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
     return trainers, pg
 
 
-def gloo_interface_env(node_ip: str) -> dict[str, str]:
-    from weight_sync.multinode import gloo_interface_env  # more than one node: multinode.py, copied beside
-    return gloo_interface_env(node_ip)
-
-
 def leave_ray(started_ray: bool, pg) -> None:
     """Ray as we found it: shut down if we started it, else our group removed; and the rendezvous directory."""
     if started_ray:

@@ -38,11 +38,12 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from helpers import gloo_interface_env, leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
+from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
 from proof import checks, program, toy_rl
 from weight_sync import models, sources
 from weight_sync.direct_load import untested_vllm_warning
-from weight_sync.multinode import free_port, raise_node_failure, start_node_servers, stop_node_servers
+from weight_sync.multinode import (free_port, gloo_interface_env, raise_node_failure, start_node_servers,
+                                   stop_node_servers)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -235,8 +236,7 @@ def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head
         experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
         enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, node=node, head=head,
-        rollout_dtype=args.rollout_dtype,
-        worker_extension="proof.exact_check_engine.ExactCheckWorker",  # the direct loader, and the exact check's engine half
+        rollout_dtype=args.rollout_dtype, worker_extension="proof.exact_check_engine.ExactCheckWorker",
     )
 
 

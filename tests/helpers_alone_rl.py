@@ -54,7 +54,8 @@ class MyTrainer:
         source = self.source()
         sent = dict(source.iter_full() if hasattr(source, "iter_full") else source)  # (vLLM 0.32: iterating it)
         if dist.get_rank() == 0:
-            save_file({name: t.detach().contiguous() for name, t in sent.items()}, os.path.join(folder, "model.safetensors"))
+            tensors = {name: t.detach().contiguous() for name, t in sent.items()}
+            save_file(tensors, os.path.join(folder, "model.safetensors"))
         return len(sent)
 
 

@@ -119,7 +119,7 @@ def _left_of_node_servers() -> list[str]:
 
 def _interface_with(ip: str) -> str | None:
     """The interface holding `ip`, asked of the kernel (SIOCGIFADDR), not of
-    psutil as helpers.gloo_interface_env does."""
+    psutil as multinode.gloo_interface_env does."""
     import fcntl
     import socket
     import struct
