@@ -32,9 +32,9 @@ On the driver, with helpers's names (start_trainers handles the nodes):
 Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
 free_port, job_env (for ray.init: the driver's settings on every node), gloo_interface_env; and the
 trainers' rendezvous across nodes, which helpers.start_trainers calls (open_tcp_rendezvous,
-join_tcp_rendezvous). The model must be at the same
-path on every node (or each node builds it: resolve_model), and
-the job must run on a network you trust: vLLM's and the trainers' handshakes listen on the cluster network.
+join_tcp_rendezvous). The model must be at the same path on every node (or each node builds it:
+resolve_model), and the job must run on a network you trust: vLLM's and the trainers' handshakes listen
+on the cluster network.
 """
 
 from __future__ import annotations
