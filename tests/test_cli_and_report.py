@@ -110,12 +110,13 @@ def test_every_flag_is_in_the_readme_and_only_those():
     assert parser_flags == readme_flags
 
 
-def test_the_readmes_headline_numbers_are_those_of_the_json_it_links():
+def test_the_readmes_headline_and_version_table_numbers_are_those_of_the_json_they_link():
     """The README's first paragraph quotes a benchmark: its vLLM version,
     date, the direct loader's and vLLM's cycles after the first sync (as
     ranges, to the digits printed), the floor ratios and the loaders'
-    agreement are those of the JSON files it links, so a number edited by
-    hand, or a JSON replaced, fails here until both say the same."""
+    agreement are those of the JSON files it links, and so are the tested-
+    versions table's Moonlight numbers: a number edited by hand, or a JSON
+    replaced, fails here until both say the same."""
     import json
 
     readme = (ROOT / "README.md").read_text()
@@ -140,6 +141,17 @@ def test_the_readmes_headline_numbers_are_those_of_the_json_it_links():
     assert run["loaders_agree"]["agree"] and "bit for bit the same" in intro
     assert all(r["exact_check"]["passed"] and r["gate_passed"] for r in
                [r for result in (run, layerwise) for v in result["variants"] for r in v["rounds"]])
+    # The tested-versions table: 0.34.0's Moonlight sync is the headline's, set against 0.33.0's, whose row
+    # quotes the JSON it links (cycles and floor ratios after the first sync).
+    rows = {row.split(" | ")[0].strip("| `").split(" ")[0]: row for row in readme.splitlines() if row.startswith("| 0.3")}
+    (older_json,) = re.findall(r"\(docs/benchmarks/([^)]+\.json)\)", rows["0.33.0"])
+    older = json.loads((ROOT / "docs" / "benchmarks" / older_json).read_text())
+    assert older["vllm_version"] == "0.33.0"
+    older_cycles = cycles(older, "direct")
+    older_ratios = [r["floor_ratio"] for r in older["variants"][0]["rounds"][1:]]
+    assert f"direct sync {quoted(older_cycles, 3)} s, {quoted(older_ratios, 1)}× the copy time" in rows["0.33.0"]
+    assert f"{quoted(cycles(run, 'direct'), 3)} s on the Moonlight shape against {quoted(older_cycles, 3)} s" in (
+        rows["0.34.0"])
 
 
 def test_help_lists_every_flag_and_exits_0(capsys):
