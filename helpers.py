@@ -1,7 +1,7 @@
 """Colocated weight sync: an FSDP2 trainer's weights into a vLLM server (DP + EP) on the same GPUs over
 vLLM's CUDA-IPC weight transfer: the server's start (under a watchdog) and routes, the trainer ranks, the
-send. Copy it alone for vLLM's own loader, with weight_sync/direct_load.py for the direct loader; it imports
-nothing of this project. The server listens on a Unix socket in a directory only its user can enter (its
+send. Copy it alone for vLLM's own loader; for the direct loader add weight_sync/ and pass
+serve_args(..., worker_extension="weight_sync.direct_load.DirectLoadWorker"). It imports nothing of this project. The server listens on a Unix socket in a directory only its user can enter (its
 dev routes and pickled IPC handles let a client run code in it). Each trainer rank is a Ray actor of your
 class; its send_weights() calls sender.send():
 
@@ -92,11 +92,12 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
                experts: bool = True, gpu_memory_utilization: float = 0.35, kv_cache_memory_bytes: int | None = None,
                kv_cache_tokens: int | None = None, enforce_eager: bool = False, max_model_len: int | None = None,
                node: int = 0, head: tuple[str, int] | None = None,
-               worker_extension: str = "weight_sync.direct_load.DirectLoadWorker",
+               worker_extension: str | None = None,
                rollout_dtype: str = "bf16") -> list[str]:  # fmt: skip
     """`vllm serve` flags after the model's path for one node's engines (`gpu_ids`; as many on each of
     `num_nodes`, nodes > 0 headless, reaching node 0 at `head`): a DP engine per TP group, experts over every
-    GPU, dummy weights (the trainer sends them), sleep mode, IPC weight transfer, `worker_extension`. "fp8":
+    GPU, dummy weights (the trainer sends them), sleep mode, IPC weight transfer, and `worker_extension` if
+    given (the direct loader's: "weight_sync.direct_load.DirectLoadWorker"; vLLM's own loader needs none). "fp8":
     vLLM quantizes the routed experts it receives to block-wise FP8. The KV cache: `kv_cache_memory_bytes`, or
     `kv_cache_tokens`, else what `gpu_memory_utilization` leaves (each sync resets every block: 0.25 s per 40 GiB)."""
     if kv_cache_memory_bytes and kv_cache_tokens:
@@ -105,8 +106,9 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
     flags = ["--served-model-name", served_name, "--tensor-parallel-size", str(tensor_parallel_size),
              "--data-parallel-size", str(dp_size), *(["--enable-expert-parallel"] if experts else []),
              "--device-ids", ",".join(gpu_ids), "--enable-sleep-mode", "--load-format", "dummy",
-             "--weight-transfer-config", json.dumps({"backend": "ipc"}), "--worker-extension-cls", worker_extension,
+             "--weight-transfer-config", json.dumps({"backend": "ipc"}),
              "--gpu-memory-utilization", str(gpu_memory_utilization)]  # fmt: skip
+    flags += ["--worker-extension-cls", worker_extension] if worker_extension else []
     if num_nodes > 1:
         local = dp_size // num_nodes
         flags += ["--data-parallel-size-local", str(local), "--data-parallel-address", head[0],

@@ -4,6 +4,8 @@
   fails; answer "0.32.0+cpu" (the `+cpu` suffix drives device detection).
 - `--enforce-eager` on CPU needs AMX tiles set up in every process first; spawned
   workers re-import this file, so the setup runs at import.
+- vLLM on CPU refuses sleep mode and has no GPUs to pin: `--enable-sleep-mode` and
+  `--device-ids` (which helpers.serve_args always passes) are dropped from the command.
 Usage: python tests/cpu_vllm_launcher.py serve MODEL [flags]
 """
 
@@ -26,7 +28,22 @@ _metadata.version = _version
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 torch.cpu._init_amx()
 
+
+
+def without_gpu_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--device-ids":
+            skip = True
+        elif arg != "--enable-sleep-mode":
+            out.append(arg)
+    return out
+
+
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main
 
+    sys.argv = without_gpu_flags(sys.argv)
     sys.exit(main())

@@ -1,11 +1,18 @@
-"""A user's own RL code beside helpers.py alone, with vLLM's own loader and a
-dense model, as vLLM's own example has it (tests/test_copy.py copies the two
-into an empty folder and runs this there, with nothing else of this project
-importable): its own FSDP2 trainer class as 2 Ray ranks on gloo, vLLM's
-ModuleSource over it, and a real vLLM server with vLLM's default worker (no
-extension of ours), started and stopped through helpers.
+"""A user's own RL code beside helpers.py alone, with vLLM's own loader and a dense model, as vLLM's
+own example has it. tests/test_copy.py copies the two into an empty folder and runs this there, with
+nothing else of this project importable; on a GPU machine it runs the same way by hand.
 
-    python helpers_alone_rl.py MODEL_DIR SERVE_FLAGS_JSON LAUNCHER_JSON
+It does what helpers.py's docstring shows: its own FSDP2 trainer class as 2 Ray ranks, a vLLM server
+started with `serving([model, *serve_args(name, gpu_ids)])` (dummy weights, vLLM's default worker, no
+extension of ours), and vLLM's ModuleSource over the trainer's model.
+
+    python helpers_alone_rl.py MODEL_DIR [LAUNCHER_JSON]
+
+On a GPU (one or more), the sync is the real one: sleep, every rank's send through vLLM's IPC trainer
+engine, wake. On CPU vLLM has neither sleep mode nor CUDA IPC, so the tensors ModuleSource yields travel
+through a file to the same loader (vLLM's reload_weights), and rank 0's client makes its real calls to
+vLLM's weight routes with no chunk between them. Either way, afterwards every parameter vLLM holds must
+equal, bit for bit, what vLLM's own loader makes of the checkpoint the trainers loaded.
 """
 
 import json
@@ -20,14 +27,20 @@ import torch.distributed as dist
 
 import helpers
 
+SERVED_NAME = "tiny"
+ON_GPU = torch.cuda.is_available()
+
 
 class MyTrainer:
     """Loaded from the checkpoint the server serves, sharded with FSDP2: the user's own."""
 
+    sender = None
+
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        device = "cuda" if ON_GPU else "cpu"  # Ray shows each rank its own GPU as cuda:0
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
 
     def shard(self) -> None:  # once start_trainers has joined the ranks in one process group
         from torch.distributed.fsdp import fully_shard
@@ -46,6 +59,13 @@ class MyTrainer:
         metas = self.source().metadata
         return [(m.name, list(m.shape), str(m.dtype)) for m in (metas() if callable(metas) else metas)]
 
+    def setup_sender(self, sock: str) -> None:
+        """vLLM's IPC trainer engine on this rank, as helpers.py's docstring builds it."""
+        self.sender = helpers.weight_sender(dist.get_rank(), helpers.weight_sync_client(sock), self.source())
+
+    def send_weights(self) -> None:  # what helpers.send_all calls, on every rank at once
+        self.sender.send()
+
     def save_sent(self, folder: str) -> int:
         """Every tensor ModuleSource yields, full (each rank gathers its shards with the others), written
         by rank 0 as one safetensors file: what the IPC engine would hand the server's loader."""
@@ -54,7 +74,7 @@ class MyTrainer:
         source = self.source()
         sent = dict(source.iter_full() if hasattr(source, "iter_full") else source)  # (vLLM 0.32: iterating it)
         if dist.get_rank() == 0:
-            tensors = {name: t.detach().contiguous() for name, t in sent.items()}
+            tensors = {name: t.detach().cpu().contiguous() for name, t in sent.items()}
             save_file(tensors, os.path.join(folder, "model.safetensors"))
         return len(sent)
 
@@ -62,6 +82,14 @@ class MyTrainer:
 def checksums(sock: str) -> dict:
     """vLLM's digest of every parameter the server holds (its own names, after its loader)."""
     return helpers.request(sock, "POST", "/weight_checker", json={"action": "checksum"})["checksums"]
+
+
+def reload_from(sock: str, folder: str) -> None:
+    """vLLM's own loader reads the safetensors files in `folder` into the served model (the server
+    started with dummy weights: first its load format becomes safetensors)."""
+    for method, kwargs in [("update_config", {"overrides": {"load_config": {"load_format": "safetensors"}}}),
+                           ("reload_weights", {"weights_path": folder})]:  # fmt: skip
+        helpers.request(sock, "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
 
 
 def watchdogs(socket_path: str) -> list[int]:
@@ -77,47 +105,70 @@ def watchdogs(socket_path: str) -> list[int]:
     return found
 
 
-def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
+def sync(trainers: list, sock: str) -> None:
+    """One sync as helpers.py's docstring has it: sleep, send on every rank, wake."""
+    helpers.ray_get_all([t.setup_sender.remote(sock) for t in trainers])
+    freed = helpers.sleep_for_sync(sock, level=0, free_kv_cache=False)
+    helpers.wake_weights(sock, level=0)
+    helpers.send_all(trainers, sock, retries=1)
+    helpers.wake_to_serve(sock, kv_cache=freed)
+
+
+def sync_on_cpu(trainers: list, sock: str) -> None:
+    """The CPU stand-in for the data plane: rank 0's calls to vLLM's weight routes with no chunk between
+    them (the engine's reload starts and finishes), then what ModuleSource yields, through a file, into
+    the same loader the IPC engine's receive_weights calls (model.load_weights)."""
+    client = helpers.FailAfterSend(helpers.weight_sync_client(sock))
+    client.init_weight_transfer_engine({"packed": True})
+    client.start_weight_update()
+    client.finish_weight_update()
+    client.raise_failure()
+    print("weight routes round trip:", True)
+    folder = tempfile.mkdtemp(prefix="sent-")
+    counts = helpers.ray_get_all([t.save_sent.remote(folder) for t in trainers])
+    reload_from(sock, folder)
+    print("sent", counts)
+
+
+def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -> None:
     from safetensors import safe_open
 
     socket_path = str(Path(tempfile.mkdtemp(prefix="alone-")) / "vllm.sock")
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    try:  # the server starts while the trainers load and shard their model
-        with helpers.serving([model_dir, *serve_flags], socket_path=socket_path, log_path="server.log",
+    ray.init(address="local", num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+             log_to_driver=False)  # fmt: skip
+    try:
+        # One rank per GPU (each engine reads the buffer of the rank on its GPU); 2 on CPU.
+        ranks = torch.cuda.device_count() if ON_GPU else 2
+        trainers, _ = helpers.start_trainers(MyTrainer, ranks, gpus_per_trainer=1 if ON_GPU else 0,
+                                             trainer_args=(model_dir,))  # fmt: skip
+        gpu_ids = [p["gpu_ids"][0] for p in helpers.placements(trainers)] if ON_GPU else ["0"]
+        flags = helpers.serve_args(SERVED_NAME, gpu_ids, experts=False, enforce_eager=True, max_model_len=512,
+                                   kv_cache_tokens=1024)  # fmt: skip
+        print("serve flags:", json.dumps(flags))
+        with helpers.serving([model_dir, *flags], socket_path=socket_path, log_path="server.log",
                              launcher=tuple(launcher)) as server:  # fmt: skip
-            trainers, _ = helpers.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
             helpers.ray_get_all([t.shard.remote() for t in trainers])
             metas = helpers.ray_get_all([t.metadata.remote() for t in trainers])
             print("ranks", [p["rank"] for p in helpers.placements(trainers)])
-            print("same metadata on every rank:", metas[0] == metas[1])
-            with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:  # what vLLM's loader read
+            print("same metadata on every rank:", all(m == metas[0] for m in metas))
+            with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:  # what vLLM's loader reads
                 loaded = sorted((name, list(f.get_slice(name).get_shape())) for name in f.keys())
-            print("ModuleSource's names and shapes are the loaded checkpoint's:",
+            print("ModuleSource's names and shapes are the checkpoint's:",
                   sorted((name, shape) for name, shape, _ in metas[0]) == loaded, len(loaded))
-            helpers.wait_until_healthy(server, timeout_s=300)
+            helpers.wait_until_healthy(server, timeout_s=900)
             print("watchdogs while serving:", len(watchdogs(socket_path)))
             sock = server.socket_path
-            served, prompt = checksums(sock), ["The capital of France is"]
-            before = helpers.completions(sock, "tiny", prompt, max_tokens=8)[0].token_ids
-            # Rank 0's calls to vLLM's weight routes in a send, through helpers' client, with no chunk between
-            # (the chunks' IPC handles need CUDA): the engine's reload starts and finishes, the weights stay.
-            client = helpers.FailAfterSend(helpers.weight_sync_client(sock))
-            client.init_weight_transfer_engine({"packed": True})
-            client.start_weight_update()
-            client.finish_weight_update()
-            client.raise_failure()
-            print("weight routes round trip, weights as served:", checksums(sock) == served)
-            # The server's weights zeroed, then what ModuleSource yields loaded by vLLM's own loader (its
-            # reload_weights, which IPC's receive_weights calls the same way: model.load_weights).
-            helpers.request(sock, "POST", "/weight_checker", json={"action": "reset"})
-            print("zeroed:", checksums(sock) != served)
-            folder = tempfile.mkdtemp(prefix="sent-")
-            counts = helpers.ray_get_all([t.save_sent.remote(folder) for t in trainers])
-            helpers.request(sock, "POST", "/collective_rpc", json={"method": "reload_weights",
-                                                                   "kwargs": {"weights_path": folder}})  # fmt: skip
-            print("sent", counts, "loaded back by vLLM's loader, weights as served:", checksums(sock) == served)
-            after = helpers.completions(sock, "tiny", prompt, max_tokens=8)[0].token_ids
-            print("same greedy completion:", after == before, len(after))
+            dummy, prompt = checksums(sock), ["The capital of France is"]
+            (sync if ON_GPU else sync_on_cpu)(trainers, sock)
+            synced = checksums(sock)
+            after_sync = helpers.completions(sock, SERVED_NAME, prompt, max_tokens=8)[0].token_ids
+            reload_from(sock, model_dir)  # the reference: vLLM's own loader reading the checkpoint itself
+            reference = checksums(sock)
+            print("parameters:", len(reference), "changed from the dummy weights:",
+                  sum(synced[k] != dummy[k] for k in reference))
+            print("every parameter as vLLM loads the checkpoint:", synced == reference)
+            after_reload = helpers.completions(sock, SERVED_NAME, prompt, max_tokens=8)[0].token_ids
+            print("same greedy completion:", after_sync == after_reload, len(after_sync))
         print("group left:", helpers.group_members(server.pgid))
         print("watchdogs left:", watchdogs(socket_path))
     finally:
@@ -125,4 +176,4 @@ def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))
+    main(sys.argv[1], *(tuple(json.loads(a)) for a in sys.argv[2:3]))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,37 +101,44 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
 
 
 def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, tiny_dense_checkpoint):
-    """helpers.py ALONE in an empty folder beside a user's script (tests/helpers_alone_rl.py): its own
-    trainer class, FSDP2 over 2 Ray ranks on gloo, vLLM's ModuleSource over a dense model (tiny Qwen3), and
-    a real CPU vLLM server with vLLM's default worker, started through helpers (its watchdog inline).
+    """helpers.py ALONE in an empty folder beside a user's script (tests/helpers_alone_rl.py), called as
+    helpers.py's docstring shows: its own trainer class, FSDP2 over 2 Ray ranks on gloo, vLLM's ModuleSource
+    over a dense model (tiny Qwen3), and a real CPU vLLM server started with `serving([model,
+    *serve_args(name, gpu_ids)])`: dummy weights, vLLM's default worker (serve_args names no extension).
 
-    What it checks: ModuleSource's names and shapes are those of the checkpoint vLLM's loader read; rank
-    0's client (helpers.weight_sync_client in FailAfterSend) through vLLM's real weight routes
-    (/init_weight_transfer_engine, /start_weight_update, /finish_weight_update) leaves the served weights
-    as they were; after vLLM zeroes them (/weight_checker), the tensors ModuleSource yields, loaded by
-    vLLM's own loader (reload_weights: model.load_weights, as the IPC engine's receive_weights calls it),
-    give back every served weight bit for bit and the same greedy completion; and helpers stops the
-    server with nothing left: its process group empty, its watchdog gone.
+    What it checks: ModuleSource's names and shapes are the checkpoint's; rank 0's client
+    (helpers.weight_sync_client in FailAfterSend) makes its real calls to vLLM's weight routes
+    (/init_weight_transfer_engine, /start_weight_update, /finish_weight_update); after the tensors
+    ModuleSource yields are loaded by vLLM's own loader (reload_weights: model.load_weights, as the IPC
+    engine's receive_weights calls it), every parameter vLLM holds differs from its dummy weights and
+    equals, bit for bit, what vLLM's loader makes of the checkpoint itself; and helpers stops the server
+    with nothing left: its process group empty, its watchdog gone.
 
-    What it does not do on CPU: the IPC data plane. vLLM's IPC trainer engine (helpers.weight_sender)
-    asks torch.cuda for the GPU's UUID when it is built and shares each packed chunk as a CUDA IPC handle,
-    and the server's receive_weights rebuilds the handles with rebuild_cuda_tensor: neither exists
-    without a GPU, and the tests do not stand in for them. The tensors travel through a file instead, to
-    the same loader."""
+    What it does not do on CPU: the IPC data plane and sleep mode. vLLM's IPC trainer engine
+    (helpers.weight_sender) asks torch.cuda for the GPU's UUID when it is built and shares each packed
+    chunk as a CUDA IPC handle, and the server's receive_weights rebuilds the handles with
+    rebuild_cuda_tensor: neither exists without a GPU, and the tests do not stand in for them. The
+    tensors travel through a file instead, to the same loader; the same program does the real sync on a
+    GPU (docs/RESULTS.md). The CPU launcher drops the two flags vLLM on CPU refuses (sleep mode, the
+    GPU ids)."""
     folder = copied(tmp_path / "my_rl", ["helpers.py"])
     shutil.copy(ROOT / "tests" / "helpers_alone_rl.py", folder)
     assert sorted(p.name for p in folder.iterdir()) == ["helpers.py", "helpers_alone_rl.py"]
-    flags = cpu_serve_args(tiny_dense_checkpoint, worker=None)[1:]  # vLLM's default worker
-    argv = [sys.executable, "helpers_alone_rl.py", str(tiny_dense_checkpoint), json.dumps(flags),
-            json.dumps(CPU_LAUNCHER)]  # fmt: skip
+    argv = [sys.executable, "helpers_alone_rl.py", str(tiny_dense_checkpoint), json.dumps(CPU_LAUNCHER)]
     run = subprocess.run(argv, cwd=folder, env=alone(folder), capture_output=True, text=True, timeout=600)
     out = run.stdout
     print(out)
     assert run.returncode == 0, (out + run.stderr)[-4000:]
+    flags = json.loads(out.split("serve flags: ", 1)[1].split("\n", 1)[0])
+    assert flags == helpers.serve_args("tiny", ["0"], experts=False, enforce_eager=True, max_model_len=512,
+                                       kv_cache_tokens=1024), flags
+    assert "--worker-extension-cls" not in flags and "dummy" in flags, flags
     assert "ranks [0, 1]" in out and "same metadata on every rank: True" in out, out
-    assert re.search(r"ModuleSource's names and shapes are the loaded checkpoint's: True \d+", out), out
-    assert "weight routes round trip, weights as served: True" in out, out
-    assert "zeroed: True" in out, out
-    assert re.search(r"sent \[(\d+), \1\] loaded back by vLLM's loader, weights as served: True", out), out
+    assert re.search(r"ModuleSource's names and shapes are the checkpoint's: True \d+", out), out
+    assert "weight routes round trip: True" in out, out
+    assert re.search(r"sent \[(\d+), \1\]", out), out
+    parameters, changed = map(int, re.search(r"parameters: (\d+) changed from the dummy weights: (\d+)", out).groups())
+    assert 0 < changed <= parameters, out  # (a norm of ones is the same in the dummy weights)
+    assert "every parameter as vLLM loads the checkpoint: True" in out, out
     assert re.search(r"same greedy completion: True [1-9]", out), out
     assert "watchdogs while serving: 1" in out and "group left: []" in out and "watchdogs left: []" in out, out
