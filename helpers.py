@@ -64,8 +64,10 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": 
 
 # A faster start: engine processes forked from the API server, which has imported vLLM; one Triton cache
 # (code loaded from vLLM's compile cache looks for its kernels there, else compiles them again).
-SERVER_ENV_DEFAULTS = {"VLLM_WORKER_MULTIPROC_METHOD": "fork",
-                       "TRITON_CACHE_DIR": str(Path.home() / ".triton" / "cache")}
+SERVER_ENV_DEFAULTS = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+    "TRITON_CACHE_DIR": str(Path.home() / ".triton" / "cache"),
+}
 
 
 @dataclass
@@ -88,12 +90,23 @@ class Server:
 KV_BLOCK_TOKENS = 16  # vLLM's smallest KV cache block (tokens)
 
 
-def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tensor_parallel_size: int = 1,
-               experts: bool = True, gpu_memory_utilization: float = 0.35, kv_cache_memory_bytes: int | None = None,
-               kv_cache_tokens: int | None = None, enforce_eager: bool = False, max_model_len: int | None = None,
-               node: int = 0, head: tuple[str, int] | None = None,
-               worker_extension: str | None = None,
-               rollout_dtype: str = "bf16") -> list[str]:  # fmt: skip
+def serve_args(
+    served_name: str,
+    gpu_ids: list[str],
+    *,
+    num_nodes: int = 1,
+    tensor_parallel_size: int = 1,
+    experts: bool = True,
+    gpu_memory_utilization: float = 0.35,
+    kv_cache_memory_bytes: int | None = None,
+    kv_cache_tokens: int | None = None,
+    enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    node: int = 0,
+    head: tuple[str, int] | None = None,
+    worker_extension: str | None = None,
+    rollout_dtype: str = "bf16",
+) -> list[str]:
     """`vllm serve` flags after the model's path for one node's engines (`gpu_ids`; as many on each of
     `num_nodes`, nodes > 0 headless, reaching node 0 at `head`): a DP engine per TP group, experts over every
     GPU, dummy weights (the trainer sends them), sleep mode, IPC weight transfer, and `worker_extension` if
@@ -103,21 +116,46 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
     if kv_cache_memory_bytes and kv_cache_tokens:
         raise ValueError("pass kv_cache_memory_bytes or kv_cache_tokens, not both")
     dp_size = len(gpu_ids) * num_nodes // tensor_parallel_size
-    flags = ["--served-model-name", served_name, "--tensor-parallel-size", str(tensor_parallel_size),
-             "--data-parallel-size", str(dp_size), *(["--enable-expert-parallel"] if experts else []),
-             "--device-ids", ",".join(gpu_ids), "--enable-sleep-mode", "--load-format", "dummy",
-             "--weight-transfer-config", json.dumps({"backend": "ipc"}),
-             "--gpu-memory-utilization", str(gpu_memory_utilization)]  # fmt: skip
+    flags = [
+        "--served-model-name",
+        served_name,
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--data-parallel-size",
+        str(dp_size),
+        *(["--enable-expert-parallel"] if experts else []),
+        "--device-ids",
+        ",".join(gpu_ids),
+        "--enable-sleep-mode",
+        "--load-format",
+        "dummy",
+        "--weight-transfer-config",
+        json.dumps({"backend": "ipc"}),
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+    ]
     flags += ["--worker-extension-cls", worker_extension] if worker_extension else []
     if num_nodes > 1:
         local = dp_size // num_nodes
-        flags += ["--data-parallel-size-local", str(local), "--data-parallel-address", head[0],
-                  "--data-parallel-rpc-port", str(head[1])]  # fmt: skip
+        flags += [
+            "--data-parallel-size-local",
+            str(local),
+            "--data-parallel-address",
+            head[0],
+            "--data-parallel-rpc-port",
+            str(head[1]),
+        ]
         if node > 0:
             flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
     if rollout_dtype == "fp8":
-        flags += ["--quantization", "online", "--quantization-config", json.dumps({"moe": "fp8_per_block"}),
-                  "--moe-backend", "triton"]
+        flags += [
+            "--quantization",
+            "online",
+            "--quantization-config",
+            json.dumps({"moe": "fp8_per_block"}),
+            "--moe-backend",
+            "triton",
+        ]
     elif rollout_dtype != "bf16":
         raise ValueError(f"rollout_dtype must be 'bf16' or 'fp8', not {rollout_dtype!r}")
     flags += ["--enforce-eager"] if enforce_eager else []
@@ -127,9 +165,15 @@ def serve_args(served_name: str, gpu_ids: list[str], *, num_nodes: int = 1, tens
     return flags
 
 
-def start_server(serve_args: Sequence[str], *, socket_path: str | os.PathLike, log_path: str | os.PathLike,
-                 env: dict[str, str] | None = None, launcher: Sequence[str] = DEFAULT_LAUNCHER,
-                 also_stop: Sequence[str] = ()) -> Server:  # fmt: skip
+def start_server(
+    serve_args: Sequence[str],
+    *,
+    socket_path: str | os.PathLike,
+    log_path: str | os.PathLike,
+    env: dict[str, str] | None = None,
+    launcher: Sequence[str] = DEFAULT_LAUNCHER,
+    also_stop: Sequence[str] = (),
+) -> Server:
     """Start `vllm serve <serve_args>` on `socket_path` (in a 0700 directory, where vLLM's ZMQ sockets
     go too), in its own process group, logging to `log_path`; `env` over SERVER_ENV_DEFAULTS, this process's
     environment and SERVER_ENV, without Ray's GPU mask (`--device-ids` chooses). A watchdog stops the group
@@ -141,8 +185,10 @@ def start_server(serve_args: Sequence[str], *, socket_path: str | os.PathLike, l
     if len(socket_path.encode()) > 100:  # the kernel's limit for a socket path is 107 bytes
         raise ServerError(f"socket path too long for a Unix socket ({len(socket_path)} bytes): {socket_path}")
     if len(folder.encode()) > 70:  # + vLLM's "/<uuid4>" for its ZMQ sockets
-        raise ServerError(f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
-                          f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory")  # fmt: skip
+        raise ServerError(
+            f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
+            f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory"
+        )
     full_env = {**SERVER_ENV_DEFAULTS, **os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("CUDA_VISIBLE_DEVICES", None)
     # vLLM's own ZMQ sockets (/tmp by default, which a user of the same group could reach: they unpickle).
@@ -162,8 +208,9 @@ _WATCHDOG_GRACE_S = 10.0  # the watchdog's, between SIGTERM and SIGKILL
 WATCHDOG_MARKER = "helpers.server_watchdog"  # its first argument: its processes' command line tells them apart
 
 
-def _start_watched(cmd: list[str], log, env: dict[str, str],
-                   also_stop: Sequence[str] = ()) -> tuple[subprocess.Popen, tuple[int, int]]:  # fmt: skip
+def _start_watched(
+    cmd: list[str], log, env: dict[str, str], also_stop: Sequence[str] = ()
+) -> tuple[subprocess.Popen, tuple[int, int]]:
     """Popen(cmd) as the leader of a new process group, through the watchdog program, which forks
     the watchdog off (outside the group) and execs `cmd`: the Popen is the server. Only this process holds
     the write end of `alive`, only the watchdog that of `done`: each reads EOF when the other is gone."""
@@ -171,10 +218,27 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
     done_r, done_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _watchdog_program(), WATCHDOG_MARKER, str(alive_r), str(done_w),
-             str(_WATCHDOG_GRACE_S), *([",".join(also_stop)] if also_stop else []), "--", *cmd],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-            pass_fds=(alive_r, done_w))  # fmt: skip
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _watchdog_program(),
+                WATCHDOG_MARKER,
+                str(alive_r),
+                str(done_w),
+                str(_WATCHDOG_GRACE_S),
+                *([",".join(also_stop)] if also_stop else []),
+                "--",
+                *cmd,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            pass_fds=(alive_r, done_w),
+        )
     except BaseException:
         os.close(alive_w)
         os.close(done_r)
@@ -188,9 +252,17 @@ def _start_watched(cmd: list[str], log, env: dict[str, str],
 def _watchdog_program() -> str:
     """server_watchdog and what it calls, from this file: standard library only, it starts fast and stays small."""
     import inspect
+
     parts = [inspect.getsource(f) for f in (proc_stat, start_time, group_members, stop_group, server_watchdog)]
-    return "\n".join(["from __future__ import annotations", "import os, select, signal, sys, time",
-                      "from contextlib import suppress", *parts, "server_watchdog()"])  # fmt: skip
+    return "\n".join(
+        [
+            "from __future__ import annotations",
+            "import os, select, signal, sys, time",
+            "from contextlib import suppress",
+            *parts,
+            "server_watchdog()",
+        ]
+    )
 
 
 def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
@@ -225,8 +297,11 @@ def start_time(pid: int) -> str | None:
 
 def group_members(pgid: int) -> list[int]:
     """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
-    return [int(entry) for entry in filter(str.isdigit, os.listdir("/proc"))
-            if (stat := proc_stat(entry)) is not None and stat[0] != b"Z" and int(stat[2]) == pgid]  # fmt: skip
+    return [
+        int(entry)
+        for entry in filter(str.isdigit, os.listdir("/proc"))
+        if (stat := proc_stat(entry)) is not None and stat[0] != b"Z" and int(stat[2]) == pgid
+    ]
 
 
 def stop_group(pgid: int, grace_s: float) -> list[int]:
@@ -261,8 +336,9 @@ def server_watchdog() -> None:
         watching_leader, released = leader_fd is not None, False
         while True:
             # Block on the leader's pidfd while it runs; then (its engines may live on) look once a second.
-            ready, _, _ = select.select([alive_fd] + ([leader_fd] if watching_leader else []), [], [],
-                                        None if watching_leader or also else 1.0)  # fmt: skip
+            ready, _, _ = select.select(
+                [alive_fd] + ([leader_fd] if watching_leader else []), [], [], None if watching_leader or also else 1.0
+            )
             if alive_fd in ready:
                 data = b""
                 with suppress(OSError):
@@ -332,12 +408,15 @@ def log_tail(server: Server, lines: int = 40) -> str:
 
 # A starting `vllm serve`'s milestones by their first log line (0.32), for progress lines only.
 START_MILESTONES = (
-    ("Initializing a V1 LLM engine", "engines starting"), ("Model loading took", "model built (dummy weights)"),
-    ("Starting torch.compile", "torch.compile ..."), ("torch.compile took", "torch.compile done"),
-    ("Capturing CUDA", "capturing CUDA graphs ..."), ("Available KV cache memory", "memory profiled, KV cache sized"),
+    ("Initializing a V1 LLM engine", "engines starting"),
+    ("Model loading took", "model built (dummy weights)"),
+    ("Starting torch.compile", "torch.compile ..."),
+    ("torch.compile took", "torch.compile done"),
+    ("Capturing CUDA", "capturing CUDA graphs ..."),
+    ("Available KV cache memory", "memory profiled, KV cache sized"),
     ("init engine (profile, create kv cache, warmup model) took", "engines ready"),
     ("Starting vLLM server on", "API server listening"),
-)  # fmt: skip
+)
 
 
 def print_progress(server: Server) -> None:
@@ -359,16 +438,19 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
     while True:
         print_progress(server)
         if (code := server.proc.poll()) is not None:
-            raise ServerError(f"vLLM server exited with code {code} during start; last lines of "
-                              f"{server.log_path}:\n{log_tail(server)}")  # fmt: skip
+            raise ServerError(
+                f"vLLM server exited with code {code} during start; last lines of "
+                f"{server.log_path}:\n{log_tail(server)}"
+            )
         if also_check:  # after our own server's exit: that one we name for sure
             also_check()
         if health(server.socket_path):
             print_progress(server)  # the lines the log reached since this poll's first look
             return time.monotonic() - server.started_at
         if time.monotonic() > deadline:
-            raise ServerError(f"vLLM server not healthy after {timeout_s:.0f}s; last lines of "
-                              f"{server.log_path}:\n{log_tail(server)}")  # fmt: skip
+            raise ServerError(
+                f"vLLM server not healthy after {timeout_s:.0f}s; last lines of {server.log_path}:\n{log_tail(server)}"
+            )
         time.sleep(poll_s)
 
 
@@ -392,8 +474,11 @@ def serving(serve_args: Sequence[str], **start_kwargs):
     finally:
         with signals_ignored():
             if server.proc.poll() is not None:
-                print(f"[shutdown] the vLLM server had exited with code {server.proc.returncode}; "
-                      f"last lines of {server.log_path}:\n{log_tail(server, 15)}", flush=True)  # fmt: skip
+                print(
+                    f"[shutdown] the vLLM server had exited with code {server.proc.returncode}; "
+                    f"last lines of {server.log_path}:\n{log_tail(server, 15)}",
+                    flush=True,
+                )
             print("[shutdown] stopping the vLLM server", flush=True)
             try:
                 stop_server(server)
@@ -505,9 +590,11 @@ def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
 def wake_failure(error: str, kv_cache: bool) -> str:
     """Out of memory while mapping a freed KV cache back is memory taken meanwhile: say so."""
     if kv_cache and "out of memory" in error.lower():
-        return ("vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another "
-                "process on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it "
-                f"smaller: {error}")
+        return (
+            "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another "
+            "process on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it "
+            f"smaller: {error}"
+        )
     return error
 
 
@@ -528,11 +615,14 @@ _openai_clients: dict[int, tuple] = {}
 def openai_client(sock: str):
     """The openai client over the socket (`requests` cannot reach a Unix socket)."""
     import openai
+
     transport = _client(sock)
     made = _openai_clients.get(id(transport))
     if made is None or made[0] is not transport:  # (a dropped connection's client goes with it)
-        made = _openai_clients[id(transport)] = (transport, openai.OpenAI(
-            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport))  # fmt: skip
+        made = _openai_clients[id(transport)] = (
+            transport,
+            openai.OpenAI(base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport),
+        )
     return made[1]
 
 
@@ -540,6 +630,7 @@ def post_completions(sock: str, dp_rank: int | None = None, **fields):
     """POST /v1/completions through the openai client (vLLM's own fields in
     `extra_body`); `dp_rank` pins one DP engine. Raises ServerError."""
     import openai
+
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
     try:
         return openai_client(sock).completions.create(extra_headers=headers, timeout=SERVER_CALL_TIMEOUT_S, **fields)
@@ -551,14 +642,24 @@ def post_completions(sock: str, dp_rank: int | None = None, **fields):
         raise ServerError(f"POST /v1/completions failed: {e!r}") from e
 
 
-def completions(sock: str, model: str, prompts: list[str], max_tokens: int, temperature: float = 0.0,
-                dp_rank: int | None = None) -> list[Completion]:  # fmt: skip
+def completions(
+    sock: str, model: str, prompts: list[str], max_tokens: int, temperature: float = 0.0, dp_rank: int | None = None
+) -> list[Completion]:
     """One completion per prompt (greedy by default), with the prompt's and the output's token ids."""
-    out = post_completions(sock, dp_rank, model=model, prompt=prompts, max_tokens=max_tokens,
-                           temperature=temperature, extra_body={"return_token_ids": True})  # fmt: skip
+    out = post_completions(
+        sock,
+        dp_rank,
+        model=model,
+        prompt=prompts,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        extra_body={"return_token_ids": True},
+    )
     by_index = {c.index: c for c in out.choices}
-    return [Completion(c.text, list(c.prompt_token_ids), list(c.token_ids))
-            for c in (by_index[i] for i in range(len(prompts)))]  # fmt: skip
+    return [
+        Completion(c.text, list(c.prompt_token_ids), list(c.token_ids))
+        for c in (by_index[i] for i in range(len(prompts)))
+    ]
 
 
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
@@ -659,14 +760,24 @@ def join_process_group(rank: int, world_size: int, host: str, where: str | int) 
         store = _store if rank == 0 else file_store(where, world_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", store=store,
-                            rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
 
 
 def placement() -> dict:
     """Which GPU, on which node, Ray gave this rank (run in it)."""
-    info = {"rank": dist.get_rank(), "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-            "node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}  # fmt: skip
+    info = {
+        "rank": dist.get_rank(),
+        "pid": os.getpid(),
+        "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+        "node": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
@@ -704,8 +815,14 @@ def _remove_rendezvous_left() -> None:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpus_per_trainer: float = 1,
-                   placement_timeout_s: float = 60, trainer_args: tuple = ()) -> tuple[list, object]:  # fmt: skip
+def start_trainers(
+    trainer_cls: type,
+    num_trainers: int,
+    num_nodes: int = 1,
+    gpus_per_trainer: float = 1,
+    placement_timeout_s: float = 60,
+    trainer_args: tuple = (),
+) -> tuple[list, object]:
     """One GPU per trainer rank, as many on each of `num_nodes` nodes, the first this one; the ranks
     (actors of `trainer_cls`, any class, built with `trainer_args`) joined in one process group in node
     order. Returns (trainers, placement group); PlacementError if Ray cannot place them in time."""
@@ -719,29 +836,45 @@ def start_trainers(trainer_cls: type, num_trainers: int, num_nodes: int = 1, gpu
     here = ray.get_runtime_context().get_node_id()
     here_gpus = next(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == here)
     if here_gpus < per_node * gpus_per_trainer:
-        raise PlacementError(f"this node has {here_gpus:g} GPUs in Ray, and needs {per_node * gpus_per_trainer:g}: "
-                             "run the script on a GPU node (it runs vLLM's API server and trainer rank 0)")  # fmt: skip
+        raise PlacementError(
+            f"this node has {here_gpus:g} GPUs in Ray, and needs {per_node * gpus_per_trainer:g}: "
+            "run the script on a GPU node (it runs vLLM's API server and trainer rank 0)"
+        )
     # A bundle per node (CUDA IPC stays on one machine: each rank beside its GPU's engine), the first this one.
     bundle = {"CPU": per_node, **({"GPU": per_node * gpus_per_trainer} if gpus_per_trainer else {})}
-    pg = placement_group([bundle] * num_nodes, strategy="STRICT_SPREAD" if num_nodes > 1 else "STRICT_PACK",
-                         bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (num_nodes - 1))  # fmt: skip
+    pg = placement_group(
+        [bundle] * num_nodes,
+        strategy="STRICT_SPREAD" if num_nodes > 1 else "STRICT_PACK",
+        bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (num_nodes - 1),
+    )
     if not pg.wait(timeout_seconds=placement_timeout_s):
         ray.util.remove_placement_group(pg)
-        raise PlacementError(f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, "
-                             f"the first one this node) within {placement_timeout_s:.0f}s; cluster resources: "
-                             f"{ray.cluster_resources()}")  # fmt: skip
+        raise PlacementError(
+            f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, "
+            f"the first one this node) within {placement_timeout_s:.0f}s; cluster resources: "
+            f"{ray.cluster_resources()}"
+        )
     actor = trainer_cls if isinstance(trainer_cls, ray.actor.ActorClass) else ray.remote(trainer_cls)
     try:
-        trainers = [actor.options(num_cpus=1, num_gpus=gpus_per_trainer,
-                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r // per_node))
-                    .remote(*trainer_args) for r in range(num_trainers)]  # fmt: skip
+        trainers = [
+            actor.options(
+                num_cpus=1,
+                num_gpus=gpus_per_trainer,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r // per_node),
+            ).remote(*trainer_args)
+            for r in range(num_trainers)
+        ]
         # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
         host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
         where = ray_get_all([trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers)])[0]
         if isinstance(where, str):  # one node, this one: the store's file, in a directory of its own
             _rendezvous_dirs[pg.id.hex()] = Path(where).parent
-        ray_get_all([t.__ray_call__.remote(_in_rank, join_process_group, r, num_trainers, host, where)
-                     for r, t in enumerate(trainers)])  # fmt: skip
+        ray_get_all(
+            [
+                t.__ray_call__.remote(_in_rank, join_process_group, r, num_trainers, host, where)
+                for r, t in enumerate(trainers)
+            ]
+        )
     except BaseException:  # a rank that did not start, or Ctrl-C: the caller never gets the group to remove
         ray.util.remove_placement_group(pg)  # and its trainers with it
         remove_rendezvous(pg)
@@ -798,8 +931,9 @@ def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) ->
         except ServerError as e:
             first = first or e
             if check_failure:
-                check_failure(ServerError("the send failed part way (not retried); "
-                                          f"vLLM holds a mix of old and new weights: {e}"))  # fmt: skip
+                check_failure(
+                    ServerError(f"the send failed part way (not retried); vLLM holds a mix of old and new weights: {e}")
+                )
             if attempt == retries:
                 why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
                 break
@@ -809,11 +943,15 @@ def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) ->
             if len(ray.wait(sends, num_returns=len(sends), timeout=60)[0]) < len(sends):
                 why = "not retried: a trainer rank is still in the send"
                 break
-            print(f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
-                  f"(retry {attempt + 1} of {retries})", flush=True)  # fmt: skip
+            print(
+                f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
+                f"(retry {attempt + 1} of {retries})",
+                flush=True,
+            )
     detail = why or (f"{attempt + 1} tries" if attempt else "")
-    raise ServerError(f"the send failed part way{f' ({detail})' if detail else ''}; "
-                      f"vLLM holds a mix of old and new weights: {first}")  # fmt: skip
+    raise ServerError(
+        f"the send failed part way{f' ({detail})' if detail else ''}; vLLM holds a mix of old and new weights: {first}"
+    )
 
 
 def _answering(sock: str):
@@ -872,8 +1010,9 @@ class WeightSender:
         self.client.raise_failure()
 
 
-def weight_sender(rank: int, client, source, packed: bool = True,
-                  packed_buffer_size_bytes: int = 4 * 1024**3) -> WeightSender:  # fmt: skip
+def weight_sender(
+    rank: int, client, source, packed: bool = True, packed_buffer_size_bytes: int = 4 * 1024**3
+) -> WeightSender:
     """vLLM's IPC trainer engine on this rank: `source`'s tensors (a vLLM WeightSource: ModuleSource,
     or weight_sync.sources') packed into one IPC buffer each engine reads on its GPU; rank 0 calls `client`
     per chunk (weight_sync_client, or sources.sync_client: the direct loader, whose expert blocks skip it)."""
@@ -886,10 +1025,14 @@ def weight_sender(rank: int, client, source, packed: bool = True,
     packed_part = in_place.packed_part(source) if in_place else source  # all but the blocks in place
     told = getattr(client, "packed_bytes", None)
     if told is not None and told != (packs := metadata_bytes(packed_part.metadata)):
-        raise ValueError(f"the direct loader's client expects {told} packed bytes a send and this source packs "
-                         f"{packs}: build the client for this source (sync_client)")  # fmt: skip
+        raise ValueError(
+            f"the direct loader's client expects {told} packed bytes a send and this source packs "
+            f"{packs}: build the client for this source (sync_client)"
+        )
     client = FailAfterSend(client)
     engine = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
-        client=client, source=packed_part)  # fmt: skip
+        client=client,
+        source=packed_part,
+    )
     return WeightSender(client, engine, in_place, source, rank, packed, packed_buffer_size_bytes)

@@ -42,8 +42,13 @@ from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers
 from proof import checks, program, toy_rl
 from weight_sync import models, sources
 from weight_sync.direct_load import untested_vllm_warning
-from weight_sync.multinode import (free_port, gloo_interface_env, raise_node_failure, start_node_servers,
-                                   stop_node_servers)
+from weight_sync.multinode import (
+    free_port,
+    gloo_interface_env,
+    raise_node_failure,
+    start_node_servers,
+    stop_node_servers,
+)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -59,43 +64,97 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add = p.add_argument
-    # fmt: off
-    add("--model", default="Qwen/Qwen3-30B-A3B", help="a Hugging Face id (downloaded), a local "
-        f"directory, or a random-weight model built locally: {', '.join(models.PRESETS)}")
+    add(
+        "--model",
+        default="Qwen/Qwen3-30B-A3B",
+        help="a Hugging Face id (downloaded), a local "
+        f"directory, or a random-weight model built locally: {', '.join(models.PRESETS)}",
+    )
     add("--num-gpus", type=int, default=4, help="GPUs to reserve through Ray, in all; one trainer rank per GPU")
-    add("--num-nodes", type=int, default=1, help="nodes the GPUs are on, as many on each; the first is this one. "
-        "One vLLM server spans them: its DP engines and experts cover every GPU (docs/SCALING.md)")
+    add(
+        "--num-nodes",
+        type=int,
+        default=1,
+        help="nodes the GPUs are on, as many on each; the first is this one. "
+        "One vLLM server spans them: its DP engines and experts cover every GPU (docs/SCALING.md)",
+    )
     add("--tensor-parallel-size", type=int, default=1, help="vLLM TP; data parallel size is num-gpus / this")
-    add("--weight-loader", choices=("direct", "vllm"), default="direct", help="direct: the server's direct "
+    add(
+        "--weight-loader",
+        choices=("direct", "vllm"),
+        default="direct",
+        help="direct: the server's direct "
         "loader (direct_load.py), each GPU gets its own experts in one copy per layer; vllm: vLLM's "
-        "/update_weights route. direct needs --tensor-parallel-size 1")
-    add("--rollout-dtype", choices=("bf16", "fp8"), default="bf16", help="what vLLM serves the routed experts in: "
+        "/update_weights route. direct needs --tensor-parallel-size 1",
+    )
+    add(
+        "--rollout-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="what vLLM serves the routed experts in: "
         "fp8: block-wise e4m3 with a scale per 128 x 128 block, quantized from the trainer's bf16 at every sync "
-        "(the rest stays bf16); the trainer keeps its own dtype")
-    add("--packed", action=argparse.BooleanOptionalAction, default=True,
-        help="pack parameters into one reusable IPC buffer per rank (else one IPC handle per parameter)")
-    add("--packed-buffer-size-bytes", type=int, default=4 * 1024**3, help="each rank's packed IPC buffer; "
-        "must hold the largest parameter (fewer, larger chunks: a faster send, for that much trainer memory)")
-    add("--send-retries", type=int, default=1, help="direct loader: send again from the start, this many "
-        "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)")
+        "(the rest stays bf16); the trainer keeps its own dtype",
+    )
+    add(
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack parameters into one reusable IPC buffer per rank (else one IPC handle per parameter)",
+    )
+    add(
+        "--packed-buffer-size-bytes",
+        type=int,
+        default=4 * 1024**3,
+        help="each rank's packed IPC buffer; "
+        "must hold the largest parameter (fewer, larger chunks: a faster send, for that much trainer memory)",
+    )
+    add(
+        "--send-retries",
+        type=int,
+        default=1,
+        help="direct loader: send again from the start, this many "
+        "times, when the server fails a send part way (vLLM stays asleep; a dead server or trainer is not retried)",
+    )
     add("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU's memory")
-    add("--kv-cache-tokens", type=int, help="each engine's KV cache, in tokens (default: two sequences of "
+    add(
+        "--kv-cache-tokens",
+        type=int,
+        help="each engine's KV cache, in tokens (default: two sequences of "
         "--max-model-len or the model's context; 0: what --gpu-memory-utilization leaves). Every sync resets "
-        "vLLM's prefix cache, a loop over the cache's blocks: a cache sized for the batch keeps that short")
-    add("--kv-cache-memory-bytes", type=int, help="passed to vllm serve: each GPU's KV cache in bytes, instead "
-        "of --kv-cache-tokens (vLLM skips its memory profiling then, so servers on one GPU can start side by side)")
-    add("--sleep-level", type=int, choices=(0, 1, 2), default=0, help="what vLLM frees for the trainer: "
+        "vLLM's prefix cache, a loop over the cache's blocks: a cache sized for the batch keeps that short",
+    )
+    add(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="passed to vllm serve: each GPU's KV cache in bytes, instead "
+        "of --kv-cache-tokens (vLLM skips its memory profiling then, so servers on one GPU can start side by side)",
+    )
+    add(
+        "--sleep-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="what vLLM frees for the trainer: "
         "0: its KV cache at most (--free-kv-cache; the fastest: its weights stay on the GPU beside the "
         "trainer's and are overwritten in place); 1: the KV cache and the weights, copied to CPU; 2: the KV "
-        "cache and the weights, discarded (the send rewrites every one)")
-    add("--free-kv-cache", action=argparse.BooleanOptionalAction, help="at --sleep-level 0, give the KV "
+        "cache and the weights, discarded (the send rewrites every one)",
+    )
+    add(
+        "--free-kv-cache",
+        action=argparse.BooleanOptionalAction,
+        help="at --sleep-level 0, give the KV "
         "cache's memory to the trainer during the sync (default: with --train only; releasing and mapping "
-        "back a large cache costs more than the send on small models)")
+        "back a large cache costs more than the send on small models)",
+    )
     add("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     add("--prompt", action="append", dest="prompts", metavar="TEXT", help=f"repeatable; default {DEFAULT_PROMPTS}")
     add("--rounds", type=int, default=1, help="rounds (one sync each) back to back")
-    add("--soak-seconds", type=float, default=0, help="a soak: after --rounds, more rounds until this many "
-        "seconds have passed since the first began")
+    add(
+        "--soak-seconds",
+        type=float,
+        default=0,
+        help="a soak: after --rounds, more rounds until this many seconds have passed since the first began",
+    )
     toy_rl.add_arguments(p)  # --train, --lr, --samples-per-prompt, --temperature
     checks.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
     add("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
@@ -104,7 +163,6 @@ def parser() -> argparse.ArgumentParser:
     add("--server-timeout", type=float, default=1200, help="seconds to wait for the server to be healthy")
     add("--placement-timeout", type=float, default=60, help="seconds to wait for Ray to place the trainers")
     add("--seed", type=int, default=0, help="seed of the random weights (preset models)")
-    # fmt: on
     return p
 
 
@@ -198,8 +256,9 @@ class FSDPTrainer:
         """Whom rank 0 tells about each chunk (the direct loader, or vLLM's weight routes)."""
         return sources.sync_client(sock, loader, source, trainer_gpu_uuids)
 
-    def setup_weight_transfer(self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int,
-                              trainer_gpu_uuids: list[str]) -> bool:  # fmt: skip
+    def setup_weight_transfer(
+        self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int, trainer_gpu_uuids: list[str]
+    ) -> bool:
         """Build vLLM's IPC trainer engine on this rank; True if the engines
         will copy its expert blocks straight from its memory (ExpertsInPlace)."""
         source = self.weight_source(loader)
@@ -227,16 +286,31 @@ class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
 # --- The server and the job -----------------------------------------------------------------------
 
 
-def serve_args(args: argparse.Namespace, gpu_ids: list[str], node: int = 0, head: tuple | None = None,
-               experts: bool = True, context_len: int | None = None) -> list[str]:  # fmt: skip
+def serve_args(
+    args: argparse.Namespace,
+    gpu_ids: list[str],
+    node: int = 0,
+    head: tuple | None = None,
+    experts: bool = True,
+    context_len: int | None = None,
+) -> list[str]:
     """helpers.serve_args from the flags, for one node's GPUs (`context_len`: the model's, for the
     default KV cache), with the exact check's worker extension in place of the direct loader's."""
     return helpers.serve_args(
-        args.model, gpu_ids, num_nodes=args.num_nodes, tensor_parallel_size=args.tensor_parallel_size,
-        experts=experts, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_tokens=kv_cache_tokens(args, context_len),
-        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, node=node, head=head,
-        rollout_dtype=args.rollout_dtype, worker_extension="proof.exact_check_engine.ExactCheckWorker",
+        args.model,
+        gpu_ids,
+        num_nodes=args.num_nodes,
+        tensor_parallel_size=args.tensor_parallel_size,
+        experts=experts,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_tokens=kv_cache_tokens(args, context_len),
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        node=node,
+        head=head,
+        rollout_dtype=args.rollout_dtype,
+        worker_extension="proof.exact_check_engine.ExactCheckWorker",
     )
 
 
@@ -288,8 +362,9 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             if started_ray:
                 program.init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
-            trainers, pg = start_trainers(trainer_cls or RLTrainer, args.num_gpus, args.num_nodes,
-                                          placement_timeout_s=args.placement_timeout)  # fmt: skip
+            trainers, pg = start_trainers(
+                trainer_cls or RLTrainer, args.num_gpus, args.num_nodes, placement_timeout_s=args.placement_timeout
+            )
             ranks = placements(trainers)
             checks.show_layout(ranks, args.num_nodes)
             if problem := checks.placement_problem(ranks):
@@ -300,8 +375,9 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
             network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
             flags = serve_plan(args, ranks, model_path)
             node_model = args.model if args.model in models.PRESETS else str(model_path)  # the path resolved here
-            node_servers = start_node_servers(pg, node_model, args.server_log, env, flags[1:],
-                                              resolve_model=models.resolve_model)  # fmt: skip
+            node_servers = start_node_servers(
+                pg, node_model, args.server_log, env, flags[1:], resolve_model=models.resolve_model
+            )
             print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
             with helpers.serving(
                 [str(model_path), *flags[0]],
@@ -312,17 +388,24 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 # linger for minutes); by now, with the trainers started, all its processes are up.
                 also_stop=program.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
-                weights_in_after_s = wait_until_ready(server, filling, args.server_timeout,
-                                                      also_check=partial(raise_node_failure, node_servers))
+                weights_in_after_s = wait_until_ready(
+                    server, filling, args.server_timeout, also_check=partial(raise_node_failure, node_servers)
+                )
                 try:
-                    yield Job(trainers=trainers, server=server, served_name=args.model,
-                              dp_size=args.num_gpus // args.tensor_parallel_size,
-                              architecture=models.architecture(model_path), gpu_name=ranks[0]["gpu_name"],
-                              gpu_uuids=[p["gpu_uuid"] for p in ranks], rank_nodes=[p["node"] for p in ranks],
-                              weights_in_after_s=weights_in_after_s,
-                              checkpoint_bytes_read_per_rank=ray_get_all(filling), node_servers=node_servers,
-                              server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus,
-                                                                         args.num_nodes))  # fmt: skip
+                    yield Job(
+                        trainers=trainers,
+                        server=server,
+                        served_name=args.model,
+                        dp_size=args.num_gpus // args.tensor_parallel_size,
+                        architecture=models.architecture(model_path),
+                        gpu_name=ranks[0]["gpu_name"],
+                        gpu_uuids=[p["gpu_uuid"] for p in ranks],
+                        rank_nodes=[p["node"] for p in ranks],
+                        weights_in_after_s=weights_in_after_s,
+                        checkpoint_bytes_read_per_rank=ray_get_all(filling),
+                        node_servers=node_servers,
+                        server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus, args.num_nodes),
+                    )
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
@@ -363,8 +446,12 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
 def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, loader: str) -> None:
     """Every trainer rank builds vLLM's IPC trainer engine for `loader`."""
     sock = job.server.socket_path
-    in_place = ray_get_all([t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes,
-                                                           job.gpu_uuids) for t in job.trainers])  # fmt: skip
+    in_place = ray_get_all(
+        [
+            t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes, job.gpu_uuids)
+            for t in job.trainers
+        ]
+    )
     job.experts_in_place = all(in_place)
     checks.measure(job.trainers)  # every send timed and fingerprinted, every step watched, from outside
     if loader == "direct":
@@ -398,8 +485,9 @@ def run_round(job: Job, args: argparse.Namespace, proof: checks.RoundProof) -> N
     with proof.step("wake_weights"):
         helpers.wake_weights(sock, args.sleep_level)
     with proof.step("send"):
-        _, proof.send_retries = send_all(trainers, sock, job.send_retries,
-                                         check_failure=partial(raise_node_failure, job.node_servers))
+        _, proof.send_retries = send_all(
+            trainers, sock, job.send_retries, check_failure=partial(raise_node_failure, job.node_servers)
+        )
     with proof.step("wake_kv"):
         if kv_cache_freed:
             ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
@@ -428,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
         checks.show_texts("before the first sync", args.prompts, greedy)
-        job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy],
-                                               fp8=args.rollout_dtype == "fp8")
+        job.kernel_noise = checks.kernel_noise(
+            job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy], fp8=args.rollout_dtype == "fp8"
+        )
         rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
         while more_rounds(args, len(rounds), time.monotonic() - first_round_at):
             i = len(rounds) + 1

@@ -42,8 +42,9 @@ SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
 def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
     """vLLM's log-probability of each prompt token given the ones before it
     (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
-    out = helpers.post_completions(sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0,
-                                   extra_body={"prompt_logprobs": 0})  # fmt: skip
+    out = helpers.post_completions(
+        sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
     per_position = out.choices[0].prompt_logprobs
     # Position 0 has no context (None); each later entry maps token id -> info
     # and always holds the prompt's own token.
@@ -66,28 +67,46 @@ def flag_problem(args) -> str | None:
     """Why the script's flags cannot work together, or None."""
     problems = [
         (args.num_gpus < 1, "--num-gpus must be at least 1"),
-        (args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size,
-         f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size {args.tensor_parallel_size}"),
-        (args.tensor_parallel_size < 1 or args.num_nodes < 1 or args.num_gpus % (args.num_nodes * args.tensor_parallel_size),
-         f"--num-gpus {args.num_gpus} does not split into --num-nodes {args.num_nodes} equal nodes of whole "
-         f"tensor-parallel groups of {args.tensor_parallel_size}"),
+        (
+            args.tensor_parallel_size < 1 or args.num_gpus % args.tensor_parallel_size,
+            f"--num-gpus {args.num_gpus} is not divisible by --tensor-parallel-size {args.tensor_parallel_size}",
+        ),
+        (
+            args.tensor_parallel_size < 1
+            or args.num_nodes < 1
+            or args.num_gpus % (args.num_nodes * args.tensor_parallel_size),
+            f"--num-gpus {args.num_gpus} does not split into --num-nodes {args.num_nodes} equal nodes of whole "
+            f"tensor-parallel groups of {args.tensor_parallel_size}",
+        ),
         (not 0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization must be between 0 and 1"),
         (args.packed_buffer_size_bytes < 1, "--packed-buffer-size-bytes must be positive"),
-        (args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1,
-         "--kv-cache-memory-bytes must be positive"),
+        (
+            args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1,
+            "--kv-cache-memory-bytes must be positive",
+        ),
         (args.kv_cache_tokens is not None and args.kv_cache_tokens < 0, "--kv-cache-tokens must be 0 or more"),
-        (args.kv_cache_tokens and args.kv_cache_memory_bytes,
-         "--kv-cache-tokens and --kv-cache-memory-bytes both size the KV cache: pass one"),
-        (args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1,
-         "--rounds, --max-tokens and --samples-per-prompt must be at least 1"),
+        (
+            args.kv_cache_tokens and args.kv_cache_memory_bytes,
+            "--kv-cache-tokens and --kv-cache-memory-bytes both size the KV cache: pass one",
+        ),
+        (
+            args.rounds < 1 or args.max_tokens < 1 or args.samples_per_prompt < 1,
+            "--rounds, --max-tokens and --samples-per-prompt must be at least 1",
+        ),
         (args.soak_seconds < 0, "--soak-seconds must be at least 0"),
         (args.send_retries < 0, "--send-retries must be 0 or more"),
-        (args.free_kv_cache is False and args.sleep_level > 0,
-         f"--no-free-kv-cache needs --sleep-level 0 (level {args.sleep_level} frees the KV cache with the weights)"),
+        (
+            args.free_kv_cache is False and args.sleep_level > 0,
+            f"--no-free-kv-cache needs --sleep-level 0 (level {args.sleep_level} frees the KV cache with the weights)",
+        ),
         (any(not prompt.strip() for prompt in args.prompts), "--prompt must not be empty"),
-    ]  # fmt: skip
-    return (next((text for wrong, text in problems if wrong), None) or unwritable("--json", args.json)
-            or unwritable("--server-log", args.server_log) or loader_flag_problem(args, args.weight_loader))  # fmt: skip
+    ]
+    return (
+        next((text for wrong, text in problems if wrong), None)
+        or unwritable("--json", args.json)
+        or unwritable("--server-log", args.server_log)
+        or loader_flag_problem(args, args.weight_loader)
+    )
 
 
 def unwritable(flag: str, path: str | None) -> str | None:
@@ -122,8 +141,10 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
     without safetensors files (what the trainer ranks read), a parameter
     larger than the packed buffer, or experts the direct loader cannot split."""
     if args.model not in models.PRESETS and not models.checkpoint_files(Path(model_path)):
-        raise SystemExit(f"error: {model_path} has no safetensors files (model.safetensors, or an index of them): "
-                         "the trainer ranks read their shards from those")  # fmt: skip
+        raise SystemExit(
+            f"error: {model_path} has no safetensors files (model.safetensors, or an index of them): "
+            "the trainer ranks read their shards from those"
+        )
     meta = models.meta_model(model_path)
     if args.packed:
         name, size = models.largest_parameter(meta)
@@ -148,12 +169,17 @@ def fp8_problem(model: torch.nn.Module) -> str | None:
     experts = sources.fused_expert_tensors(model)
     if not experts:
         return "--rollout-dtype fp8 serves the routed experts in FP8, and this model has none; drop it"
-    if biased := sorted(n for n, p in model.named_parameters() if n.rpartition(".")[0] in
-                        {e.rpartition(".")[0] for e in experts} and p.dim() == 2 and n.endswith("_bias")):  # fmt: skip
+    if biased := sorted(
+        n
+        for n, p in model.named_parameters()
+        if n.rpartition(".")[0] in {e.rpartition(".")[0] for e in experts} and p.dim() == 2 and n.endswith("_bias")
+    ):
         return f"--rollout-dtype fp8 does not quantize experts with biases ({biased[0]}); drop it"
     if odd := sorted(n for n, layout in experts.items() if layout["transposed"] or not layout["concatenated"]):
-        return (f"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout (gate rows, then up "
-                f"rows), not {odd[0]}'s; drop it")  # fmt: skip
+        return (
+            f"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout (gate rows, then up "
+            f"rows), not {odd[0]}'s; drop it"
+        )
     return None
 
 
@@ -165,11 +191,15 @@ def fp8_backend_problem(capabilities: dict[int, tuple[int, int]]) -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), and Triton is not installed"
+        return (
+            "--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), and Triton is not installed"
+        )
     if old := {i: c for i, c in capabilities.items() if c < (8, 9)}:
         i, (major, minor) = next(iter(old.items()))
-        return (f"--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); "
-                f"GPU {i} is {major}.{minor}")  # fmt: skip
+        return (
+            f"--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); "
+            f"GPU {i} is {major}.{minor}"
+        )
     return None
 
 
@@ -204,8 +234,10 @@ def packing_problem(metadata: list[tuple[str, tuple, torch.dtype]]) -> str | Non
     widest = max(dtype.itemsize for _, _, dtype in metadata)
     for name, shape, dtype in metadata:
         if (size := math.prod(shape) * dtype.itemsize) % widest:
-            return (f"{name} is {size} bytes, not a multiple of {widest}: vLLM's packed IPC buffer would "
-                    f"misalign the {widest}-byte tensors after it; pass --no-packed --weight-loader vllm")  # fmt: skip
+            return (
+                f"{name} is {size} bytes, not a multiple of {widest}: vLLM's packed IPC buffer would "
+                f"misalign the {widest}-byte tensors after it; pass --no-packed --weight-loader vllm"
+            )
     return None
 
 
@@ -282,10 +314,7 @@ def logprob_gap(
 ) -> LogprobGap:
     """Ask every DP engine for its prompt log-probabilities of `sequences`
     and compare them with the trainer's."""
-    server = [
-        [prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences]
-        for dp_rank in range(dp_size)
-    ]
+    server = [[prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences] for dp_rank in range(dp_size)]
     stats = [dlogp_stats(trainer_lps, lps) for lps in server]
     quantiles = [dlogp_quantile(trainer_lps, lps) for lps in server]
     return LogprobGap([mean for _, mean in stats], [worst for worst, _ in stats], server, trainer_lps, quantiles)
@@ -312,42 +341,73 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) 
     else:
         attention, lps = other
         noise = KernelNoise(dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps), attention)
-        print(f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
-              f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}", flush=True)  # fmt: skip
+        print(
+            f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
+            f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}",
+            flush=True,
+        )
     if fp8:
         lps = helpers.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
         noise.fp8_mean, noise.fp8_quantile = dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps)
-        print(f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "
-              f"{noise.fp8_mean:.4f}, p{QUANTILE * 100:.0f} {noise.fp8_quantile:.4f} (added to the above: the "
-              "gate's basis)", flush=True)  # fmt: skip
+        print(
+            f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "
+            f"{noise.fp8_mean:.4f}, p{QUANTILE * 100:.0f} {noise.fp8_quantile:.4f} (added to the above: the "
+            "gate's basis)",
+            flush=True,
+        )
     return noise
 
 
 def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
     """logprob_gap between a colocated job's trainers and every one of its DP engines."""
-    return logprob_gap(job.server.socket_path, job.served_name, trainer_logprobs(job.trainers, sequences), sequences,
-                       job.dp_size)  # fmt: skip
+    return logprob_gap(
+        job.server.socket_path, job.served_name, trainer_logprobs(job.trainers, sequences), sequences, job.dp_size
+    )
 
 
 def add_arguments(parser) -> None:
     """The checks' flags."""
-    # fmt: off
     add = parser.add_argument
-    add("--logprob-mean-tolerance", type=float, default=0.1, help="largest accepted mean |trainer - vLLM| "
+    add(
+        "--logprob-mean-tolerance",
+        type=float,
+        default=0.1,
+        help="largest accepted mean |trainer - vLLM| "
         "log-probability (nats) after a sync, on the worst DP engine; --noise-multiple times the trainer's own "
-        "kernel noise (two attention implementations; with FP8, plus FP8's own), if higher")
-    add("--logprob-quantile-tolerance", type=float, default=1.0, help=f"the same for the {QUANTILE * 100:.0f}%% "
-        "quantile of |trainer - vLLM| over the tokens")  # (%% is argparse's "%")
-    add("--logprob-max-tolerance", type=float, help="also gate the single worst token (off by default: "
-        "the max over many sampled tokens grows with their number)")
-    add("--noise-multiple", type=float, default=2.0, help="after a sync, |trainer - vLLM| may be this many "
-        "times the trainer's own kernel noise, measured on identical weights before the first sync")
-    add("--memory-growth-tolerance-gib", type=float, default=0.5,
-        help="fail if GPU memory after a sync grows more than this from round 2 to the last")
-    add("--check-coverage", action="store_true", help="before round 1, zero every vLLM parameter, sync, "
-        "and fail unless every parameter on every DP rank was written (slow)")
+        "kernel noise (two attention implementations; with FP8, plus FP8's own), if higher",
+    )
+    add(
+        "--logprob-quantile-tolerance",
+        type=float,
+        default=1.0,
+        help=f"the same for the {QUANTILE * 100:.0f}%% quantile of |trainer - vLLM| over the tokens",
+    )  # (%% is argparse's "%")
+    add(
+        "--logprob-max-tolerance",
+        type=float,
+        help="also gate the single worst token (off by default: "
+        "the max over many sampled tokens grows with their number)",
+    )
+    add(
+        "--noise-multiple",
+        type=float,
+        default=2.0,
+        help="after a sync, |trainer - vLLM| may be this many "
+        "times the trainer's own kernel noise, measured on identical weights before the first sync",
+    )
+    add(
+        "--memory-growth-tolerance-gib",
+        type=float,
+        default=0.5,
+        help="fail if GPU memory after a sync grows more than this from round 2 to the last",
+    )
+    add(
+        "--check-coverage",
+        action="store_true",
+        help="before round 1, zero every vLLM parameter, sync, "
+        "and fail unless every parameter on every DP rank was written (slow)",
+    )
     add("--json", metavar="PATH", help="also write the results as JSON here")
-    # fmt: on
 
 
 @dataclass
@@ -386,8 +446,13 @@ class Tolerances:
 
     @classmethod
     def from_args(cls, args, kernel_noise: KernelNoise | None = None) -> Tolerances:
-        return cls(args.logprob_mean_tolerance, args.logprob_quantile_tolerance, args.logprob_max_tolerance,
-                   args.noise_multiple, kernel_noise)  # fmt: skip
+        return cls(
+            args.logprob_mean_tolerance,
+            args.logprob_quantile_tolerance,
+            args.logprob_max_tolerance,
+            args.noise_multiple,
+            kernel_noise,
+        )
 
     def given(self, noise: LogprobGap | None = None) -> tuple[float, float]:
         """(mean, quantile) tolerances: the absolute ones, or `noise_multiple`
@@ -452,8 +517,14 @@ class Gate:
     change: ChangeTest | None = None
 
 
-def gate(before: LogprobGap, after: LogprobGap, tolerances: Tolerances, weights_updated: bool,
-         noise: LogprobGap | None = None, stepped: bool = False) -> Gate:  # fmt: skip
+def gate(
+    before: LogprobGap,
+    after: LogprobGap,
+    tolerances: Tolerances,
+    weights_updated: bool,
+    noise: LogprobGap | None = None,
+    stepped: bool = False,
+) -> Gate:
     """A round passes when EVERY engine is within the tolerances after the
     sync (Tolerances.given: from the trainer's own kernel noise, never from
     a trainer-vs-vLLM gap; `noise`, the gap before the sync on weights the
@@ -494,8 +565,12 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
 def check_coverage(job, sleep_level: int) -> dict:
     """A sync into zeroed vLLM weights: what it misses stays zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
-    helpers.send_all(job.trainers, job.server.socket_path, job.send_retries,
-                     check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
+    helpers.send_all(
+        job.trainers,
+        job.server.socket_path,
+        job.send_retries,
+        check_failure=functools.partial(multinode.raise_node_failure, job.node_servers),
+    )
     helpers.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)
@@ -527,12 +602,18 @@ def prepare_exact_check(job) -> dict:
     rows = rows_on_every_engine(engines_rows(answers), [name for name, *_ in sent], job.dp_size)
     measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()}, rows)
     if answer.get("by_value"):
-        print(f"[exact] {len(answer['by_value'])} parameters, which vLLM lays out its own way, are compared by "
-              f"their values, not element by element in their place: {answer['by_value'][:4]}", flush=True)  # fmt: skip
+        print(
+            f"[exact] {len(answer['by_value'])} parameters, which vLLM lays out its own way, are compared by "
+            f"their values, not element by element in their place: {answer['by_value'][:4]}",
+            flush=True,
+        )
     if answer.get("unchecked"):
-        print(f"[exact] {len(answer['unchecked'])} parameters of FP8 expert layers, which vLLM's own loader "
-              "quantizes from each expert's tensors, are not compared (benchmark.py --loaders direct vllm "
-              "compares them with the direct loader's)", flush=True)  # fmt: skip
+        print(
+            f"[exact] {len(answer['unchecked'])} parameters of FP8 expert layers, which vLLM's own loader "
+            "quantizes from each expert's tensors, are not compared (benchmark.py --loaders direct vllm "
+            "compares them with the direct loader's)",
+            flush=True,
+        )
     return answer
 
 
@@ -546,8 +627,10 @@ def engines_rows(answers: list[dict]) -> dict[int, int]:
     for dp_rank, answer in enumerate(answers):
         for index, row in answer.get("rows", {}).items():
             if rows.setdefault(int(index), row) != row:
-                raise RuntimeError(f"exact check: DP engine {dp_rank} places sent tensor {index} at row {row}, "
-                                   f"another engine at row {rows[int(index)]}")  # fmt: skip
+                raise RuntimeError(
+                    f"exact check: DP engine {dp_rank} places sent tensor {index} at row {row}, "
+                    f"another engine at row {rows[int(index)]}"
+                )
     return rows
 
 
@@ -651,10 +734,17 @@ def _exact_check(job) -> ExactCheck:
     except helpers.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
-            text = text[at + len("exact check: "):].split('"', 1)[0]
+            text = text[at + len("exact check: ") :].split('"', 1)[0]
         return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds)
-    return ExactCheck(True, time.perf_counter() - start, answer["parameters"], job.dp_size, None, trainer_seconds,
-                      answer.get("seconds"))  # fmt: skip
+    return ExactCheck(
+        True,
+        time.perf_counter() - start,
+        answer["parameters"],
+        job.dp_size,
+        None,
+        trainer_seconds,
+        answer.get("seconds"),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -752,10 +842,20 @@ def round_record(
     )
 
 
-def judged_round(args, trainers: list, phases: dict[str, float], before: LogprobGap,
-                 after: LogprobGap, send_retries: int, weights_updated: bool, exact: ExactCheck | None = None,
-                 noise: LogprobGap | None = None, training: dict | None = None,
-                 server_pgids: list | None = None, kernel_noise: KernelNoise | None = None) -> RoundRecord:  # fmt: skip
+def judged_round(
+    args,
+    trainers: list,
+    phases: dict[str, float],
+    before: LogprobGap,
+    after: LogprobGap,
+    send_retries: int,
+    weights_updated: bool,
+    exact: ExactCheck | None = None,
+    noise: LogprobGap | None = None,
+    training: dict | None = None,
+    server_pgids: list | None = None,
+    kernel_noise: KernelNoise | None = None,
+) -> RoundRecord:
     """A round as the JSON records it, with the checks' verdicts (printed):
     `phases` as measured, each rank's send_breakdown, the logprob gaps before and
     after the sync (`noise`: the gap on identical weights, if this round
@@ -769,12 +869,17 @@ def judged_round(args, trainers: list, phases: dict[str, float], before: Logprob
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
     synced = measured(trainers[:1], "sync_bytes")[0]
     send_per_rank = measured(trainers, "send_breakdown")
-    record = round_record(phases, send_per_rank, synced, before, after, verdict, memory(trainers, server_pgids),
-                          weights_updated)  # fmt: skip
+    record = round_record(
+        phases, send_per_rank, synced, before, after, verdict, memory(trainers, server_pgids), weights_updated
+    )
     record.send_retries = send_retries
     widened = (verdict.mean_tolerance, verdict.quantile_tolerance) != (tolerances.mean, tolerances.quantile)
-    record.gate_tolerances = {"mean": verdict.mean_tolerance, "quantile": verdict.quantile_tolerance,
-                              "max": tolerances.max, "from_noise": widened}  # fmt: skip
+    record.gate_tolerances = {
+        "mean": verdict.mean_tolerance,
+        "quantile": verdict.quantile_tolerance,
+        "max": tolerances.max,
+        "from_noise": widened,
+    }
     if exact is not None:
         record.exact_check = asdict(exact)
     if training is not None:
@@ -830,23 +935,40 @@ class RoundProof:
         after = job_logprob_gap(job, self.sequences)
         exact = exact_check(started) if started is not None else None
         stepped = self.training is not None and self.training["loss"] is not None
-        return judged_round(args, job.trainers, self.timer.seconds, self.before, after, self.send_retries,
-                            weights_updated=self.first_sync or stepped, exact=exact,
-                            noise=self.before if self.proven else None, training=self.training,
-                            server_pgids=job.server_pgids, kernel_noise=job.kernel_noise)  # fmt: skip
+        return judged_round(
+            args,
+            job.trainers,
+            self.timer.seconds,
+            self.before,
+            after,
+            self.send_retries,
+            weights_updated=self.first_sync or stepped,
+            exact=exact,
+            noise=self.before if self.proven else None,
+            training=self.training,
+            server_pgids=job.server_pgids,
+            kernel_noise=job.kernel_noise,
+        )
 
 
 def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     exact = record.exact_check
     if exact is not None:
         engines = f"{exact['dp_engines']} DP engine" + ("s" if exact["dp_engines"] != 1 else "")
-        split = (f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
-                 if exact.get("engine_seconds") is not None else "")  # fmt: skip
+        split = (
+            f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
+            if exact.get("engine_seconds") is not None
+            else ""
+        )
         if exact.get("wait_seconds") is not None:
             split = f" beside the gate{split}; the round waited {exact['wait_seconds']:.3f} s for it"
-        print(f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
-              f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s{split})" if exact["passed"]
-              else f"[exact] FAIL: {exact['problem']}", flush=True)  # fmt: skip
+        print(
+            f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
+            f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s{split})"
+            if exact["passed"]
+            else f"[exact] FAIL: {exact['problem']}",
+            flush=True,
+        )
     changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
     changed += f"{len(record.logprobs_changed_per_dp_rank)} DP engines"
     if record.weights_updated and not record.logprobs_changed:
@@ -857,8 +979,10 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     extra = f", reward {record.reward_mean:.3f}" if record.reward_mean is not None else ""
     if record.change_test:
         c = record.change_test
-        extra += (f", step's change {c['trainer_change_rms']:.4f} rms (noise {c['noise_rms']:.4f}): vLLM "
-                  f"{c['verdict']}" + (f" (residual {c['residual_rms']:.4f})" if c["verdict"] != "too small to see" else ""))  # fmt: skip
+        extra += (
+            f", step's change {c['trainer_change_rms']:.4f} rms (noise {c['noise_rms']:.4f}): vLLM "
+            f"{c['verdict']}" + (f" (residual {c['residual_rms']:.4f})" if c["verdict"] != "too small to see" else "")
+        )
     if record.send_retries:
         extra += f", after {record.send_retries} retried send(s)"
     if record.unchanged_by_step:
@@ -891,8 +1015,11 @@ def memory_growth_gib(rounds: list[RoundRecord]) -> float:
 
 def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
     failures = [f"round {i}: logprob gate" for i, r in enumerate(result["rounds"], 1) if not r["gate_passed"]]
-    failures += [f"round {i}: exact check: {r['exact_check']['problem']}" for i, r in enumerate(result["rounds"], 1)
-                 if r.get("exact_check") and not r["exact_check"]["passed"]]  # fmt: skip
+    failures += [
+        f"round {i}: exact check: {r['exact_check']['problem']}"
+        for i, r in enumerate(result["rounds"], 1)
+        if r.get("exact_check") and not r["exact_check"]["passed"]
+    ]
     failures += [
         f"round {i}: the step left {len(r['unchanged_by_step'])} trainer parameters unchanged, "
         f"e.g. {r['unchanged_by_step'][:3]}"
@@ -1041,9 +1168,12 @@ def show_layout(placements: list[dict], num_nodes: int) -> None:
     per_node = len(placements) // num_nodes
     for k in range(num_nodes):
         ranks = placements[k * per_node : (k + 1) * per_node]
-        print(f"[trainers] node {k} ({ranks[0]['node_ip']}, Ray node {ranks[0]['node'][:8]}): ranks "
-              f"{ranks[0]['rank']}-{ranks[-1]['rank']} on GPUs {[p['gpu_ids'][0] for p in ranks]} "
-              f"({ranks[0].get('gpu_name', 'no GPU')})", flush=True)  # fmt: skip
+        print(
+            f"[trainers] node {k} ({ranks[0]['node_ip']}, Ray node {ranks[0]['node'][:8]}): ranks "
+            f"{ranks[0]['rank']}-{ranks[-1]['rank']} on GPUs {[p['gpu_ids'][0] for p in ranks]} "
+            f"({ranks[0].get('gpu_name', 'no GPU')})",
+            flush=True,
+        )
 
 
 def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
@@ -1111,8 +1241,13 @@ class RankMeasurement:
         self.send_seconds: dict[str, float] = {}
         self.sent_source = sender.source  # for the exact check: what this rank sends
         self.fingerprinted = FingerprintedSource(TimedSource(sender.source, self.send_seconds))
-        measured = helpers.weight_sender(sender.rank, TimedClient(sender.client.client, self.send_seconds),
-                                         self.fingerprinted, sender.packed, sender.packed_buffer_size_bytes)
+        measured = helpers.weight_sender(
+            sender.rank,
+            TimedClient(sender.client.client, self.send_seconds),
+            self.fingerprinted,
+            sender.packed,
+            sender.packed_buffer_size_bytes,
+        )
         trainer.sender = TimedSender(measured, self.send_seconds, self.device, unmeasured=sender)
         if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
             trainer.optimizer = StepWatch(trainer.optimizer, trainer.model, self.device)
@@ -1122,8 +1257,10 @@ class RankMeasurement:
         """[name, dtype, shape, is an expert block] of every tensor this rank
         sends, in send order (expert blocks: LocalExpertSource's own experts)."""
         blocks = getattr(self.sent_source, "expert_blocks", {})
-        return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.name in blocks]
-                for m in self.sent_source.metadata]  # fmt: skip
+        return [
+            [m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.name in blocks]
+            for m in self.sent_source.metadata
+        ]
 
     def start_sent_fingerprints(self) -> None:
         """Start sent_fingerprints' kernels, to run beside what comes next."""
@@ -1142,11 +1279,14 @@ class RankMeasurement:
         that Triton compiles most of its kernels now rather than in the first
         sync (seconds; it specializes on a few more of their arguments)."""
         self.fingerprinted.casts, self.fingerprinted.rows = casts, rows or {}
-        kinds = {(casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
-                 for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())
-                 if not casts.get(i, "").startswith(exact_check_engine.FP8_BLOCKS)}  # fmt: skip
-        exact_check_engine.exact_fingerprints(torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device)
-                                              for dtype, width in kinds)  # fmt: skip
+        kinds = {
+            (casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
+            for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())
+            if not casts.get(i, "").startswith(exact_check_engine.FP8_BLOCKS)
+        }
+        exact_check_engine.exact_fingerprints(
+            torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device) for dtype, width in kinds
+        )
 
     def send_breakdown(self) -> dict[str, float]:
         """Where this rank's last send went: `source` (producing the tensors:
@@ -1166,8 +1306,10 @@ class RankMeasurement:
 
 def sync_bytes(model: torch.nn.Module, source) -> dict[str, int]:
     """The model's bf16 bytes, and what one sync puts in each GPU's engine (`source`: a rank's)."""
-    return {"model": sum(p.numel() * torch.bfloat16.itemsize for p in model.parameters()),
-            "per_gpu": sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata)}  # fmt: skip
+    return {
+        "model": sum(p.numel() * torch.bfloat16.itemsize for p in model.parameters()),
+        "per_gpu": sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata),
+    }
 
 
 class TimedSender:
@@ -1212,8 +1354,9 @@ class StepWatch:
         before = parameter_fingerprints(self._params)
         result = self._optimizer.step(*args, **kwargs)
         after = parameter_fingerprints(self._params)
-        changed = torch.tensor([a != b for a, b in zip(after, before, strict=True)], dtype=torch.int32,
-                               device=self._device)  # fmt: skip
+        changed = torch.tensor(
+            [a != b for a, b in zip(after, before, strict=True)], dtype=torch.int32, device=self._device
+        )
         if dist.is_initialized():
             dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # changed on any rank's shard
         self.unchanged = [n for n, c in zip(self._names, changed.tolist(), strict=True) if not c]
@@ -1278,8 +1421,9 @@ def fp8_experts_forward(experts: torch.nn.Module, activations=None):
             if expert >= experts.num_experts:  # (the index an expert-parallel model gives experts held elsewhere)
                 continue
             token, slot = torch.where(top_k_index == expert)
-            gate, up = torch.nn.functional.linear(quantized(hidden_states[token]),
-                                                  experts.gate_up_proj[expert]).chunk(2, dim=-1)  # fmt: skip
+            gate, up = torch.nn.functional.linear(quantized(hidden_states[token]), experts.gate_up_proj[expert]).chunk(
+                2, dim=-1
+            )
             down = torch.nn.functional.linear(quantized(experts.act_fn(gate) * up), experts.down_proj[expert])
             out.index_add_(0, token, (down * top_k_weights[token, slot, None]).to(out.dtype))
         return out
@@ -1367,15 +1511,15 @@ def _synchronize(device: torch.device) -> None:
 def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
     """For each rank, the process group of the vLLM server on its node (ranks
     go in node order), as `memory` takes them."""
-    per_node = [server.pgid, *helpers.ray_get_all([s.pgid.remote() for s in node_servers],
-                                                  who="a node's server actor")]
+    per_node = [server.pgid, *helpers.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 
 def memory(trainers: list, server_pgids: list | None = None) -> list[GPUMemory]:
     """Each rank's GPU (`server_pgids`: per rank, its node's server's process group)."""
-    return ray.get([t.__ray_call__.remote(memory_gib, server_pgids[r] if server_pgids else None)
-                    for r, t in enumerate(trainers)])  # fmt: skip
+    return ray.get(
+        [t.__ray_call__.remote(memory_gib, server_pgids[r] if server_pgids else None) for r, t in enumerate(trainers)]
+    )
 
 
 def nvml_gpu_memory(gpu_uuid: str, server_pgid: int | None = None) -> tuple[float, float]:
@@ -1470,8 +1614,9 @@ class FingerprintedSource(SourceWrapper):
         self._sums, self._started = {}, None  # a send that starts again (a retry) starts the fingerprints again
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
-                self._sums[index] = exact_check_engine.held_fingerprint_sums(tensor, self.casts.get(index),
-                                                                             self.rows.get(index, 0))  # fmt: skip
+                self._sums[index] = exact_check_engine.held_fingerprint_sums(
+                    tensor, self.casts.get(index), self.rows.get(index, 0)
+                )
             yield name, tensor
 
     def start(self) -> None:
@@ -1513,8 +1658,10 @@ class FingerprintedSource(SourceWrapper):
         from_model = dict(zip(graphed, started(), strict=True))
         from_model.update(_read_back(self._apart))
         taken = _read_back(self._sums)
-        return {"sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
-                "partial": self._partial}  # fmt: skip
+        return {
+            "sums": [from_model[i] if i in from_model else taken[i] for i in range(len(self.metadata))],
+            "partial": self._partial,
+        }
 
 
 def _read_back(sums: dict[int, torch.Tensor]) -> dict[int, list]:

@@ -26,8 +26,15 @@ import time
 import torch
 
 from weight_sync import fp8_experts
-from weight_sync.direct_load import (EXPERT_TENSORS, DirectLoadWorker, _expert_layers, _gpu_uuid, _no_trainer_rank,
-                                     fp8_scales, local_expert_ids)  # fmt: skip
+from weight_sync.direct_load import (
+    EXPERT_TENSORS,
+    DirectLoadWorker,
+    _expert_layers,
+    _gpu_uuid,
+    _no_trainer_rank,
+    fp8_scales,
+    local_expert_ids,
+)
 from weight_sync.fp8_experts import fp8_reference, fp8_shards
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
@@ -88,9 +95,15 @@ class ExactCheckWorker(DirectLoadWorker):
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
-        return {"tensors": len(self._exact_targets), "casts": casts, "values_only": self._exact_values_only,
-                "parameters": len({t for ts in self._exact_targets for t in ts}),
-                "unchecked": self._exact_unchecked, "rows": rows, "by_value": by_value}  # fmt: skip
+        return {
+            "tensors": len(self._exact_targets),
+            "casts": casts,
+            "values_only": self._exact_values_only,
+            "parameters": len({t for ts in self._exact_targets for t in ts}),
+            "unchecked": self._exact_unchecked,
+            "rows": rows,
+            "by_value": by_value,
+        }
 
     def exact_check_start(self) -> dict:
         """Start fingerprinting what this engine holds, after a sync, on a CUDA
@@ -120,14 +133,23 @@ class ExactCheckWorker(DirectLoadWorker):
         def fingerprints(tensors):  # those exact_check_start launched, of the same parameters; else now
             return started() if started is not None else self._held_fingerprints(tensors)
 
-        checked, problems = exact_problems(model, targets, sent, self._exact_values_only, self._exact_whole,
-                                           fingerprints, unchecked=getattr(self, "_exact_unchecked", ()))  # fmt: skip
+        checked, problems = exact_problems(
+            model,
+            targets,
+            sent,
+            self._exact_values_only,
+            self._exact_whole,
+            fingerprints,
+            unchecked=getattr(self, "_exact_unchecked", ()),
+        )
         if problems:
             fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
                 fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False  # from the next sync on
-            raise RuntimeError(f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
-                               f"differ: " + "; ".join(problems[:4]))  # fmt: skip
+            raise RuntimeError(
+                f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
+                f"differ: " + "; ".join(problems[:4])
+            )
         return {"dp_rank": dp_rank, "parameters": checked, "seconds": time.perf_counter() - start}
 
     def _exact_targets_or_raise(self) -> list[list[str]]:
@@ -147,8 +169,9 @@ def _fingerprint(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)}:{tensor.dtype}:{':'.join(map(str, exact_fingerprint(tensor)))}"
 
 
-def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list[list[str]], dict[int, str],
-                                                                           list[str], list[str]]:  # fmt: skip
+def exact_targets(
+    model: torch.nn.Module, sent: list, vllm_config
+) -> tuple[list[list[str]], dict[int, str], list[str], list[str]]:
     """For each tensor the trainer sends ([name, dtype, shape, is an expert
     block of the direct loader], in send order), the parameters of `model` it
     is written into: found by loading it once, as a constant of its own
@@ -198,8 +221,11 @@ def exact_targets(model: torch.nn.Module, sent: list, vllm_config) -> tuple[list
     for index, names in enumerate(targets):
         for n in names:
             pieces.setdefault(n, []).append(index)
-    whole = sorted(n for n, idx in pieces.items() if len(idx) == 1 and n in params
-                   and (tuple(sent[idx[0]][2]) == tuple(params[n].shape) or idx[0] in quantized))  # fmt: skip
+    whole = sorted(
+        n
+        for n, idx in pieces.items()
+        if len(idx) == 1 and n in params and (tuple(sent[idx[0]][2]) == tuple(params[n].shape) or idx[0] in quantized)
+    )
     return targets, casts, _relaid_out(sent, targets, by_prefix), whole
 
 
@@ -231,8 +257,9 @@ def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
     return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)
 
 
-def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(),
-               values_only=()) -> tuple[dict[int, int], list[str], list[str]]:  # fmt: skip
+def piece_rows(
+    model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(), values_only=()
+) -> tuple[dict[int, int], list[str], list[str]]:
     """Where each piece of a parameter written from several sent tensors
     (q/k/v into qkv_proj, gate/up, each expert's tensors into a fused w13/w2)
     lands in it, read back right after exact_targets (its arguments and
@@ -251,8 +278,9 @@ def piece_rows(model: torch.nn.Module, sent: list, targets: list[list[str]], who
         for n in names:
             pieces.setdefault(n, []).append(index)
     skip = set(whole) | set(values_only)
-    stacked = {n: idx for n, idx in pieces.items() if n in params and n not in skip
-               and not any(sent[i][3] for i in idx)}  # fmt: skip
+    stacked = {
+        n: idx for n, idx in pieces.items() if n in params and n not in skip and not any(sent[i][3] for i in idx)
+    }
     at_start = {i for n in whole for i in pieces.get(n, ())}  # a piece also written whole into another: row 0
     rows: dict[int, int] = {}
     placed, by_value = [], set(values_only) & params.keys()
@@ -368,8 +396,15 @@ def _parameter_names(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:
     return [f"{prefix}.{n}" for prefix, layer in layers for n, _ in layer.named_parameters(recurse=False)]
 
 
-def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[list[int]],
-                   values_only=(), whole=(), fingerprints=None, unchecked=()) -> tuple[int, list[str]]:  # fmt: skip
+def exact_problems(
+    model: torch.nn.Module,
+    targets: list[list[str]],
+    sent: list[list[int]],
+    values_only=(),
+    whole=(),
+    fingerprints=None,
+    unchecked=(),
+) -> tuple[int, list[str]]:
     """(parameters checked, what is wrong with them): each parameter's
     fingerprint against the sum of those of the tensors written into it
     (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
@@ -402,8 +437,14 @@ def exact_problems(model: torch.nn.Module, targets: list[list[str]], sent: list[
         elif name in values_only and held[name][0] == want[name][0]:
             continue
         elif held[name][:2] != want[name][:2] or (name in whole and held[name][2] != want[name][2]):
-            problems.append(f"{name}: " + ("the values sent, in another layout (transposed or permuted)"
-                                           if held[name][0] == want[name][0] else "not what the trainer sent"))  # fmt: skip
+            problems.append(
+                f"{name}: "
+                + (
+                    "the values sent, in another layout (transposed or permuted)"
+                    if held[name][0] == want[name][0]
+                    else "not what the trainer sent"
+                )
+            )
     return len(params) - len(set(unchecked) & params.keys()), problems
 
 
@@ -422,8 +463,12 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
     their sources; the logprob gate, their use."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    return [f"{prefix}.{name}" for prefix, module in model.named_modules() if is_deferred_attention_layer(module)
-            for name, _ in module.named_parameters(recurse=False)]  # fmt: skip
+    return [
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if is_deferred_attention_layer(module)
+        for name, _ in module.named_parameters(recurse=False)
+    ]
 
 
 def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
@@ -511,8 +556,11 @@ class HeldFingerprints:
             done = sums().tolist() if tensors else []
             return lambda: done
         graphed = not any(casts) and all(t.is_contiguous() for t in tensors)
-        key = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, o)
-               for t, o in zip(tensors, row_offsets, strict=True)] if graphed else None  # fmt: skip
+        key = (
+            [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, o) for t, o in zip(tensors, row_offsets, strict=True)]
+            if graphed
+            else None
+        )
         self._stream = self._stream or torch.cuda.Stream(tensors[0].device)
         if key is None or key != self._last:  # new tensors (or ones a graph should not hold): eagerly
             self._last, self._graph, self._sums = key, None, None
@@ -622,9 +670,17 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset:
     block_r = block // block_c
     grid = (triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))
     partial = torch.empty(grid[0] * grid[1], 3, dtype=torch.int64, device=flat.device)
-    _fingerprint_kernel[grid](bits, partial, rows, columns, _first_row(tensor, row_offset),
-                              ELEMENT_BITS=8 * flat.element_size(), SALTED=columns > 1, BLOCK_R=block_r,
-                              BLOCK_C=block_c)  # fmt: skip
+    _fingerprint_kernel[grid](
+        bits,
+        partial,
+        rows,
+        columns,
+        _first_row(tensor, row_offset),
+        ELEMENT_BITS=8 * flat.element_size(),
+        SALTED=columns > 1,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+    )
     return partial.sum(0) % FINGERPRINT_MODULUS  # (int64 sums wrap modulo 2**64, a multiple of the modulus)
 
 
@@ -639,8 +695,17 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
         return x ^ (x >> 16)
 
     @triton.jit
-    def _fingerprint_kernel(bits_ptr, partial_ptr, rows, columns, first_row, ELEMENT_BITS: tl.constexpr,
-                            SALTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    def _fingerprint_kernel(
+        bits_ptr,
+        partial_ptr,
+        rows,
+        columns,
+        first_row,
+        ELEMENT_BITS: tl.constexpr,
+        SALTED: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
         inside = (row < rows) & (column < columns)

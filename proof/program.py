@@ -85,7 +85,7 @@ def init_ray() -> None:
 
 
 def descendants(pid: int, started_from: str | None = None) -> list[str]:
-    """"PID:START" of the live descendants of process `pid` (Linux /proc),
+    """ "PID:START" of the live descendants of process `pid` (Linux /proc),
     for start_server's `also_stop`. With `started_from` (a directory), only
     the children whose command line runs something in it, and all theirs:
     e.g. the processes of a local Ray cluster `pid` started, and no others."""

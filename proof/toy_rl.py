@@ -14,14 +14,16 @@ import helpers
 
 def add_arguments(parser) -> None:
     """The RL loop's flags."""
-    # fmt: off
     add = parser.add_argument
-    add("--train", action="store_true", help="each round: sample from vLLM, score with a toy reward, "
-        "one AdamW policy-gradient step on fp32 master weights while vLLM sleeps, then sync")
+    add(
+        "--train",
+        action="store_true",
+        help="each round: sample from vLLM, score with a toy reward, "
+        "one AdamW policy-gradient step on fp32 master weights while vLLM sleeps, then sync",
+    )
     add("--lr", type=float, default=1e-5, help="AdamW learning rate (--train)")
     add("--samples-per-prompt", type=int, default=4, help="completions per prompt per round (--train)")
     add("--temperature", type=float, default=1.0, help="sampling temperature (--train)")
-    # fmt: on
 
 
 class PolicyGradientStep:

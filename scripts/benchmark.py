@@ -46,13 +46,24 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--loaders", nargs="+", choices=LOADERS, help=f"loaders to compare (default: {' '.join(LOADERS)})")
-    p.add_argument("--variants", nargs="+", metavar="LOADER:LEVEL[:GIB]", type=_variant, help="loader, sleep "
-                   "level and (optionally) packed buffer size in GiB of each variant, in order, e.g. direct:0 "
-                   "direct:0:4 vllm:0 (default: --loaders at the script's --sleep-level and buffer size)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="LOADER:LEVEL[:GIB]",
+        type=_variant,
+        help="loader, sleep "
+        "level and (optionally) packed buffer size in GiB of each variant, in order, e.g. direct:0 "
+        "direct:0:4 vllm:0 (default: --loaders at the script's --sleep-level and buffer size)",
+    )
     p.add_argument("--out", help="JSON path (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json)")
-    p.add_argument("--throughput", metavar="PROMPTSxTOKENS", type=_throughput, help="after the syncs, vLLM's "
-                   "generation throughput: this many greedy completions of this many tokens each (EOS ignored), "
-                   "split over the DP engines, e.g. 64x256; the median of 3 batches after one to warm up")
+    p.add_argument(
+        "--throughput",
+        metavar="PROMPTSxTOKENS",
+        type=_throughput,
+        help="after the syncs, vLLM's "
+        "generation throughput: this many greedy completions of this many tokens each (EOS ignored), "
+        "split over the DP engines, e.g. 64x256; the median of 3 batches after one to warm up",
+    )
     bench, rest = p.parse_known_args(argv)
     if bench.help:
         p.print_help()
@@ -86,13 +97,19 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
     from concurrent.futures import ThreadPoolExecutor
 
     texts = [f"{i}. {script.DEFAULT_PROMPTS[i % len(script.DEFAULT_PROMPTS)]}" for i in range(prompts)]
-    shares = [texts[rank::job.dp_size] for rank in range(job.dp_size)]
+    shares = [texts[rank :: job.dp_size] for rank in range(job.dp_size)]
 
     def batch() -> tuple[float, int]:
         def one(rank: int) -> int:
-            out = helpers.post_completions(job.server.socket_path, rank, model=job.served_name,
-                                           prompt=shares[rank], max_tokens=tokens, temperature=0.0,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+            out = helpers.post_completions(
+                job.server.socket_path,
+                rank,
+                model=job.served_name,
+                prompt=shares[rank],
+                max_tokens=tokens,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
             return out.usage.completion_tokens
 
         start = time.perf_counter()
@@ -103,10 +120,18 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
     batch()  # warm-up
     timed = [batch() for _ in range(repeats)]
     seconds = statistics.median(t for t, _ in timed)
-    result = {"prompts": prompts, "tokens_per_prompt": tokens, "generated_tokens": timed[0][1],
-              "seconds": [t for t, _ in timed], "tokens_per_s": timed[0][1] / seconds}  # fmt: skip
-    print(f"[throughput] {prompts} x {tokens} tokens: {result['tokens_per_s']:.0f} tokens/s "
-          f"(median of {repeats}: {seconds:.2f} s)", flush=True)  # fmt: skip
+    result = {
+        "prompts": prompts,
+        "tokens_per_prompt": tokens,
+        "generated_tokens": timed[0][1],
+        "seconds": [t for t, _ in timed],
+        "tokens_per_s": timed[0][1] / seconds,
+    }
+    print(
+        f"[throughput] {prompts} x {tokens} tokens: {result['tokens_per_s']:.0f} tokens/s "
+        f"(median of {repeats}: {seconds:.2f} s)",
+        flush=True,
+    )
     return result
 
 
@@ -115,21 +140,33 @@ def _variant(text: str) -> tuple[str, int, int | None]:
     loader, level, *gib = text.split(":")
     gib_ok = not gib or len(gib) == 1 and gib[0].isdigit() and int(gib[0]) > 0
     if loader not in LOADERS or level not in ("0", "1", "2") or not gib_ok:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LOADER:LEVEL[:GIB], LOADER one of {LOADERS}, "
-                                         "LEVEL 0-2, GIB a whole number")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected LOADER:LEVEL[:GIB], LOADER one of {LOADERS}, LEVEL 0-2, GIB a whole number"
+        )
     return loader, int(level), int(gib[0]) * 1024**3 if gib else None
 
 
-def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_level: int,
-                buffer_bytes: int | None = None, started_at: float | None = None,
-                device_copy_gb_per_s: float | None = None) -> dict:  # fmt: skip
+def run_variant(
+    job: script.Job,
+    args: argparse.Namespace,
+    loader: str,
+    sleep_level: int,
+    buffer_bytes: int | None = None,
+    started_at: float | None = None,
+    device_copy_gb_per_s: float | None = None,
+) -> dict:
     """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
     of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
     `started_at` (the benchmark's start), also the seconds from then to the
     end of this variant's first gated sync; with `device_copy_gb_per_s`, each
     round against its copy floor (with_floor)."""
-    args = argparse.Namespace(**{**vars(args), "sleep_level": sleep_level,
-                                 "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes})  # fmt: skip
+    args = argparse.Namespace(
+        **{
+            **vars(args),
+            "sleep_level": sleep_level,
+            "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes,
+        }
+    )
     script.setup_weight_transfer_on_every_rank(job, args, loader)
     if args.tensor_parallel_size == 1:  # (TP shards each parameter: not checked)
         checks.prepare_exact_check(job)  # before the weights are zeroed: it probes them, and leaves them zero
@@ -138,8 +175,11 @@ def run_variant(job: script.Job, args: argparse.Namespace, loader: str, sleep_le
         checks.weight_checker(job.server.socket_path, "reset")
     rounds = []
     for i in range(1, args.rounds + 1):
-        print(f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
-              f"buffer, round {i}/{args.rounds} ===", flush=True)  # fmt: skip
+        print(
+            f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
+            f"buffer, round {i}/{args.rounds} ===",
+            flush=True,
+        )
         proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
         script.run_round(job, args, proof)
         rounds.append(proof.verdict())
@@ -174,9 +214,11 @@ def with_floor(round_json: dict, device_copy_gb_per_s: float | None) -> dict:
 
 def print_floor(round_json: dict) -> None:
     if "copy_floor_s" in round_json:
-        print(f"[floor] {round_json['bytes_per_gpu'] / 1e9:.2f} GB per GPU, copied once: "
-              f"{round_json['copy_floor_s'] * 1e3:.1f} ms; the cycle took {round_json['floor_ratio']:.1f} times that",
-              flush=True)  # fmt: skip
+        print(
+            f"[floor] {round_json['bytes_per_gpu'] / 1e9:.2f} GB per GPU, copied once: "
+            f"{round_json['copy_floor_s'] * 1e3:.1f} ms; the cycle took {round_json['floor_ratio']:.1f} times that",
+            flush=True,
+        )
 
 
 def print_send_breakdown(send_per_rank: list[dict]) -> None:
@@ -190,8 +232,11 @@ def print_send_breakdown(send_per_rank: list[dict]) -> None:
             flush=True,
         )
         if engine := {k.removeprefix("engine_"): v for k, v in s.items() if k.startswith("engine_")}:
-            print("[send]   of the server's, inside DP engine 0: "
-                  + ", ".join(f"{part} {seconds:.2f} s" for part, seconds in engine.items()), flush=True)  # fmt: skip
+            print(
+                "[send]   of the server's, inside DP engine 0: "
+                + ", ".join(f"{part} {seconds:.2f} s" for part, seconds in engine.items()),
+                flush=True,
+            )
 
 
 def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
@@ -230,20 +275,31 @@ def main(argv: list[str] | None = None) -> int:
     with script.colocated_job(args, loaders=bench.loaders) as job:
         result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
         greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
-        job.kernel_noise = checks.kernel_noise(job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy],
-                                               fp8=args.rollout_dtype == "fp8")
+        job.kernel_noise = checks.kernel_noise(
+            job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy], fp8=args.rollout_dtype == "fp8"
+        )
         result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).
-        result["device_copy_gb_per_s"] = script.ray_get_all([t.__ray_call__.remote(checks.device_copy_gb_per_s)
-                                                             for t in job.trainers])  # fmt: skip
-        print(f"[floor] device copy rate per GPU: {', '.join(f'{r:.0f}' for r in result['device_copy_gb_per_s'])} GB/s",
-              flush=True)  # fmt: skip
+        result["device_copy_gb_per_s"] = script.ray_get_all(
+            [t.__ray_call__.remote(checks.device_copy_gb_per_s) for t in job.trainers]
+        )
+        print(
+            f"[floor] device copy rate per GPU: {', '.join(f'{r:.0f}' for r in result['device_copy_gb_per_s'])} GB/s",
+            flush=True,
+        )
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)
         for loader, level, buffer_bytes in bench.variants:
-            variant = run_variant(job, args, loader, level, buffer_bytes, None if result["variants"] else start,
-                                  min(result["device_copy_gb_per_s"]))  # fmt: skip
+            variant = run_variant(
+                job,
+                args,
+                loader,
+                level,
+                buffer_bytes,
+                None if result["variants"] else start,
+                min(result["device_copy_gb_per_s"]),
+            )
             result["variants"].append(variant)
             # Like the script's, but after zeroing vLLM's weights (and the coverage check, if asked).
             result.setdefault("time_to_first_sync_s", variant.get("time_to_first_sync_s"))
@@ -259,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             checks.write_json(out, result)
         print(f"[json] {out}")
 
-    failures = [f"{v['weight_loader']} loader, sleep level {v['sleep_level']}, "
-                f"{v['packed_buffer_size_bytes'] / 1024**3:g} GiB buffer, {failure}" for v in result["variants"]
-                for failure in checks.failed_checks(v, args.memory_growth_tolerance_gib)]  # fmt: skip
+    failures = [
+        f"{v['weight_loader']} loader, sleep level {v['sleep_level']}, "
+        f"{v['packed_buffer_size_bytes'] / 1024**3:g} GiB buffer, {failure}"
+        for v in result["variants"]
+        for failure in checks.failed_checks(v, args.memory_growth_tolerance_gib)
+    ]
     if result.get("loaders_agree", {}).get("agree") is False:
         failures.append("the direct loader did not reproduce vLLM's parameters")
     for failure in failures:

@@ -7,25 +7,39 @@ and a plain sum (`sum_s`), each the mean of 10 after a warm-up. JSON to
 
     python3 scripts/fingerprint_kernel_bench.py
 """
+
 import json, sys, time, torch, triton, triton.language as tl
+
 sys.path.insert(0, ".")
 from proof import exact_check_engine as dl
 
+
 def bench(fn, n=10):
-    fn(); torch.cuda.synchronize()
-    s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Event(enable_timing=True)
+    e = torch.cuda.Event(enable_timing=True)
     s.record()
-    for _ in range(n): fn()
-    e.record(); torch.cuda.synchronize()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
     return s.elapsed_time(e) / n / 1e3
+
 
 @triton.jit
 def _m(x):
-    x = x ^ (x >> 16); x = x * 0x7FEB352D; x = x ^ (x >> 15); x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
     return x ^ (x >> 16)
 
+
 @triton.jit
-def light(bits_ptr, dst_ptr, partial_ptr, rows, columns, COPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def light(
+    bits_ptr, dst_ptr, partial_ptr, rows, columns, COPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     inside = (row < rows) & (column < columns)
@@ -44,15 +58,28 @@ def light(bits_ptr, dst_ptr, partial_ptr, rows, columns, COPY: tl.constexpr, BLO
     tl.store(at + 1, tl.sum(tl.sum(tl.where(inside, byc.to(tl.int64), zero), axis=1), axis=0))
     tl.store(at + 2, tl.sum(tl.sum(tl.where(inside, byp.to(tl.int64), zero), axis=1), axis=0))
 
+
 def run_light(t, dst=None, block=4096, warps=4):
-    cols = t.shape[-1]; rows = t.numel() // cols
-    bc = min(triton.next_power_of_2(cols), block); br = block // bc
+    cols = t.shape[-1]
+    rows = t.numel() // cols
+    bc = min(triton.next_power_of_2(cols), block)
+    br = block // bc
     grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
     partial = torch.empty(grid[0] * grid[1], 3, dtype=torch.int64, device=t.device)
     bits = t.view(torch.int16)
-    light[grid](bits, dst.view(torch.int16) if dst is not None else bits, partial, rows, cols, COPY=dst is not None,
-                BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+    light[grid](
+        bits,
+        dst.view(torch.int16) if dst is not None else bits,
+        partial,
+        rows,
+        cols,
+        COPY=dst is not None,
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        num_warps=warps,
+    )
     return partial.sum(0)
+
 
 out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
 for shape in [(64, 2816, 2048), (64, 2048, 1408), (8192, 4096)]:
@@ -71,4 +98,5 @@ for shape in [(64, 2816, 2048), (64, 2048, 1408), (8192, 4096)]:
     out[str(shape)] = r
     print(shape, json.dumps(r), flush=True)
 import os
+
 json.dump(out, open("fp.json", "w"), indent=1)

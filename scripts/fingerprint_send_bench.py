@@ -7,6 +7,7 @@ itself does to each weight). Medians of 5 after a warm-up; JSON to ./trainer_fp.
 
     python3 scripts/fingerprint_send_bench.py
 """
+
 import json
 import sys
 import time
@@ -20,9 +21,23 @@ H, L = 2048, 27
 shapes = [(163840, H), (163840, H), (H,)]
 shapes += [(3072, H), (576, H), (512,), (4096, 512), (H, H), (H,), (H,), (11264 * 2, H), (H, 11264)]
 for _ in range(L - 1):
-    shapes += [(3072, H), (576, H), (512,), (4096, 512), (H, H), (H,), (H,), (64, H), (64, 2816, H), (64, H, 1408),
-               (5632, H), (H, 2816)]  # fmt: skip
-ts = [torch.randn(s, dtype=torch.bfloat16, device="cuda") for s in shapes] + [torch.randn(64, device="cuda") for _ in range(L - 1)]
+    shapes += [
+        (3072, H),
+        (576, H),
+        (512,),
+        (4096, 512),
+        (H, H),
+        (H,),
+        (H,),
+        (64, H),
+        (64, 2816, H),
+        (64, H, 1408),
+        (5632, H),
+        (H, 2816),
+    ]
+ts = [torch.randn(s, dtype=torch.bfloat16, device="cuda") for s in shapes] + [
+    torch.randn(64, device="cuda") for _ in range(L - 1)
+]
 gb = sum(t.numel() * t.element_size() for t in ts) / 1e9
 out = {"tensors": len(ts), "gb": gb, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
 

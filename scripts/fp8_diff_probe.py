@@ -24,7 +24,9 @@ print(f"{len(differ)} of {want_w.numel()} bytes differ; scales identical: {torch
 for e, r, c in differ[:8].tolist():
     scale, x = want_s[e, r // 128, c // 128].view(1), block[e, r, c].float().view(1)
     times_reciprocal, divided = x * (1.0 / scale), x / scale
-    print(f"x {x.item()!r} scale {scale.item()!r}: x*(1/scale) {times_reciprocal.item()!r} -> "
-          f"{times_reciprocal.to(torch.float8_e4m3fn).float().item()}, x/scale {divided.item()!r} -> "
-          f"{divided.to(torch.float8_e4m3fn).float().item()}; vLLM's {want_w[e, r, c].float().item()}, "
-          f"the kernel's {got_w[e, r, c].float().item()}")
+    print(
+        f"x {x.item()!r} scale {scale.item()!r}: x*(1/scale) {times_reciprocal.item()!r} -> "
+        f"{times_reciprocal.to(torch.float8_e4m3fn).float().item()}, x/scale {divided.item()!r} -> "
+        f"{divided.to(torch.float8_e4m3fn).float().item()}; vLLM's {want_w[e, r, c].float().item()}, "
+        f"the kernel's {got_w[e, r, c].float().item()}"
+    )

@@ -38,7 +38,7 @@ SHAPES = {  # name: (experts, shards x rows, columns), shards
 def fills(shape, generator):
     normal = torch.randn(shape, generator=generator, device="cuda") * 0.02
     outliers = normal.clone()
-    outliers.view(-1)[:: 9973] = 30.0
+    outliers.view(-1)[::9973] = 30.0
     yield "normal", normal
     yield "zeros", torch.zeros(shape, device="cuda")
     yield "subnormal range", normal * 1e-6
@@ -61,10 +61,12 @@ def compared(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, t
     of its elements differ."""
     weight_bytes, want_weight_bytes = got[0].view(torch.uint8), want[0].view(torch.uint8)
     scale_bits, want_scale_bits = got[1].view(torch.int32), want[1].view(torch.int32)
-    return {"weight_identical": torch.equal(weight_bytes, want_weight_bytes),
-            "scales_identical": torch.equal(scale_bits, want_scale_bits),
-            "weight_bytes_differing": int((weight_bytes != want_weight_bytes).sum()),
-            "scales_differing": int((scale_bits != want_scale_bits).sum())}
+    return {
+        "weight_identical": torch.equal(weight_bytes, want_weight_bytes),
+        "scales_identical": torch.equal(scale_bits, want_scale_bits),
+        "weight_bytes_differing": int((weight_bytes != want_weight_bytes).sum()),
+        "scales_differing": int((scale_bits != want_scale_bits).sum()),
+    }
 
 
 def main() -> int:
@@ -81,8 +83,12 @@ def main() -> int:
             fp8_experts._launch_fp8_blocks(block, shards, got_w, got_s)  # the kernel alone (no first-block check)
             other_w, other_s = torch.empty_like(want_w), torch.empty_like(want_s)  # the scale as amax / 448
             fp8_experts._launch_fp8_blocks(block, shards, other_w, other_s, divide=True)
-            row = {"shape": name, "fill": fill, **compared((got_w, got_s), (want_w, want_s)),
-                   "dividing_kernel_identical": fp8_experts._same_bytes((other_w, other_s), (want_w, want_s))}
+            row = {
+                "shape": name,
+                "fill": fill,
+                **compared((got_w, got_s), (want_w, want_s)),
+                "dividing_kernel_identical": fp8_experts._same_bytes((other_w, other_s), (want_w, want_s)),
+            }
             if fill == "normal":
                 row["kernel_s"] = timed(lambda: fp8_experts._launch_fp8_blocks(block, shards, got_w, got_s))
                 row["vllm_function_s"] = timed(lambda: fp8_experts.fp8_reference(block, shards))
@@ -103,19 +109,30 @@ def main() -> int:
     want_w, want_s = fp8_experts.fp8_reference(block, 1)
     got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
     fp8_experts._launch_fp8_blocks(block, 1, got_w, got_s)
-    row = {"shape": "every case [129, 128, 128]", "fill": "every amax mantissa, every element below it",
-           **compared((got_w, got_s), (want_w, want_s))}
+    row = {
+        "shape": "every case [129, 128, 128]",
+        "fill": "every amax mantissa, every element below it",
+        **compared((got_w, got_s), (want_w, want_s)),
+    }
     failures += not (row["weight_identical"] and row["scales_identical"])
     results.append(row)
     print(json.dumps(row), flush=True)
     # Does PyTorch on CUDA divide by a Python number as a multiplication by its fp32 reciprocal?
     amax = torch.rand(1 << 24, device="cuda") * 100
-    division = {"divide_equals_times_reciprocal": torch.equal(amax / 448.0, amax * (1.0 / 448.0)),
-                "divide_equals_ieee": torch.equal(amax / 448.0, amax / torch.full_like(amax, 448.0))}
+    division = {
+        "divide_equals_times_reciprocal": torch.equal(amax / 448.0, amax * (1.0 / 448.0)),
+        "divide_equals_ieee": torch.equal(amax / 448.0, amax / torch.full_like(amax, 448.0)),
+    }
     print(json.dumps(division))
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-           "command": "python scripts/fp8_quantizer_check.py", "cases": results, "torch_division": division,
-           "all_identical": failures == 0}
+    out = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python scripts/fp8_quantizer_check.py",
+        "cases": results,
+        "torch_division": division,
+        "all_identical": failures == 0,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print("all identical" if failures == 0 else f"{failures} cases differ")

@@ -41,8 +41,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = os.environ.get("PROGRAM", f"{sys.executable} {ROOT / 'scripts' / 'with_worker.py'} fault_worker.FaultWorker")
 NEXT_PROGRAM = os.environ.get("NEXT_PROGRAM", f"{sys.executable} {ROOT / 'rlhf_ipc_fsdp_ep.py'}")
-COMMON = ("--model tiny --num-gpus 1 --enforce-eager --gpu-memory-utilization 0.04 "
-          f"--kv-cache-memory-bytes {2 << 30} --max-tokens 384")  # fmt: skip
+COMMON = (
+    "--model tiny --num-gpus 1 --enforce-eager --gpu-memory-utilization 0.04 "
+    f"--kv-cache-memory-bytes {2 << 30} --max-tokens 384"
+)
 GIB = 1 << 30
 
 # The output line that marks a phase, and the line that says it is over.
@@ -62,8 +64,13 @@ for phase, delay in (("start", 15), ("generation", 0.3), ("sleep", 0), ("send", 
         CASES[f"{phase}-{sig.lower()}"] = (phase, sig, delay, f"--rounds 100000 {flags}", env)
 CASES["send-server-killed"] = ("send", "kill the API server", 0.5, "--rounds 100000", {"FAULT_SLOW_CHUNK_S": "3"})
 CASES["send-engine-core-killed"] = ("send", "kill the engine core", 0.5, "--rounds 100000", {"FAULT_SLOW_CHUNK_S": "3"})
-CASES["send-refused-once"] = ("send", "the server refuses a chunk once", None, "--rounds 3 --send-retries 1",
-                              {"FAULT_FAIL_ONCE_AT_SYNC": "2"})  # fmt: skip
+CASES["send-refused-once"] = (
+    "send",
+    "the server refuses a chunk once",
+    None,
+    "--rounds 3 --send-retries 1",
+    {"FAULT_FAIL_ONCE_AT_SYNC": "2"},
+)
 
 
 def case_processes(case: str) -> list[int]:
@@ -85,8 +92,12 @@ def case_processes(case: str) -> list[int]:
 def gpu_mib(pids: list[int]) -> int | None:
     """GPU memory (MiB) that nvidia-smi lists for these processes; None without nvidia-smi."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     used = {int(p): int(m) for p, m in (line.split(", ") for line in out.splitlines() if ", " in line)}
@@ -95,8 +106,12 @@ def gpu_mib(pids: list[int]) -> int | None:
 
 def gpu_total_mib() -> int | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return int(out.split()[0])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
@@ -107,9 +122,16 @@ def start(cmd: str, case: str, log: Path, env: dict) -> subprocess.Popen:
     full_env = {**os.environ, **env, "FAULT_CASE": case, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
         # SIGINT as a terminal leaves it (a shell's background job, as this may be, starts with it ignored).
-        return subprocess.Popen(cmd.split(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=full_env, start_new_session=True, cwd=ROOT,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        return subprocess.Popen(
+            cmd.split(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+            cwd=ROOT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
 
 def wait_for(log: Path, marker: str, proc: subprocess.Popen, timeout_s: float = 900) -> bool:
@@ -130,7 +152,11 @@ def server_process(case: str, engine_core: bool) -> int | None:
             continue
         if engine_core and b"EngineCore" in cmd:
             return pid
-        if not engine_core and (b"vllm.entrypoints.cli.main" in cmd or b"APIServer" in cmd) and b"helpers.server_watchdog" not in cmd:
+        if (
+            not engine_core
+            and (b"vllm.entrypoints.cli.main" in cmd or b"APIServer" in cmd)
+            and b"helpers.server_watchdog" not in cmd
+        ):
             return pid
     return None
 
@@ -176,10 +202,14 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
         time.sleep(delay)
         record["gpu_mib_while_running"] = gpu_mib(case_processes(name))
         text = log.read_text(errors="replace")
-        after = text[text.index(marker) + len(marker):]
-        record.update(reached_phase=True, phase_at_fault=last_phase(text), fault_sent_after_s=round(time.monotonic() - t0, 1),
-                      # in the phase: it had not said it was over when the fault came
-                      landed_in_phase=not (done.search(after) if isinstance(done, re.Pattern) else done in after))  # fmt: skip
+        after = text[text.index(marker) + len(marker) :]
+        record.update(
+            reached_phase=True,
+            phase_at_fault=last_phase(text),
+            fault_sent_after_s=round(time.monotonic() - t0, 1),
+            # in the phase: it had not said it was over when the fault came
+            landed_in_phase=not (done.search(after) if isinstance(done, re.Pattern) else done in after),
+        )
         record["fault"] = fault(proc, name, what)
     else:
         record.update(reached_phase=False, phase_at_fault=last_phase(log.read_text(errors="replace")))
@@ -194,8 +224,11 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
     text = log.read_text(errors="replace")
     record.update(exit_code=proc.returncode, exit_after_s=round(exited - fault_at, 2), message=message(text))
     if delay is None:
-        record.update(retried="retry 1 of" in text, exact_passed=text.count("[exact] "),
-                      gate_passed=len(re.findall(r"^\[gate\] .*: pass$", text, re.M)))  # fmt: skip
+        record.update(
+            retried="retry 1 of" in text,
+            exact_passed=text.count("[exact] "),
+            gate_passed=len(re.findall(r"^\[gate\] .*: pass$", text, re.M)),
+        )
     for wait_s in (10, 60):
         time.sleep(max(0.0, exited + wait_s - time.monotonic()))
         left = case_processes(name)
@@ -203,8 +236,11 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
         record[f"gpu_mib_after_{wait_s}s"] = gpu_mib(left)
         if wait_s == 60:  # what is left for good (at 10 s the watchdog may still be in its 10 s grace)
             record["leftover_processes"] = len(left)
-        record[f"leftover_commands_after_{wait_s}s"] = [Path(f"/proc/{p}/cmdline").read_bytes()[:200].replace(b"\0", b" ").decode(
-                errors="replace") for p in left if Path(f"/proc/{p}").exists()]  # fmt: skip
+        record[f"leftover_commands_after_{wait_s}s"] = [
+            Path(f"/proc/{p}/cmdline").read_bytes()[:200].replace(b"\0", b" ").decode(errors="replace")
+            for p in left
+            if Path(f"/proc/{p}").exists()
+        ]
     for pid in case_processes(name):  # leave nothing for the next case, whatever this one left
         try:
             os.kill(pid, signal.SIGKILL)
@@ -217,9 +253,25 @@ def run_case(name: str, out: Path, results: list, lock: threading.Lock) -> None:
     record["next_run_exit_code"] = nxt.returncode
     with lock:
         results.append(record)
-        print(json.dumps({k: record.get(k) for k in ("case", "phase_at_fault", "landed_in_phase", "exit_code",
-                                                     "message", "leftover_processes", "gpu_mib_after_10s",
-                                                     "gpu_mib_after_60s", "next_run_ok")}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    k: record.get(k)
+                    for k in (
+                        "case",
+                        "phase_at_fault",
+                        "landed_in_phase",
+                        "exit_code",
+                        "message",
+                        "leftover_processes",
+                        "gpu_mib_after_10s",
+                        "gpu_mib_after_60s",
+                        "next_run_ok",
+                    )
+                }
+            ),
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -235,13 +287,31 @@ def main() -> int:
     for t in threads:
         t.join()
     results.sort(key=lambda r: names.index(r["case"]))
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout.strip() if gpu_total_mib() is not None else None  # fmt: skip
-    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                        text=True, cwd=ROOT).stdout.strip()  # fmt: skip
-    (out / "faults.json").write_text(json.dumps({"started": started, "gpu": gpu, "commit": commit or None,
-                                                 "gpu_mib_used_at_the_end": gpu_total_mib(), "cases": results},
-                                                indent=1))  # fmt: skip
+    gpu = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+        if gpu_total_mib() is not None
+        else None
+    )
+    commit = (
+        os.environ.get("COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    )
+    (out / "faults.json").write_text(
+        json.dumps(
+            {
+                "started": started,
+                "gpu": gpu,
+                "commit": commit or None,
+                "gpu_mib_used_at_the_end": gpu_total_mib(),
+                "cases": results,
+            },
+            indent=1,
+        )
+    )
     with tarfile.open(out / "fault-logs.tgz", "w:gz") as tar:
         tar.add(out / "logs", arcname="logs")
     shutil.rmtree(out / "logs")

@@ -78,14 +78,19 @@ def runs_in(path: Path) -> list[dict]:
         if not all("send_source" in r for r in rounds):  # split every round's send, or none
             rounds = [round_segments(r, split=False) for r in variant["rounds"]]
         keys = [key for key, _, _ in SEGMENTS if key in rounds[0]]
-        runs.append({
-            "label": run_label({**facts, **variant}, variant.get("weight_loader", "vllm"),
-                               variant.get("sleep_level", facts.get("sleep_level"))),
-            "file": f"{path.parent.name}/{path.name}",
-            "rounds": len(rounds),
-            "segments": {key: statistics.median(r[key] for r in rounds) for key in keys},
-            "cycle": statistics.median(r["cycle_s"] for r in variant["rounds"]),
-        })  # fmt: skip
+        runs.append(
+            {
+                "label": run_label(
+                    {**facts, **variant},
+                    variant.get("weight_loader", "vllm"),
+                    variant.get("sleep_level", facts.get("sleep_level")),
+                ),
+                "file": f"{path.parent.name}/{path.name}",
+                "rounds": len(rounds),
+                "segments": {key: statistics.median(r[key] for r in rounds) for key in keys},
+                "cycle": statistics.median(r["cycle_s"] for r in variant["rounds"]),
+            }
+        )
     return runs
 
 
@@ -127,14 +132,18 @@ def svg(runs: list[dict], xmax: float | None = None, title: str = "") -> str:
         x = label_w + k * step * scale
         out.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{axis_y}" stroke="#e0e0e0"/>')
         out.append(f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle">{k * step:g}</text>')
-    out.append(f'<text x="{label_w + bar_w / 2}" y="{axis_y + 36}" text-anchor="middle">seconds '
-               "(each segment: median over rounds; at the bar's end: median cycle)</text>")  # fmt: skip
+    out.append(
+        f'<text x="{label_w + bar_w / 2}" y="{axis_y + 36}" text-anchor="middle">seconds '
+        "(each segment: median over rounds; at the bar's end: median cycle)</text>"
+    )
 
     for row, run in enumerate(runs):
         y = top + row * row_h + (row_h - bar_h) / 2
         out.append(f'<text x="{label_w - 8}" y="{y + 10}" text-anchor="end">{escape(run["label"])}</text>')
-        out.append(f'<text x="{label_w - 8}" y="{y + 24}" text-anchor="end" font-size="10" fill="#666">'
-                   f'{escape(run["file"])}, {run["rounds"]} rounds</text>')  # fmt: skip
+        out.append(
+            f'<text x="{label_w - 8}" y="{y + 24}" text-anchor="end" font-size="10" fill="#666">'
+            f"{escape(run['file'])}, {run['rounds']} rounds</text>"
+        )
         start = 0.0
         for key, name, colour in SEGMENTS:
             if key not in run["segments"]:
@@ -144,15 +153,21 @@ def svg(runs: list[dict], xmax: float | None = None, title: str = "") -> str:
             start += seconds
             if x1 <= x0:
                 continue
-            out.append(f'<rect x="{label_w + x0:.1f}" y="{y}" width="{x1 - x0:.1f}" height="{bar_h}" '
-                       f'fill="{colour}"><title>{escape(name)}: {seconds:.3f} s</title></rect>')  # fmt: skip
+            out.append(
+                f'<rect x="{label_w + x0:.1f}" y="{y}" width="{x1 - x0:.1f}" height="{bar_h}" '
+                f'fill="{colour}"><title>{escape(name)}: {seconds:.3f} s</title></rect>'
+            )
             if x1 - x0 >= 28:
-                out.append(f'<text x="{label_w + (x0 + x1) / 2:.1f}" y="{y + 16}" text-anchor="middle" '
-                           f'fill="white" font-size="11">{seconds:.2f}</text>')  # fmt: skip
+                out.append(
+                    f'<text x="{label_w + (x0 + x1) / 2:.1f}" y="{y + 16}" text-anchor="middle" '
+                    f'fill="white" font-size="11">{seconds:.2f}</text>'
+                )
         end = min(start, limit) * scale + label_w
         if start > limit:  # cut: a white break across the bar's end
-            out.append(f'<path d="M{end - 14:.1f},{y + bar_h + 3} l8,{-bar_h - 6} m4,0 l-8,{bar_h + 6}" '
-                       'stroke="white" stroke-width="3" fill="none"/>')  # fmt: skip
+            out.append(
+                f'<path d="M{end - 14:.1f},{y + bar_h + 3} l8,{-bar_h - 6} m4,0 l-8,{bar_h + 6}" '
+                'stroke="white" stroke-width="3" fill="none"/>'
+            )
             text = f"{run['cycle']:.2f} s, cut"
         else:
             text = f"{run['cycle']:.2f} s"

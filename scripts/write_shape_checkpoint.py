@@ -52,15 +52,20 @@ def main(preset: str, out: str, time_full_read: bool) -> None:
         flush()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    print(f"[write] {len(weight_map)} tensors, {total / 1e9:.1f} GB in {files} files at {path}, "
-          f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+    print(
+        f"[write] {len(weight_map)} tensors, {total / 1e9:.1f} GB in {files} files at {path}, "
+        f"{time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     if time_full_read:
         from transformers import AutoModelForCausalLM
 
         start = time.perf_counter()
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        print(f"[full read] from_pretrained of the whole checkpoint into CPU memory: "
-              f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+        print(
+            f"[full read] from_pretrained of the whole checkpoint into CPU memory: {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def cpu_serve_args(model_dir, *extra, worker: str | None = "proof.exact_check_en
 def kv_cache_flags(tokens: int) -> list[str]:
     """What helpers.serve_args adds for a KV cache of `tokens`."""
     plain = helpers.serve_args(SERVED_NAME, ["0"])
-    return helpers.serve_args(SERVED_NAME, ["0"], kv_cache_tokens=tokens)[len(plain):]
+    return helpers.serve_args(SERVED_NAME, ["0"], kv_cache_tokens=tokens)[len(plain) :]
 
 
 def private_socket_path():
@@ -142,8 +142,9 @@ def vllm_model_info_cached():
 def cpu_server(tiny_checkpoint, tmp_path_factory):
     """One real vLLM server for the session, serving tiny_checkpoint's weights,
     its KV cache sized as the script sizes it (two sequences of its context)."""
-    server = start_cpu_server(tiny_checkpoint, tmp_path_factory.mktemp("server"),
-                              *kv_cache_flags(2 * CPU_MAX_MODEL_LEN))  # fmt: skip
+    server = start_cpu_server(
+        tiny_checkpoint, tmp_path_factory.mktemp("server"), *kv_cache_flags(2 * CPU_MAX_MODEL_LEN)
+    )
     yield server
     helpers.stop_server(server)
     assert helpers.group_members(server.pgid) == []  # API server, engine core, worker: all gone
@@ -163,9 +164,7 @@ def cpu_trainers(ray_cluster):
     """Two FSDP2 trainer ranks on CPU (gloo), as the script starts them (its RLTrainer)."""
     import rlhf_ipc_fsdp_ep as script
 
-    trainers, _ = script.start_trainers(
-        script.RLTrainer, 2, gpus_per_trainer=0, placement_timeout_s=60
-    )
+    trainers, _ = script.start_trainers(script.RLTrainer, 2, gpus_per_trainer=0, placement_timeout_s=60)
     return trainers
 
 

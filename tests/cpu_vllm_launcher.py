@@ -29,7 +29,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 torch.cpu._init_amx()
 
 
-
 def without_gpu_flags(argv: list[str]) -> list[str]:
     out, skip = [], False
     for arg in argv:

@@ -87,8 +87,10 @@ def checksums(sock: str) -> dict:
 def reload_from(sock: str, folder: str) -> None:
     """vLLM's own loader reads the safetensors files in `folder` into the served model (the server
     started with dummy weights: first its load format becomes safetensors)."""
-    for method, kwargs in [("update_config", {"overrides": {"load_config": {"load_format": "safetensors"}}}),
-                           ("reload_weights", {"weights_path": folder})]:  # fmt: skip
+    for method, kwargs in [
+        ("update_config", {"overrides": {"load_config": {"load_format": "safetensors"}}}),
+        ("reload_weights", {"weights_path": folder}),
+    ]:
         helpers.request(sock, "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
 
 
@@ -134,27 +136,34 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
     from safetensors import safe_open
 
     socket_path = str(Path(tempfile.mkdtemp(prefix="alone-")) / "vllm.sock")
-    ray.init(address="local", num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local", num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False
+    )
     try:
         # One rank per GPU (each engine reads the buffer of the rank on its GPU); 2 on CPU.
         ranks = torch.cuda.device_count() if ON_GPU else 2
-        trainers, _ = helpers.start_trainers(MyTrainer, ranks, gpus_per_trainer=1 if ON_GPU else 0,
-                                             trainer_args=(model_dir,))  # fmt: skip
+        trainers, _ = helpers.start_trainers(
+            MyTrainer, ranks, gpus_per_trainer=1 if ON_GPU else 0, trainer_args=(model_dir,)
+        )
         gpu_ids = [p["gpu_ids"][0] for p in helpers.placements(trainers)] if ON_GPU else ["0"]
-        flags = helpers.serve_args(SERVED_NAME, gpu_ids, experts=False, enforce_eager=True, max_model_len=512,
-                                   kv_cache_tokens=1024)  # fmt: skip
+        flags = helpers.serve_args(
+            SERVED_NAME, gpu_ids, experts=False, enforce_eager=True, max_model_len=512, kv_cache_tokens=1024
+        )
         print("serve flags:", json.dumps(flags))
-        with helpers.serving([model_dir, *flags], socket_path=socket_path, log_path="server.log",
-                             launcher=tuple(launcher)) as server:  # fmt: skip
+        with helpers.serving(
+            [model_dir, *flags], socket_path=socket_path, log_path="server.log", launcher=tuple(launcher)
+        ) as server:
             helpers.ray_get_all([t.shard.remote() for t in trainers])
             metas = helpers.ray_get_all([t.metadata.remote() for t in trainers])
             print("ranks", [p["rank"] for p in helpers.placements(trainers)])
             print("same metadata on every rank:", all(m == metas[0] for m in metas))
             with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:  # what vLLM's loader reads
                 loaded = sorted((name, list(f.get_slice(name).get_shape())) for name in f.keys())
-            print("ModuleSource's names and shapes are the checkpoint's:",
-                  sorted((name, shape) for name, shape, _ in metas[0]) == loaded, len(loaded))
+            print(
+                "ModuleSource's names and shapes are the checkpoint's:",
+                sorted((name, shape) for name, shape, _ in metas[0]) == loaded,
+                len(loaded),
+            )
             helpers.wait_until_healthy(server, timeout_s=900)
             print("watchdogs while serving:", len(watchdogs(socket_path)))
             sock = server.socket_path
@@ -164,8 +173,12 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
             after_sync = helpers.completions(sock, SERVED_NAME, prompt, max_tokens=8)[0].token_ids
             reload_from(sock, model_dir)  # the reference: vLLM's own loader reading the checkpoint itself
             reference = checksums(sock)
-            print("parameters:", len(reference), "changed from the dummy weights:",
-                  sum(synced[k] != dummy[k] for k in reference))
+            print(
+                "parameters:",
+                len(reference),
+                "changed from the dummy weights:",
+                sum(synced[k] != dummy[k] for k in reference),
+            )
             print("every parameter as vLLM loads the checkpoint:", synced == reference)
             after_reload = helpers.completions(sock, SERVED_NAME, prompt, max_tokens=8)[0].token_ids
             print("same greedy completion:", after_sync == after_reload, len(after_sync))

@@ -59,8 +59,9 @@ def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
     socket_path = Path(tempfile.mkdtemp(prefix="lifted-")) / "vllm.sock"
     ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:  # the server starts while the trainers build their models, as in the script
-        with helpers.serving([model_dir, *serve_flags], socket_path=socket_path, log_path="server.log",
-                             launcher=tuple(launcher)) as server:  # fmt: skip
+        with helpers.serving(
+            [model_dir, *serve_flags], socket_path=socket_path, log_path="server.log", launcher=tuple(launcher)
+        ) as server:
             trainers, _ = helpers.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
             helpers.ray_get_all([t.shard.remote() for t in trainers])
             forms = helpers.ray_get_all([t.source_form.remote() for t in trainers])

@@ -35,8 +35,12 @@ from weight_sync import multinode  # noqa: E402
 from proof import program  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 
-SLEEPS = (sys.executable, "-c", "import os, time; print('engines starting, gloo on', "
-           "os.environ.get('GLOO_SOCKET_IFNAME'), flush=True); time.sleep(600)")
+SLEEPS = (
+    sys.executable,
+    "-c",
+    "import os, time; print('engines starting, gloo on', "
+    "os.environ.get('GLOO_SOCKET_IFNAME'), flush=True); time.sleep(600)",
+)
 FAILS = (sys.executable, "-c", "import sys; print('no GPU on this node'); sys.exit(3)")
 
 
@@ -197,16 +201,20 @@ def main(out_path: str, log_dir: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": multinode.job_env()})
     try:
         seen["driver_node"] = ray.get_runtime_context().get_node_id()
-        seen["one_node_for_two"] = _error_of(lambda: helpers.start_trainers(
-            script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5))  # fmt: skip
+        seen["one_node_for_two"] = _error_of(
+            lambda: helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5)
+        )
 
         trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2)
         placements = helpers.placements(trainers)
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
         seen["all_reduce"] = helpers.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
-        seen["node1_env"] = ray.get(trainers[1].__ray_call__.remote(
-            lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}))  # fmt: skip
+        seen["node1_env"] = ray.get(
+            trainers[1].__ray_call__.remote(
+                lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}
+            )
+        )
         checks.show_layout(placements, 2)
         seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
         args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
@@ -216,20 +224,23 @@ def main(out_path: str, log_dir: str) -> None:
         log = str(Path(log_dir) / "server.log")
 
         # A node's server that exits during the start: the wait ends at once, naming the node.
-        first = helpers.start_server(["m"], socket_path=conftest.private_socket_path(),
-                                     log_path=Path(log_dir) / "head.log", launcher=SLEEPS)  # fmt: skip
+        first = helpers.start_server(
+            ["m"], socket_path=conftest.private_socket_path(), log_path=Path(log_dir) / "head.log", launcher=SLEEPS
+        )
         failing = multinode.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
         begin = time.monotonic()
-        seen["failed_start"] = _error_of(lambda: helpers.wait_until_ready(
-            first, [], 120, also_check=partial(multinode.raise_node_failure, failing)))  # fmt: skip
+        seen["failed_start"] = _error_of(
+            lambda: helpers.wait_until_ready(first, [], 120, also_check=partial(multinode.raise_node_failure, failing))
+        )
         seen["failed_start_s"] = time.monotonic() - begin
         helpers.stop_server(first)
         multinode.stop_node_servers(failing)
 
         # A node's server that dies mid-run is named when a request fails; stopping leaves nothing.
         os.chdir(log_dir)  # a relative --server-log: the node's log lands here, not in its actor's cwd
-        running = multinode.start_node_servers(pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS,
-                                               resolve_model=models.resolve_model)  # fmt: skip
+        running = multinode.start_node_servers(
+            pg, "tiny", "server.log", {}, seen["flags"][1:], launcher=SLEEPS, resolve_model=models.resolve_model
+        )
         pid = ray.get(running[0].__ray_call__.remote(_server_pid))
         # A preset, through resolve_model: node 1 serves a directory it built (the driver's is private to it).
         node1_model = ray.get(running[0].__ray_call__.remote(lambda node: node.server.proc.args))
@@ -239,8 +250,10 @@ def main(out_path: str, log_dir: str) -> None:
         # Not a fixed wait: on a loaded machine the server may take seconds to print its first line.
         node1_log = Path(log_dir) / "server.node1.log"
         deadline = time.monotonic() + 60
-        while (not any(line.startswith("engines starting") for line in node1_log.read_text().splitlines())
-               and time.monotonic() < deadline):  # (the log's first line, the command, names it too)
+        while (
+            not any(line.startswith("engines starting") for line in node1_log.read_text().splitlines())
+            and time.monotonic() < deadline
+        ):  # (the log's first line, the command, names it too)
             time.sleep(0.1)
         seen["node1_log"] = node1_log.read_text()
         ip = placements[1]["node_ip"]
@@ -249,16 +262,18 @@ def main(out_path: str, log_dir: str) -> None:
         deadline = time.monotonic() + 60  # until node 1's actor sees its server gone, not a fixed wait
         while ray.get(running[0].failure.remote()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        seen["died_mid_run"] = _error_of(lambda: multinode.raise_node_failure(
-            running, seen_as=helpers.ServerError("POST /sleep failed")))  # fmt: skip
+        seen["died_mid_run"] = _error_of(
+            lambda: multinode.raise_node_failure(running, seen_as=helpers.ServerError("POST /sleep failed"))
+        )
         # A send the server fails part way while node 1's server is dead (the first node's still
         # answers): not sent again, and node 1 named at once, as run_round calls send_all.
         with _healthy_api() as sock:
             senders = [_SendFailsPartWay.remote() for _ in range(2)]
             ray.get([s.__ray_ready__.remote() for s in senders])  # their workers' start is not the send's time
             begin = time.monotonic()
-            seen["send_with_a_dead_node"] = _error_of(lambda: helpers.send_all(
-                senders, sock, 2, check_failure=partial(multinode.raise_node_failure, running)))  # fmt: skip
+            seen["send_with_a_dead_node"] = _error_of(
+                lambda: helpers.send_all(senders, sock, 2, check_failure=partial(multinode.raise_node_failure, running))
+            )
             seen["send_with_a_dead_node_s"] = time.monotonic() - begin
             seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])
         multinode.stop_node_servers(running)
@@ -279,8 +294,9 @@ def main(out_path: str, log_dir: str) -> None:
 
         # The script given a relative path: node 1's server gets the directory the driver resolved.
         ray.util.remove_placement_group(pg)
-        node1 = _model_node1_serves(["--model", "ckpt", "--num-gpus", "2", "--num-nodes", "2",
-                                     "--server-log", "job.log"])  # fmt: skip
+        node1 = _model_node1_serves(
+            ["--model", "ckpt", "--num-gpus", "2", "--num-nodes", "2", "--server-log", "job.log"]
+        )
         seen["node1_serves"], seen["node1_resolver"] = node1["serves"], node1["resolve_model"]
         seen["ckpt"] = str(Path(log_dir, "ckpt").resolve())
     finally:

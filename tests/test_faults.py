@@ -166,8 +166,15 @@ class FlakySendTrainer(script.FSDPTrainer):
 
     def setup_weight_transfer(self, sock, refusing_sends, *_):
         client = helpers.FailAfterSend(sources.DirectLoadClient(sock, ["GPU-x"], {}))
-        self.sender = helpers.WeightSender(client, PackedSendShape(client, self.rank, refusing_sends), None,
-                                           source=None, rank=self.rank, packed=True, packed_buffer_size_bytes=0)
+        self.sender = helpers.WeightSender(
+            client,
+            PackedSendShape(client, self.rank, refusing_sends),
+            None,
+            source=None,
+            rank=self.rank,
+            packed=True,
+            packed_buffer_size_bytes=0,
+        )
 
     def send_count(self):
         return self.sender.engine.sends
@@ -203,11 +210,20 @@ def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cp
 
 def test_only_the_direct_loaders_sends_are_retried(ray_cluster):
     args = script.parse_args(["--send-retries", "2"])
-    job = script.Job(trainers=[], server=helpers.Server(proc=None, socket_path="", log_path=None), served_name="",
-                     dp_size=1, architecture="", gpu_name="", gpu_uuids=[])  # fmt: skip
+    job = script.Job(
+        trainers=[],
+        server=helpers.Server(proc=None, socket_path="", log_path=None),
+        served_name="",
+        dp_size=1,
+        architecture="",
+        gpu_name="",
+        gpu_uuids=[],
+    )
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     assert job.send_retries == 2
-    script.setup_weight_transfer_on_every_rank(job, args, "vllm")  # vLLM's own route cannot take a second send after a failed chunk
+    script.setup_weight_transfer_on_every_rank(
+        job, args, "vllm"
+    )  # vLLM's own route cannot take a second send after a failed chunk
     assert job.send_retries == 0
 
 
@@ -216,8 +232,12 @@ def _never_healthy_server(tmp_path, code: str) -> helpers.Server:
     (`code` runs instead of vLLM)."""
     from conftest import private_socket_path
 
-    return helpers.start_server(["m"], socket_path=private_socket_path(), log_path=tmp_path / "server.log",
-                                launcher=(sys.executable, "-c", code))  # fmt: skip
+    return helpers.start_server(
+        ["m"],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "server.log",
+        launcher=(sys.executable, "-c", code),
+    )
 
 
 def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_trainers, tiny_checkpoint, tmp_path):

@@ -18,8 +18,12 @@ TESTS = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory):
     out = tmp_path_factory.mktemp("multinode")
-    proc = subprocess.run([sys.executable, str(TESTS / "multinode_driver.py"), str(out / "seen.json"), str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "multinode_driver.py"), str(out / "seen.json"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert (out / "seen.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "seen.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -101,9 +101,10 @@ def test_a_sigkilled_driver_leaves_no_vllm_process_behind(tmp_path):
         while _watchdogs_of(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _watchdogs_of(sock) == []
-        assert "[server_watchdog] the process that started the vLLM server is gone" in (
-            tmp_path / "server.log"
-        ).read_text()
+        assert (
+            "[server_watchdog] the process that started the vLLM server is gone"
+            in (tmp_path / "server.log").read_text()
+        )
     finally:
         _cleanup(driver, pgid)
 
@@ -202,9 +203,11 @@ def test_stop_server_also_ends_the_watchdog(tmp_path):
 
 def test_a_server_that_fails_to_start_reports_its_own_exit_code(tmp_path):
     server = helpers.start_server(
-        [], socket_path=private_socket_path(), log_path=tmp_path / "log",
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"),
-    )  # fmt: skip
+    )
     try:
         helpers.wait_until_healthy(server, timeout_s=120, poll_s=0.1)  # it exits long before
     except helpers.ServerError as e:

@@ -22,21 +22,38 @@ def a_round(send: float, breakdown: bool = True) -> dict:
 
 def test_the_chart_has_a_bar_per_run_and_loader_and_names_every_phase(tmp_path):
     script_json = tmp_path / "run.json"
-    script_json.write_text(json.dumps({"weight_loader": "direct", "command": "python3 x.py",
-                                       "rounds": [a_round(1.2), a_round(1.3), a_round(1.1)]}))  # fmt: skip
+    script_json.write_text(
+        json.dumps(
+            {"weight_loader": "direct", "command": "python3 x.py", "rounds": [a_round(1.2), a_round(1.3), a_round(1.1)]}
+        )
+    )
     bench_json = tmp_path / "bench.json"
-    bench_json.write_text(json.dumps({"command": "python3 benchmark.py --enforce-eager", "variants": [
-        {"weight_loader": "vllm", "rounds": [a_round(27.0)]},
-        {"weight_loader": "direct", "sleep_level": 0, "rounds": [a_round(1.2, breakdown=False)]},
-    ]}))  # fmt: skip
+    bench_json.write_text(
+        json.dumps(
+            {
+                "command": "python3 benchmark.py --enforce-eager",
+                "variants": [
+                    {"weight_loader": "vllm", "rounds": [a_round(27.0)]},
+                    {"weight_loader": "direct", "sleep_level": 0, "rounds": [a_round(1.2, breakdown=False)]},
+                ],
+            }
+        )
+    )
     out = tmp_path / "phases.svg"
 
     assert plot_phases.main([str(out), str(script_json), str(bench_json), "--xmax", "2.5"]) == 0
 
     text = out.read_text()
     ET.fromstring(text)  # well-formed SVG
-    for phase in ("sleep", "wake weights", "send: source", "send: server", "send: other", "send (not split)",
-                  "wake KV cache"):  # fmt: skip
+    for phase in (
+        "sleep",
+        "wake weights",
+        "send: source",
+        "send: server",
+        "send: other",
+        "send (not split)",
+        "wake KV cache",
+    ):
         assert f">{phase}" in text
     assert "direct loader, 1 GiB buffer, compiled server" in text
     assert "vLLM&#x27;s loader, 1 GiB buffer, eager server" in text

@@ -125,11 +125,14 @@ def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts
 def test_a_kv_cache_that_cannot_be_mapped_back_is_explained():
     """The error vLLM 0.33 gave on one H200 when the memory of the KV cache it
     had freed was taken meanwhile (a soak's round 83, other servers starting)."""
-    seen = ('POST /wake_up -> HTTP 500: {"error":{"message":"Call to wake_up method failed: CUDA Error: out of '
-            'memory at <path>:163","type":"InternalServerError","param":null,"code":500}}')
+    seen = (
+        'POST /wake_up -> HTTP 500: {"error":{"message":"Call to wake_up method failed: CUDA Error: out of '
+        'memory at <path>:163","type":"InternalServerError","param":null,"code":500}}'
+    )
     assert helpers.wake_failure(seen, kv_cache=True) == (
         "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another process "
-        "on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it smaller: " + seen)
+        "on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it smaller: " + seen
+    )
     assert helpers.wake_failure(seen, kv_cache=False) == seen  # the cache was kept: not that
     assert helpers.wake_failure("POST /wake_up -> HTTP 500: something else", kv_cache=True).endswith("something else")
 
@@ -223,17 +226,22 @@ def _ignores_sigterm(pid: int) -> bool:
 
 def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
     server = helpers.start_server(
-        [], socket_path=private_socket_path(), log_path=tmp_path / "log",
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", FAKE_SERVER),
-    )  # fmt: skip
+    )
     try:
         with pytest.raises(helpers.ServerError, match="not healthy after"):
             helpers.wait_until_healthy(server, timeout_s=2)
         # Not a fixed wait: on a loaded machine the fake server may not have started its child
         # yet, or the child not yet ignored SIGTERM (a SIGTERM would then end it, proving nothing).
         deadline = time.monotonic() + 60
-        while not ((members := helpers.group_members(server.pgid)) and len(members) == 2
-                   and all(_ignores_sigterm(pid) for pid in members if pid != server.pgid)):  # fmt: skip
+        while not (
+            (members := helpers.group_members(server.pgid))
+            and len(members) == 2
+            and all(_ignores_sigterm(pid) for pid in members if pid != server.pgid)
+        ):
             assert time.monotonic() < deadline, f"the fake server's group is {members}"
             time.sleep(0.1)
         helpers.stop_server(server, grace_s=1)
@@ -283,8 +291,12 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
     # 4 s: connections idle over 2 s are dropped, so that a loaded machine's pauses between the
     # five calls below (a few hundred ms at worst) do not drop one; the idle wait is 2.5 s.
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "4")
-    server = helpers.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
-                                  launcher=(sys.executable, "-c", COUNTING_SERVER))  # fmt: skip
+    server = helpers.start_server(
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", COUNTING_SERVER),
+    )
     try:
         helpers.wait_until_healthy(server, timeout_s=120)
         sock = server.socket_path
@@ -308,8 +320,13 @@ print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 
 
 def _server_env(tmp_path, **start_kwargs) -> dict:
-    server = helpers.start_server([], socket_path=private_socket_path(), log_path=tmp_path / "log",
-                                  launcher=(sys.executable, "-c", ENV_SERVER), **start_kwargs)  # fmt: skip
+    server = helpers.start_server(
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", ENV_SERVER),
+        **start_kwargs,
+    )
     server.proc.wait(timeout=120)
     helpers.stop_server(server)
     line = next(line for line in server.log_path.read_text().splitlines() if line.startswith("ENV "))
@@ -322,8 +339,11 @@ def test_the_servers_environment_takes_the_fast_start_defaults_unless_told_other
     for key in helpers.SERVER_ENV_DEFAULTS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert _server_env(tmp_path) == {**helpers.SERVER_ENV_DEFAULTS, "VLLM_SERVER_DEV_MODE": "1",
-                                     "CUDA_VISIBLE_DEVICES": None}  # fmt: skip
+    assert _server_env(tmp_path) == {
+        **helpers.SERVER_ENV_DEFAULTS,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "CUDA_VISIBLE_DEVICES": None,
+    }
     assert helpers.SERVER_ENV_DEFAULTS["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
@@ -338,13 +358,17 @@ def test_the_openai_client_works_as_the_readme_says(cpu_server):
     import httpx
     import openai
 
-    client = openai.OpenAI(base_url="http://localhost/v1", api_key="-",
-                           http_client=httpx.Client(transport=httpx.HTTPTransport(uds=cpu_server.socket_path)))  # fmt: skip
+    client = openai.OpenAI(
+        base_url="http://localhost/v1",
+        api_key="-",
+        http_client=httpx.Client(transport=httpx.HTTPTransport(uds=cpu_server.socket_path)),
+    )
     assert [m.id for m in client.models.list()] == [SERVED_NAME]
     completion = client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=4, temperature=0)
     assert completion.choices[0].finish_reason in ("length", "stop")
-    chat = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
 
 

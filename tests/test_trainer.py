@@ -36,9 +36,7 @@ def test_module_source_over_fsdp2_yields_the_unsharded_checkpoint(tiny_checkpoin
     from transformers import AutoModelForCausalLM
 
     ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path)
-    reference = dict(
-        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters()
-    )
+    reference = dict(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters())
     for got in ranks:
         assert list(got["tensors"]) == list(reference)  # same names, same order
         assert [m[0] for m in got["meta"]] == list(reference)
@@ -73,8 +71,10 @@ def _one_rank_source(trainer, ckpt, out_dir):
     unshards, unshard = [], FSDPModule.unshard
     FSDPModule.unshard = lambda module, *args, **kwargs: unshards.append(module) or unshard(module, *args, **kwargs)
     try:
-        report = {loader: [(n, t.detach().clone()) for n, t in trainer.weight_source(loader).tensors()]
-                  for loader in ("vllm", "direct")}  # fmt: skip
+        report = {
+            loader: [(n, t.detach().clone()) for n, t in trainer.weight_source(loader).tensors()]
+            for loader in ("vllm", "direct")
+        }
     finally:
         FSDPModule.unshard = unshard
     report["unshards"] = len(unshards)
@@ -108,9 +108,7 @@ def test_direct_loader_source_sends_each_rank_its_own_experts_and_the_rest_whole
     from transformers import AutoModelForCausalLM
 
     ranks = _run_two_ranks(tiny_checkpoint, random_init=False, tmp_path=tmp_path, loader="direct")
-    reference = dict(
-        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters()
-    )
+    reference = dict(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).named_parameters())
     assert ranks[0]["meta"] == ranks[1]["meta"]
     experts = [n for n in reference if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
     assert len(experts) == 4  # 2 layers x (gate_up, down)
@@ -145,8 +143,9 @@ def test_direct_loader_source_for_a_renamed_family(tmp_path):
     assert "model.layers.0.block_sparse_moe.gate.weight" in names
     assert not [n for n in names if ".mlp." in n]  # nothing under the in-memory name
     blocks = {m[0]: m[2] for m in rank0["meta"] if m[0].endswith(("gate_up_proj", "down_proj"))}
-    assert sorted(blocks) == [f"model.layers.{i}.block_sparse_moe.experts.{t}" for i in (0, 1)
-                              for t in ("down_proj", "gate_up_proj")]  # fmt: skip
+    assert sorted(blocks) == [
+        f"model.layers.{i}.block_sparse_moe.experts.{t}" for i in (0, 1) for t in ("down_proj", "gate_up_proj")
+    ]
     assert all(shape[0] == 4 for shape in blocks.values())  # 8 experts, 4 per rank
     name = "model.layers.1.block_sparse_moe.experts.gate_up_proj"
     assert not torch.equal(rank0["tensors"][name], rank1["tensors"][name])  # each rank its own experts
@@ -204,9 +203,11 @@ def test_the_trainers_rendezvous_on_one_node_is_a_private_file_not_a_port(cpu_tr
     def seen(trainer):
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return {"store": type(_get_default_store().underlying_store).__name__,
-                "dir": os.path.dirname(helpers._store.path) if helpers._store else "",
-                "pid": os.getpid()}  # fmt: skip
+        return {
+            "store": type(_get_default_store().underlying_store).__name__,
+            "dir": os.path.dirname(helpers._store.path) if helpers._store else "",
+            "pid": os.getpid(),
+        }
 
     ranks = ray.get([t.__ray_call__.remote(seen) for t in cpu_trainers])
     assert [r["store"] for r in ranks] == ["FileStore", "FileStore"]  # what each rank's process group uses
@@ -279,9 +280,7 @@ def test_ray_get_all_raises_at_the_first_failure(ray_cluster):
     ray_cluster.cancel(stuck, force=True)
 
 
-def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(
-    ray_cluster, fresh_cpu_trainers, tiny_checkpoint
-):
+def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(ray_cluster, fresh_cpu_trainers, tiny_checkpoint):
     """Rank 1 waits in FSDP's all-gather for rank 0, which dies: the driver must
     hear of it at once instead of waiting for the collective's timeout."""
     trainers = fresh_cpu_trainers()
@@ -318,14 +317,13 @@ def test_returning_borrowed_memory_is_a_call_every_rank_answers(cpu_trainers):
 
 def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
     """The benchmark's floor: every rank copies a buffer on its own device and reports GB/s."""
-    rates = script.ray_get_all([t.__ray_call__.remote(checks.device_copy_gb_per_s, 8 * 1024**2, 3)
-                                for t in cpu_trainers])  # fmt: skip
+    rates = script.ray_get_all(
+        [t.__ray_call__.remote(checks.device_copy_gb_per_s, 8 * 1024**2, 3) for t in cpu_trainers]
+    )
     assert len(rates) == 2 and all(0.05 < r < 10_000 for r in rates), rates
 
 
-def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
-    cpu_server, cpu_trainers, tiny_checkpoint
-):
+def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_server, cpu_trainers, tiny_checkpoint):
     sock = cpu_server.socket_path
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
     script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
@@ -344,8 +342,12 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(
     held = script.ray_get_all(held)
     fp8 = checks.kernel_noise(cpu_trainers, sequences, fp8=True)
     assert fp8.fp8_mean > kernel.mean and fp8.fp8_quantile > 0 and fp8.bound_mean > fp8.mean, fp8
-    assert script.ray_get_all([t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters()))
-                               for t in cpu_trainers]) == held  # fmt: skip
+    assert (
+        script.ray_get_all(
+            [t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters())) for t in cpu_trainers]
+        )
+        == held
+    )
     assert checks.trainer_logprobs(cpu_trainers, sequences) == reference
     tolerances = checks.Tolerances.from_args(script.parse_args([]), kernel)
     assert tolerances.given(None) == (tolerances.mean, tolerances.quantile)  # a small noise widens nothing
@@ -377,7 +379,7 @@ def test_fp8_activations_are_vllms_per_token_group_quantization():
 
     with set_current_vllm_config(VllmConfig()):
         quant = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
-    x = (torch.randn(37, 320, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 320))
+    x = torch.randn(37, 320, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 320)
     x = x.to(torch.bfloat16)
     values, scales = quant.forward_native(x)
     padded = torch.nn.functional.pad(values.float(), (0, 3 * 128 - 320)).unflatten(-1, (3, 128))
@@ -424,8 +426,9 @@ def test_the_fp8_experts_forward_is_the_experts_own_with_their_activations_quant
     own = experts(hidden, top_k_index, top_k_weights)
     torch.testing.assert_close(checks.fp8_experts_forward(experts, as_read)(hidden, top_k_index, top_k_weights), own)
     used = top_k_index.unique().tolist()
-    assert sorted(read) == sorted([(int((top_k_index == e).sum()), 256) for e in used]
-                                  + [(int((top_k_index == e).sum()), 64) for e in used])  # fmt: skip
+    assert sorted(read) == sorted(
+        [(int((top_k_index == e).sum()), 256) for e in used] + [(int((top_k_index == e).sum()), 64) for e in used]
+    )
     quantized = checks.fp8_experts_forward(experts)(hidden, top_k_index, top_k_weights)
     assert not torch.equal(quantized, own) and (quantized - own).abs().max() < 0.1 * own.abs().max()
 
@@ -455,10 +458,17 @@ def _train_once(trainer, ckpt, out_dir, forward_first):
     sent = {name: t.clone() for name, t in source}
     masters = {name: p.full_tensor().detach().clone() for name, p in trainer.model.named_parameters()}
     torch.save(
-        {"loss": loss, "meta": meta, "sent": sent, "before": before, "after": after, "masters": masters,
-         "unchanged_by_step": trainer.optimizer.unchanged},
+        {
+            "loss": loss,
+            "meta": meta,
+            "sent": sent,
+            "before": before,
+            "after": after,
+            "masters": masters,
+            "unchanged_by_step": trainer.optimizer.unchanged,
+        },
         out_dir / f"w{trainer.world_size}r{trainer.rank}.pt",
-    )  # fmt: skip
+    )
 
 
 def test_train_step_after_a_forward_moves_every_weight_that_vllm_receives(tiny_checkpoint, tmp_path):
@@ -482,8 +492,9 @@ def test_train_step_after_a_forward_moves_every_weight_that_vllm_receives(tiny_c
     # vLLM receives bf16, in checkpoint form (per-expert tensors here), and the metadata says so.
     assert [m[0] for m in two["meta"]] == list(two["sent"])
     for name, dtype, shape in two["meta"]:
-        assert (dtype, shape) == (two["sent"][name].dtype, tuple(two["sent"][name].shape)) == (
-            torch.bfloat16, shape), name  # fmt: skip
+        assert (dtype, shape) == (two["sent"][name].dtype, tuple(two["sent"][name].shape)) == (torch.bfloat16, shape), (
+            name
+        )
     experts = two["masters"]["model.layers.1.mlp.experts.down_proj"]
     assert torch.equal(two["sent"]["model.layers.1.mlp.experts.3.down_proj.weight"], experts[3].to(torch.bfloat16))
     assert torch.equal(two["sent"]["lm_head.weight"], two["masters"]["lm_head.weight"].to(torch.bfloat16))
@@ -561,8 +572,11 @@ def test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group
 
     monkeypatch.setattr(script, "start_trainers", on_cpu)
     monkeypatch.setattr(script, "RLTrainer", NoModelRank)
-    monkeypatch.setattr(script, "placements", lambda trainers: script.ray_get_all(
-        [t.__ray_call__.remote(_fails_once_placed) for t in trainers]))  # the first call to the placed trainers
+    monkeypatch.setattr(
+        script,
+        "placements",
+        lambda trainers: script.ray_get_all([t.__ray_call__.remote(_fails_once_placed) for t in trainers]),
+    )  # the first call to the placed trainers
     before = set(_groups_not_removed())
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="simulated failure once the trainers are placed"):
@@ -659,8 +673,12 @@ def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leave
     (checks.settle_exact_checks) before it stops Ray under it."""
     from types import SimpleNamespace
 
-    job = SimpleNamespace(trainers=[ray.remote(SlowToFingerprint).remote()], gpu_uuids=[""], dp_size=1,
-                          server=SimpleNamespace(socket_path="/nonexistent/vllm.sock"))  # fmt: skip
+    job = SimpleNamespace(
+        trainers=[ray.remote(SlowToFingerprint).remote()],
+        gpu_uuids=[""],
+        dp_size=1,
+        server=SimpleNamespace(socket_path="/nonexistent/vllm.sock"),
+    )
     ray.get(job.trainers[0].__ray_ready__.remote())
     begin = time.monotonic()  # before the check starts: its 2 s then surely fall after `begin`
     started = checks.start_exact_check(job)

@@ -47,7 +47,7 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, kept, strict=True))
         if loader == "direct":  # what weight_sender packs when the expert blocks go in place: all else
             blocks = list(source.expert_blocks)
-            assert names[-len(blocks):] == blocks  # the blocks come last
+            assert names[-len(blocks) :] == blocks  # the blocks come last
             part = sources.PackedPart(source, len(names) - len(blocks))
             # (each taken as the packed producer takes it: copied before the next; not fresh, it would not last)
             packed = [(n, t.clone()) for n, t in (part.iter_full() if "iter_full" in vars(WeightSource) else part)]
@@ -127,8 +127,12 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     split = dict(iter(source))
     assert [m.name for m in source.metadata] == list(split)
     prefix = "model.layers.0.mlp.experts"
-    for leaf, per_expert in [("gate_up_proj", "w13_weight"), ("gate_up_proj_bias", "w13_bias"),
-                             ("down_proj", "w2_weight"), ("down_proj_bias", "w2_bias")]:  # fmt: skip
+    for leaf, per_expert in [
+        ("gate_up_proj", "w13_weight"),
+        ("gate_up_proj_bias", "w13_bias"),
+        ("down_proj", "w2_weight"),
+        ("down_proj_bias", "w2_bias"),
+    ]:
         whole = fused[f"{prefix}.{leaf}"]
         assert f"{prefix}.{leaf}" not in split
         assert torch.equal(torch.stack([split[f"{prefix}.{e}.{per_expert}"] for e in range(whole.shape[0])]), whole)
@@ -155,13 +159,16 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     from test_families import build_model
 
     given = []
-    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init",
-                        staticmethod(lambda info, client, source: given.append((client, source)) or object()))
+    monkeypatch.setattr(
+        WeightTransferTrainerFactory,
+        "trainer_init",
+        staticmethod(lambda info, client, source: given.append((client, source)) or object()),
+    )
     monkeypatch.setattr(sources.ExpertsInPlace, "possible", staticmethod(lambda blocks: True))
     model = build_model("qwen3_moe", device="cpu")
     source, other = sources.LocalExpertSource(model, 1), sources.LocalExpertSource(model, 1)
     names, blocks = [m.name for m in source.metadata], list(source.expert_blocks)
-    assert names[-len(blocks):] == blocks and source.experts_in_place.names == blocks
+    assert names[-len(blocks) :] == blocks and source.experts_in_place.names == blocks
 
     def packed(client, from_source=source) -> list[str]:
         sender = helpers.weight_sender(0, client, from_source)
@@ -174,6 +181,7 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     assert packed(helpers.weight_sync_client("/nowhere/vllm.sock")) == names
     assert packed(sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
     assert packed(direct, from_source=other) == names
+
     # What a send's chunks carry in all (the client tells the last chunk by it): the packed part's bytes.
     def nbytes(metadata) -> int:
         return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
@@ -187,8 +195,9 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     with pytest.raises(ValueError, match="build the client for this source"):  # its last chunk would come early
         helpers.weight_sender(0, in_place, other)  # (other's blocks are not the client's: packed too)
 
-    trainer = SimpleNamespace(sender=helpers.weight_sender(0, direct, source), device=torch.device("cpu"),
-                              model=model, optimizer=None)  # fmt: skip
+    trainer = SimpleNamespace(
+        sender=helpers.weight_sender(0, direct, source), device=torch.device("cpu"), model=model, optimizer=None
+    )
     for _ in range(2):  # a second measure, with no setup between: still one layer of each
         checks._start_measuring(trainer)
         client, engine_source = given[-1]

@@ -96,9 +96,12 @@ class _Layout:
 
 def _layout(model: torch.nn.Module) -> _Layout:
     experts = _expert_layers(model)
-    return _Layout(model=model, expert_layers=experts,
-                   held_experts={name: local_expert_ids(layer) for name, layer in experts.items()},
-                   param_owner=_param_owners(model))  # fmt: skip
+    return _Layout(
+        model=model,
+        expert_layers=experts,
+        held_experts={name: local_expert_ids(layer) for name, layer in experts.items()},
+        param_owner=_param_owners(model),
+    )
 
 
 @dataclass
@@ -182,8 +185,9 @@ class DirectLoadWorker:
         layers = _expert_layers(model)
         sent_to = {name.rpartition(".")[0] for name in expected["blocks"]}
         if missed := sorted(set(layers) - sent_to):
-            raise ValueError(f"this engine's fused expert layers {missed[:2]} would get no expert block; "
-                             f"{USE_VLLMS_LOADER}")  # fmt: skip
+            raise ValueError(
+                f"this engine's fused expert layers {missed[:2]} would get no expert block; {USE_VLLMS_LOADER}"
+            )
         for name, shape in expected["blocks"].items():
             layer_name, _, tensor_name = name.rpartition(".")
             if layer_name not in layers or tensor_name not in EXPERT_TENSORS:
@@ -233,16 +237,23 @@ class DirectLoadWorker:
         # Where this engine's time went (the caller's clock also counts HTTP and
         # the RPC to every engine): the expert copies are launched before
         # load_weights and may finish in `sync_s`.
-        seconds = {"unpack_and_experts": experts_done - start, "load_weights": load_done - experts_done,
-                   "sync": time.perf_counter() - load_done}  # fmt: skip
+        seconds = {
+            "unpack_and_experts": experts_done - start,
+            "load_weights": load_done - experts_done,
+            "sync": time.perf_counter() - load_done,
+        }
         for part, value in seconds.items():
             session.seconds[part] = session.seconds.get(part, 0.0) + value
         seconds = {**started, **seconds}  # (direct_load_start kept its own in session.seconds)
         if not update.get("last"):
             return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
         finished = self.direct_load_finish()
-        return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": {**seconds, **finished.pop("seconds")},
-                "finished": finished}  # fmt: skip
+        return {
+            "tensors": len(tensors),
+            "bytes": sum(sizes),
+            "seconds": {**seconds, **finished.pop("seconds")},
+            "finished": finished,
+        }
 
     def direct_load_finish(self) -> dict:
         """Process what the send wrote (`_finish`) and release the IPC buffer;
@@ -259,10 +270,17 @@ class DirectLoadWorker:
         seconds["copies_done"] = time.perf_counter() - launched
         # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
-        print(f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
-              "the chunks: " + ", ".join(f"{k} {v:.3f}" for k, v in session.seconds.items()), flush=True)  # fmt: skip
-        return {"tensors": session.tensors, "bytes": session.bytes, "layers_processed": len(session.touched),
-                "seconds": seconds}
+        print(
+            f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
+            "the chunks: " + ", ".join(f"{k} {v:.3f}" for k, v in session.seconds.items()),
+            flush=True,
+        )
+        return {
+            "tensors": session.tensors,
+            "bytes": session.bytes,
+            "layers_processed": len(session.touched),
+            "seconds": seconds,
+        }
 
     def direct_load_layout(self) -> dict:
         """What the loader assumes about this engine: its fused expert layers,
@@ -295,8 +313,11 @@ def _session(layout: _Layout, importer) -> _Session:
 
 def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Each parameter's name -> the module that holds it."""
-    return {f"{prefix}.{name}" if prefix else name: module for prefix, module in model.named_modules()
-            for name, _ in module.named_parameters(recurse=False)}  # fmt: skip
+    return {
+        f"{prefix}.{name}" if prefix else name: module
+        for prefix, module in model.named_modules()
+        for name, _ in module.named_parameters(recurse=False)
+    }
 
 
 def _finish(session: _Session, vllm_config) -> dict[str, float]:
@@ -342,8 +363,9 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
             layer_name, _, tensor_name = name.rpartition(".")
             experts = layout.expert_layers.get(layer_name)
             if experts is not None and tensor_name in EXPERT_TENSORS:
-                _copy_local_experts(experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank,
-                                    layout.held_experts[layer_name])  # fmt: skip
+                _copy_local_experts(
+                    experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank, layout.held_experts[layer_name]
+                )
                 session.touched[id(experts)] = experts
             elif name in layout.plain:
                 target = _plain_rows(layout, name, tensor)
@@ -427,9 +449,15 @@ def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tenso
 def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.Tensor | None:
     """`param`'s rows from `row` that a plain copy of `tensor` writes, if
     they fit it (the same dtype and row shape, enough rows); else None."""
-    if (param is None or tensor.dim() == 0 or tensor.numel() == 0 or param.dtype != tensor.dtype
-            or param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:]
-            or row + tensor.shape[0] > param.shape[0]):  # fmt: skip
+    if (
+        param is None
+        or tensor.dim() == 0
+        or tensor.numel() == 0
+        or param.dtype != tensor.dtype
+        or param.dim() != tensor.dim()
+        or param.shape[1:] != tensor.shape[1:]
+        or row + tensor.shape[0] > param.shape[0]
+    ):
         return None  # (a scalar or an empty tensor has no rows to copy: it goes through load_weights)
     return param.data[row : row + tensor.shape[0]]
 
@@ -488,8 +516,9 @@ def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
     )
 
 
-def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int,
-                   held: list[int] | None = None) -> str | None:  # fmt: skip
+def _block_problem(
+    experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int, held: list[int] | None = None
+) -> str | None:
     """Why the trainer rank's block `name` (`shape`, `dtype`) is not exactly
     what this engine's expert layer holds in `param` (the global ids of its
     experts: `held`, or read from vLLM's expert map, which waits for the
@@ -519,8 +548,9 @@ def _block_problem(experts, name: str, param: torch.Tensor, shape, dtype, traine
     return None
 
 
-def _copy_local_experts(experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int,
-                        held: list[int] | None = None) -> None:  # fmt: skip
+def _copy_local_experts(
+    experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int, held: list[int] | None = None
+) -> None:
     """Copy the trainer rank's block of experts into the engine's fused
     parameter, after checking that it is the block this engine holds
     (`held`: its experts' global ids, as _block_problem takes them)."""
@@ -552,7 +582,10 @@ def fp8_scales(experts: torch.nn.Module, param_name: str) -> torch.Tensor | None
     """The block scales of a fused expert weight (`w13_weight`, `w2_weight`)
     that vLLM serves in block-wise FP8, or None if it serves it unquantized.
     (vLLM's per-block online method sets weight_block_size on the layer.)"""
-    if param_name not in EXPERT_TENSORS.values() or list(getattr(experts, "weight_block_size", None) or ()) != [128, 128]:
+    if param_name not in EXPERT_TENSORS.values() or list(getattr(experts, "weight_block_size", None) or ()) != [
+        128,
+        128,
+    ]:
         return None
     return getattr(experts, f"{param_name}_scale_inv", None)
 
@@ -562,8 +595,10 @@ def _fp8_experts():
     try:
         from weight_sync import fp8_experts
     except ImportError as e:
-        raise ImportError("this server serves its routed experts in FP8: copy weight_sync/fp8_experts.py beside "
-                          "direct_load.py, on the server's PYTHONPATH") from e  # fmt: skip
+        raise ImportError(
+            "this server serves its routed experts in FP8: copy weight_sync/fp8_experts.py beside "
+            "direct_load.py, on the server's PYTHONPATH"
+        ) from e
     return fp8_experts
 
 
@@ -639,14 +674,20 @@ def untested_vllm_warning() -> str | None:
 
     if vllm.__version__ in TESTED_VLLM_VERSIONS:
         return None
-    return (f"warning: vLLM {vllm.__version__} is installed; this example is tested on "
-            f"{', '.join(TESTED_VLLM_VERSIONS[:-1])} and {TESTED_VLLM_VERSIONS[-1]} "
-            "(requirements.txt pins the GPU version)")  # fmt: skip
+    return (
+        f"warning: vLLM {vllm.__version__} is installed; this example is tested on "
+        f"{', '.join(TESTED_VLLM_VERSIONS[:-1])} and {TESTED_VLLM_VERSIONS[-1]} "
+        "(requirements.txt pins the GPU version)"
+    )
 
 
 # GPT-OSS's fused expert tensors (transformers' names) -> vLLM 0.33's per-expert names.
-_GPT_OSS_PER_EXPERT = {"gate_up_proj": "w13_weight", "gate_up_proj_bias": "w13_bias",
-                       "down_proj": "w2_weight", "down_proj_bias": "w2_bias"}  # fmt: skip
+_GPT_OSS_PER_EXPERT = {
+    "gate_up_proj": "w13_weight",
+    "gate_up_proj_bias": "w13_bias",
+    "down_proj": "w2_weight",
+    "down_proj_bias": "w2_bias",
+}
 
 
 def _takes_gpt_oss_experts_one_by_one() -> bool:
@@ -661,11 +702,16 @@ def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, l
     shape, dtype), ...]} (GPT-OSS on 0.33: each expert of a fused expert
     tensor alone). Empty where nothing changes."""
     # By the config: FSDP2's fully_shard renames the model's class (FSDPGptOssForCausalLM).
-    if getattr(getattr(model, "config", None), "model_type", None) != "gpt_oss" or not _takes_gpt_oss_experts_one_by_one():
+    if (
+        getattr(getattr(model, "config", None), "model_type", None) != "gpt_oss"
+        or not _takes_gpt_oss_experts_one_by_one()
+    ):
         return {}
     out = {}
     for name, shape, dtype in metadata:
         prefix, _, leaf = name.rpartition(".")
         if prefix.endswith(".mlp.experts") and leaf in _GPT_OSS_PER_EXPERT:
-            out[name] = [(f"{prefix}.{e}.{_GPT_OSS_PER_EXPERT[leaf]}", tuple(shape[1:]), dtype) for e in range(shape[0])]
+            out[name] = [
+                (f"{prefix}.{e}.{_GPT_OSS_PER_EXPERT[leaf]}", tuple(shape[1:]), dtype) for e in range(shape[0])
+            ]
     return out

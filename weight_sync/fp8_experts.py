@@ -43,8 +43,10 @@ def fp8_backend_problem(experts: torch.nn.Module) -> str | None:
     backend = getattr(getattr(method, "fp8_backend", None), "name", None)
     if backend in FP8_AS_QUANTIZED_BACKENDS:
         return None
-    return (f"vLLM's FP8 MoE backend here is {backend}, which lays the quantized experts out its own way; the "
-            "direct loader writes them for the Triton backend: start the server with --moe-backend triton")  # fmt: skip
+    return (
+        f"vLLM's FP8 MoE backend here is {backend}, which lays the quantized experts out its own way; the "
+        "direct loader writes them for the Triton backend: start the server with --moe-backend triton"
+    )
 
 
 def fp8_layout_problem(experts: torch.nn.Module, param_name: str, shape) -> str | None:
@@ -55,11 +57,19 @@ def fp8_layout_problem(experts: torch.nn.Module, param_name: str, shape) -> str 
     weight, scales = getattr(experts, param_name), getattr(experts, f"{param_name}_scale_inv")
     padded = fp8_padded_shape(shape, fp8_shards(experts, param_name))
     want = (*padded[:-2], padded[-2] // FP8_BLOCK, padded[-1] // FP8_BLOCK)
-    if (weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != padded or weight.stride(-1) != 1
-            or scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.stride(-1) != 1):  # fmt: skip
-        return (f"vLLM holds it as {tuple(weight.shape)} {weight.dtype} with scales {tuple(scales.shape)} "
-                f"{scales.dtype}, not as the direct loader writes a block of {tuple(shape)} ({padded} "
-                f"float8_e4m3fn, scales {want} float32)")  # fmt: skip
+    if (
+        weight.dtype != torch.float8_e4m3fn
+        or tuple(weight.shape) != padded
+        or weight.stride(-1) != 1
+        or scales.dtype != torch.float32
+        or tuple(scales.shape) != want
+        or scales.stride(-1) != 1
+    ):
+        return (
+            f"vLLM holds it as {tuple(weight.shape)} {weight.dtype} with scales {tuple(scales.shape)} "
+            f"{scales.dtype}, not as the direct loader writes a block of {tuple(shape)} ({padded} "
+            f"float8_e4m3fn, scales {want} float32)"
+        )
     return None
 
 
@@ -80,8 +90,10 @@ def fp8_scales_to_kernel(experts: torch.nn.Module) -> None:
             if not isinstance(in_use, torch.Tensor) or in_use.data_ptr() == written.data_ptr():
                 continue
             if in_use.shape != written.shape or in_use.dtype != written.dtype:
-                raise RuntimeError(f"vLLM's FP8 MoE kernel reads {config_name} as {tuple(in_use.shape)} "
-                                   f"{in_use.dtype}, not as the layer's {param_name} {tuple(written.shape)}")  # fmt: skip
+                raise RuntimeError(
+                    f"vLLM's FP8 MoE kernel reads {config_name} as {tuple(in_use.shape)} "
+                    f"{in_use.dtype}, not as the layer's {param_name} {tuple(written.shape)}"
+                )
             in_use.copy_(written)
 
 
@@ -143,11 +155,17 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
         _KERNEL_AGREES[block.device] = agrees
         gpu = f"{block.device} ({torch.cuda.get_device_name(block.device)})"
         if agrees:
-            print(f"[direct_load] the FP8 kernel makes vLLM's per_block_cast_to_fp8's bytes on {gpu}, for every "
-                  "case and the first block: quantizing with it", flush=True)  # fmt: skip
+            print(
+                f"[direct_load] the FP8 kernel makes vLLM's per_block_cast_to_fp8's bytes on {gpu}, for every "
+                "case and the first block: quantizing with it",
+                flush=True,
+            )
             return
-        print(f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on {gpu}: "
-              "quantizing through vLLM's function (slower)", flush=True)  # fmt: skip
+        print(
+            f"[direct_load] warning: the FP8 kernel's bytes differ from vLLM's per_block_cast_to_fp8 on {gpu}: "
+            "quantizing through vLLM's function (slower)",
+            flush=True,
+        )
     weight.copy_(quantized)
     scales.copy_(block_scales)
 
@@ -158,7 +176,8 @@ _KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first
 def _same_bytes(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether two (FP8 weight, fp32 scales) pairs are equal byte for byte."""
     return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(
-        got[1].view(torch.int32), want[1].view(torch.int32))  # fmt: skip
+        got[1].view(torch.int32), want[1].view(torch.int32)
+    )
 
 
 def _agrees_on_every_case(device: torch.device) -> bool:
@@ -175,9 +194,19 @@ def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False)
     as PyTorch computes it on a CPU, instead of amax times fp32(1 / 448), as on CUDA)."""
     rows, columns = block.shape[1] // shards, block.shape[2]
     grid = (weight.shape[1] // FP8_BLOCK, weight.shape[2] // FP8_BLOCK, block.shape[0])
-    _fp8_blocks_kernel[grid](block, weight.view(torch.uint8), scales, rows, weight.shape[1] // shards, columns,
-                             *block.stride(),
-                             *weight.stride()[:2], *scales.stride()[:2], BLOCK=FP8_BLOCK, DIVIDE=divide)  # fmt: skip
+    _fp8_blocks_kernel[grid](
+        block,
+        weight.view(torch.uint8),
+        scales,
+        rows,
+        weight.shape[1] // shards,
+        columns,
+        *block.stride(),
+        *weight.stride()[:2],
+        *scales.stride()[:2],
+        BLOCK=FP8_BLOCK,
+        DIVIDE=divide,
+    )
 
 
 try:  # vLLM's GPU builds depend on Triton; without it, vLLM's own function quantizes
@@ -204,8 +233,23 @@ if triton is not None:
         return (out & 0xFF).to(tl.uint8)
 
     @triton.jit
-    def _fp8_blocks_kernel(block, weight, scales, rows, padded_rows, columns, block_e, block_r, block_c,
-                           weight_e, weight_r, scales_e, scales_r, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):  # fmt: skip
+    def _fp8_blocks_kernel(
+        block,
+        weight,
+        scales,
+        rows,
+        padded_rows,
+        columns,
+        block_e,
+        block_r,
+        block_c,
+        weight_e,
+        weight_r,
+        scales_e,
+        scales_r,
+        BLOCK: tl.constexpr,
+        DIVIDE: tl.constexpr,
+    ):
         # One 128 x 128 block of one expert's padded weight, in per_block_cast_to_fp8's arithmetic
         # (vLLM compiles that function with torch.compile): amax in fp32, at least 1e-4; the scale
         # amax / 448, the elements times 1 / scale, cast to e4m3 rounding to nearest even

@@ -98,9 +98,7 @@ PRESETS["moonlight-16b-a3b-shape"] = {
 
 # One small random model per MoE family that transformers 5 and vLLM 0.32 both
 # implement (model_families.py): tiny-mixtral, tiny-deepseek-v3, ...
-PRESETS.update(
-    {f"tiny-{name.replace('_', '-')}": config for name, config in FAMILIES.items() if name != "qwen3_moe"}
-)
+PRESETS.update({f"tiny-{name.replace('_', '-')}": config for name, config in FAMILIES.items() if name != "qwen3_moe"})
 
 _TOKENIZER_CORPUS = (
     "The capital of France is Paris. The future of AI is bright. Hello, my name is "
@@ -153,8 +151,9 @@ def preset_dir(name: str) -> Path | None:
     import tempfile
 
     versions = [importlib.metadata.version(p) for p in ("tokenizers", "transformers")]
-    recipe = json.dumps([PRESETS[name], inspect.getsource(build_preset), CHAT_TEMPLATE, _TOKENIZER_CORPUS, versions],
-                        sort_keys=True)  # fmt: skip
+    recipe = json.dumps(
+        [PRESETS[name], inspect.getsource(build_preset), CHAT_TEMPLATE, _TOKENIZER_CORPUS, versions], sort_keys=True
+    )
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     root = base / "rlhf_ipc_fsdp_ep" / "presets"
     out = root / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
@@ -347,9 +346,12 @@ def load_pretrained_weights(model: torch.nn.Module, model_path: str | os.PathLik
         config = LoadStateDictConfig(dtype=None, device_map={"": "cpu"}, weight_mapping=mapping)
         # The patch is process-wide while it lasts: one load at a time, and no other from_pretrained
         # meanwhile in this process (its set_param_for_module would be ours).
-        with (_ONE_LOAD_AT_A_TIME, mock.patch.object(core_model_loading, "set_param_for_module", _copy_into_shard),
-              _env("HF_DEACTIVATE_ASYNC_LOAD", "1")):  # read one tensor at a time, not all of them ahead
-            info, _ = core_model_loading.convert_and_load_state_dict_in_model(model, slices, config)  # fmt: skip
+        with (
+            _ONE_LOAD_AT_A_TIME,
+            mock.patch.object(core_model_loading, "set_param_for_module", _copy_into_shard),
+            _env("HF_DEACTIVATE_ASYNC_LOAD", "1"),
+        ):  # read one tensor at a time, not all of them ahead
+            info, _ = core_model_loading.convert_and_load_state_dict_in_model(model, slices, config)
     _check_loaded(model, model_path, mapping, info)
     return read[0]
 
@@ -427,10 +429,17 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
     # FSDP2 splits like torch.chunk: a rank can hold no rows of a tensor (16 ranks, 60 experts), and
     # then transformers, reading none of its sources, reports it missing or unconvertible.
-    empty = {n for n, t in sources.state_tensors(model).items()
-             if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0}  # fmt: skip
-    problems = {"missing": sorted(info.missing_keys - tied - empty), "of another shape": sorted(info.mismatched_keys),
-                "not converted": sorted(set(info.conversion_errors) - empty)}  # fmt: skip
+    empty = {
+        n
+        for n, t in sources.state_tensors(model).items()
+        if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0
+    }
+    problems = {
+        "missing": sorted(info.missing_keys - tied - empty),
+        "of another shape": sorted(info.mismatched_keys),
+        "not converted": sorted(set(info.conversion_errors) - empty),
+    }
     if any(problems.values()):
-        raise ValueError(f"checkpoint {model_path} does not fit the model: "
-                         f"{ {k: v[:5] for k, v in problems.items() if v} }")  # fmt: skip
+        raise ValueError(
+            f"checkpoint {model_path} does not fit the model: { {k: v[:5] for k, v in problems.items() if v} }"
+        )

@@ -62,8 +62,15 @@ def open_tcp_rendezvous(host: str, world_size: int, timeout) -> tuple:
     global _listener
     _listener = socket.create_server((host, 0))
     port = _listener.getsockname()[1]
-    store = dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=_listener.fileno(),
-                          wait_for_workers=False, timeout=timeout)  # fmt: skip
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        master_listen_fd=_listener.fileno(),
+        wait_for_workers=False,
+        timeout=timeout,
+    )
     return store, port
 
 
@@ -102,8 +109,15 @@ class NodeServer:
         self.node_index, self.server = node_index, None
         self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # private (0700), like the first node's
 
-    def start(self, model: str, serve_flags: list[str], log_path: str, env: dict,
-              launcher=DEFAULT_LAUNCHER, resolve_model=None) -> str:  # fmt: skip
+    def start(
+        self,
+        model: str,
+        serve_flags: list[str],
+        log_path: str,
+        env: dict,
+        launcher=DEFAULT_LAUNCHER,
+        resolve_model=None,
+    ) -> str:
         """Start `vllm serve <model's local path> <serve_flags>`; returns where
         this node is, for messages. `model`: the directory the driver
         resolved (it must be at that path on this node too), or what
@@ -113,8 +127,13 @@ class NodeServer:
         except SystemExit as e:  # its one-line error, for this node
             raise ServerError(f"{self.where()}: {e}") from None
         env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
-        self.server = start_server([str(model_path), *serve_flags], socket_path=self.workdir / "vllm.sock",
-                                   log_path=log_path, env=env, launcher=launcher)  # fmt: skip
+        self.server = start_server(
+            [str(model_path), *serve_flags],
+            socket_path=self.workdir / "vllm.sock",
+            log_path=log_path,
+            env=env,
+            launcher=launcher,
+        )
         return self.where()
 
     def pgid(self) -> int:
@@ -129,8 +148,10 @@ class NodeServer:
         """None while the server runs; else how it ended, with its log's end."""
         if self.server is None or (code := self.server.proc.poll()) is None:
             return None
-        return (f"the vLLM server on {self.where()} exited with code {code}; last lines of "
-                f"{self.server.log_path}:\n{log_tail(self.server, 15)}")  # fmt: skip
+        return (
+            f"the vLLM server on {self.where()} exited with code {code}; last lines of "
+            f"{self.server.log_path}:\n{log_tail(self.server, 15)}"
+        )
 
     def stop(self) -> None:
         if self.server is not None:
@@ -144,8 +165,15 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node: list[list[str]],
-                       launcher=DEFAULT_LAUNCHER, resolve_model=None) -> list:  # fmt: skip
+def start_node_servers(
+    pg,
+    model: str,
+    log_path: str,
+    env: dict,
+    flags_per_node: list[list[str]],
+    launcher=DEFAULT_LAUNCHER,
+    resolve_model=None,
+) -> list:
     """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
     node's bundle starts `vllm serve <model> <flags>` there, its log at
     `log_path` made absolute, with `.node<k>` before the suffix (on that
@@ -160,13 +188,22 @@ def start_node_servers(pg, model: str, log_path: str, env: dict, flags_per_node:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
-    servers = [actor.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=k)).remote(k) for k in range(1, len(flags_per_node) + 1)]  # fmt: skip
+    servers = [
+        actor.options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k)
+        ).remote(k)
+        for k in range(1, len(flags_per_node) + 1)
+    ]
     try:
-        ray_get_all([server.start.remote(model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher,
-                                         resolve_model)
-                     for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)],
-                    who="the Ray actor of a node's vLLM server")  # fmt: skip
+        ray_get_all(
+            [
+                server.start.remote(
+                    model, flags, str(log.with_suffix(f".node{k}{log.suffix}")), env, launcher, resolve_model
+                )
+                for k, (server, flags) in enumerate(zip(servers, flags_per_node, strict=True), start=1)
+            ],
+            who="the Ray actor of a node's vLLM server",
+        )
     except BaseException:
         stop_node_servers(servers)  # those that did start
         raise
@@ -189,8 +226,9 @@ def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> 
     failures = []
     for k, ref in enumerate(asked, start=1):
         try:
-            failures.append(ray.get(ref) if ref in answered else
-                            f"the Ray actor of node {k}'s vLLM server does not answer (60 s)")  # fmt: skip
+            failures.append(
+                ray.get(ref) if ref in answered else f"the Ray actor of node {k}'s vLLM server does not answer (60 s)"
+            )
         except ray.exceptions.RayActorError as e:
             failures.append(f"the Ray actor of node {k}'s vLLM server is lost: {death_cause(e)}")
     if failures := [f for f in failures if f]:
@@ -220,5 +258,8 @@ def job_env() -> dict[str, str]:
     where its dashboard and job list show it). Interface names
     (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`) set here hold on every node."""
     prefixes, secret = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_"), ("TOKEN", "KEY", "SECRET", "PASSWORD")
-    return {k: v for k, v in os.environ.items()
-            if k.startswith(prefixes) and k != "VLLM_HOST_IP" and not any(s in k for s in secret)}  # fmt: skip
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(prefixes) and k != "VLLM_HOST_IP" and not any(s in k for s in secret)
+    }

@@ -60,11 +60,18 @@ class DirectLoadClient:
     that completes it also finishes the sync. A send of one chunk is one
     round trip."""
 
-    def __init__(self, sock: str, trainer_gpu_uuids: list[str], expert_blocks: dict[str, tuple],
-                 experts_in_place: ExpertsInPlace | None = None, packed_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: str,
+        trainer_gpu_uuids: list[str],
+        expert_blocks: dict[str, tuple],
+        experts_in_place: ExpertsInPlace | None = None,
+        packed_bytes: int | None = None,
+    ) -> None:
         if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
-            raise ValueError(f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader "
-                             "needs one rank per GPU")  # fmt: skip
+            raise ValueError(
+                f"two trainer ranks on one GPU ({trainer_gpu_uuids}): the direct loader needs one rank per GPU"
+            )
         self.sock = sock
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
@@ -240,16 +247,19 @@ class CheckpointForm:
     transformers' conversion leaves as it is (one tensor, same name and shape:
     most of them) skips the conversion on every sync."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=(),
-                 fresh: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=(), fresh: bool = True
+    ) -> None:
         self._model, self._dtype, self._fresh = model, dtype, fresh
         state, excluded, params = state_tensors(model), set(exclude), {n for n, _ in model.named_parameters()}
         self._groups, self._unchanged, self._owners, self._group_metadata, renamed = [], [], [], [], []
         for group in conversion_groups(model):
             if set(group) & excluded:
                 if not set(group) <= excluded:  # would drop a tensor nobody sends
-                    raise ValueError(f"{sorted(set(group) - excluded)} convert together with "
-                                     f"{sorted(set(group) & excluded)}, which are sent another way")  # fmt: skip
+                    raise ValueError(
+                        f"{sorted(set(group) - excluded)} convert together with "
+                        f"{sorted(set(group) & excluded)}, which are sent another way"
+                    )
                 continue
             meta = {n: _meta(state[n]) for n in group}
             out = _revert(model, meta)
@@ -261,15 +271,19 @@ class CheckpointForm:
             self._group_metadata.append(metadata)
         # Where each tensor lives (module, attribute), found once: FSDP2 swaps the attribute
         # for the unsharded parameter while its module is unsharded, so it is read on every sync.
-        self._where = {n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
-                       for group in self._groups for n in group}  # fmt: skip
+        self._where = {
+            n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+            for group in self._groups
+            for n in group
+        }
         # Each tensor's origin where it is one model tensor, cast or renamed (its whole under FSDP2):
         # (module, attribute); or one expert's piece of a fused expert tensor: (module, attribute,
         # (expert, first row of dim 1, rows)); None where a conversion makes it from others.
         fused = fused_expert_tensors(model)
         origins = []
-        for group, metadata, unchanged, only_renamed in zip(self._groups, self._group_metadata, self._unchanged,
-                                                            renamed, strict=True):  # fmt: skip
+        for group, metadata, unchanged, only_renamed in zip(
+            self._groups, self._group_metadata, self._unchanged, renamed, strict=True
+        ):
             if unchanged or only_renamed:
                 origins.append([self._where[name] for name in group])
             else:
@@ -278,7 +292,8 @@ class CheckpointForm:
         # Each group's tensors' dtypes as sent, by name: worked out here, not on every sync.
         dtypes = [{name: dtype for name, _, dtype in metadata} for metadata in self._group_metadata]
         self._groups, self._unchanged, self._owners, self._dtypes = (
-            [x[i] for i in order] for x in (self._groups, self._unchanged, self._owners, dtypes))  # fmt: skip
+            [x[i] for i in order] for x in (self._groups, self._unchanged, self._owners, dtypes)
+        )
         self.metadata = [m for i in order for m in self._group_metadata[i]]
         self.origins = [o for i in order for o in origins[i]]
 
@@ -286,8 +301,9 @@ class CheckpointForm:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         unsharded = None  # the FSDP2 module whose parameters are gathered now
         try:
-            for group, unchanged, owner, dtypes in zip(self._groups, self._unchanged, self._owners, self._dtypes,
-                                                       strict=True):  # fmt: skip
+            for group, unchanged, owner, dtypes in zip(
+                self._groups, self._unchanged, self._owners, self._dtypes, strict=True
+            ):
                 if owner is not unsharded:
                     if unsharded is not None:
                         unsharded.reshard()
@@ -296,8 +312,10 @@ class CheckpointForm:
                     unsharded = owner
                 gathered = {n: _full(getattr(*self._where[n])).detach() for n in group}
                 if owner is not None and (wrong := {t.dtype for t in gathered.values()} - {self._dtype, torch.float32}):
-                    raise ValueError(f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
-                                     f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}")  # fmt: skip
+                    raise ValueError(
+                        f"FSDP gathers {group} in {wrong}: its compute dtype (MixedPrecisionPolicy's "
+                        f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}"
+                    )
                 for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
                     # Fresh: a copy of what FSDP gathered, since reshard() frees its memory
                     # and a consumer may keep what it was given (vLLM's unpacked send does).
@@ -310,8 +328,10 @@ class CheckpointForm:
 
 # Which rows of a fused expert tensor ([E, 2I, H] gate rows then up rows; [E, H, I]) each expert's
 # tensor in checkpoint form is, by its name: what the conversion must have cut it from.
-_EXPERT_PIECES = {"gate_up_proj": {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}, "down_proj": {"down_proj": None,
-                                                                                                     "w2": None}}
+_EXPERT_PIECES = {
+    "gate_up_proj": {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1},
+    "down_proj": {"down_proj": None, "w2": None},
+}
 _ONE_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
@@ -344,6 +364,7 @@ def _gather_order(owners: list) -> list[int]:
     each module's groups together, where its first group was (the root's
     embeddings and lm_head, a layer's experts and its norms are apart in the
     model's own order); a group no module gathers keeps its place."""
+
     def module_of(i: int):
         return id(owners[i]) if owners[i] is not None else ("alone", i)
 
@@ -353,8 +374,9 @@ def _gather_order(owners: list) -> list[int]:
     return sorted(range(len(owners)), key=lambda i: (first[module_of(i)], i))
 
 
-def _fsdp_owner(model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype],
-                dtype: torch.dtype | None):  # fmt: skip
+def _fsdp_owner(
+    model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype], dtype: torch.dtype | None
+):
     """The FSDP2 module whose unshard() gathers the parameters `names`
     (`params`: the model's parameter names), if one module does and all are
     sent cast to `dtype` (FSDP's gather in its compute dtype then gives the
@@ -527,11 +549,15 @@ class BF16Source(TrainerSource):
         # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
         # model tensor cast (its whole under FSDP2), and (expert, first row, rows) after them if it
         # is one expert's slice of it; else None. Lets a check read the model instead.
-        self.origins = [None if not origin or (meta[0] in split and len(origin) > 2)
-                        else (*origin[:2], False, (e, 0, meta[1][1])) if meta[0] in split  # its expert e, whole
-                        else (*origin[:2], False, *origin[2:])
-                        for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
-                        for e, _ in enumerate(split.get(meta[0], [meta]))]  # fmt: skip
+        self.origins = [
+            None
+            if not origin or (meta[0] in split and len(origin) > 2)
+            else (*origin[:2], False, (e, 0, meta[1][1]))
+            if meta[0] in split  # its expert e, whole
+            else (*origin[:2], False, *origin[2:])
+            for meta, origin in zip(self._form.metadata, self._form.origins, strict=True)
+            for e, _ in enumerate(split.get(meta[0], [meta]))
+        ]
 
     def param_metas(self) -> list[ParamMeta]:
         return self._metas
@@ -563,11 +589,14 @@ class LocalExpertSource(BF16Source):
         self._blocks = expert_block_names(module)  # in-memory name -> name sent
         super().__init__(module, exclude=self._blocks, fresh=False)
         self._params = dict(module.named_parameters())
-        self.expert_blocks = {sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
-                              for name, sent in self._blocks.items()}  # fmt: skip
+        self.expert_blocks = {
+            sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
+            for name, sent in self._blocks.items()
+        }
         self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
-        self.origins += [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True)
-                         for name in self._blocks]  # fmt: skip
+        self.origins += [
+            (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True) for name in self._blocks
+        ]
         own = {sent: self._params[name] for name, sent in self._blocks.items()}
         self.experts_in_place = ExpertsInPlace(own) if ExpertsInPlace.possible(own) else None
 
@@ -594,6 +623,8 @@ def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None
         if layout["transposed"] or not layout["concatenated"]:
             return f"{name} is not in vLLM's fused expert layout (gate rows, then up rows){fix}"
         if layout["shape"][0] % world_size:
-            return (f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
-                    f"{world_size} GPUs as the direct loader needs{fix}")  # fmt: skip
+            return (
+                f"{name} has {layout['shape'][0]} experts, which do not split evenly over "
+                f"{world_size} GPUs as the direct loader needs{fix}"
+            )
     return None
