@@ -1630,7 +1630,7 @@ class FingerprintedSource(SourceWrapper):
                 raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
             local, offset, is_partial = shard
             if piece:  # one expert's rows of a fused expert tensor: from the rank that holds that expert
-                (expert, first, rows), mine = piece[0], piece[0][0] - offset
+                (_, first, rows), mine = piece[0], piece[0][0] - offset
                 self._partial += [index] if is_partial else []
                 if not 0 <= mine < local.shape[0]:  # another rank's expert: this rank adds nothing
                     nothing = nothing if nothing is not None else torch.zeros(3, dtype=torch.int64, device=local.device)

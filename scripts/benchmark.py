@@ -35,9 +35,9 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the script and its packages
-from proof import checks  # noqa: E402
 import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
+from proof import checks  # noqa: E402
 
 LOADERS = ("vllm", "direct")
 

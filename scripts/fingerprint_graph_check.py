@@ -7,7 +7,10 @@ and how long each call takes.
     python3 scripts/fingerprint_graph_check.py
 """
 
-import sys, time, torch
+import sys
+import time
+
+import torch
 
 sys.path.insert(0, ".")
 from proof import exact_check_engine as d

@@ -8,7 +8,12 @@ and a plain sum (`sum_s`), each the mean of 10 after a warm-up. JSON to
     python3 scripts/fingerprint_kernel_bench.py
 """
 
-import json, sys, time, torch, triton, triton.language as tl
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, ".")
 from proof import exact_check_engine as dl
@@ -97,6 +102,5 @@ for shape in [(64, 2816, 2048), (64, 2048, 1408), (8192, 4096)]:
     r["sum_s"] = bench(lambda: t.sum())
     out[str(shape)] = r
     print(shape, json.dumps(r), flush=True)
-import os
 
 json.dump(out, open("fp.json", "w"), indent=1)

@@ -21,9 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from weight_sync import models  # noqa: E402
-import helpers  # noqa: E402
-from weight_sync import sources  # noqa: E402
+from weight_sync import models, sources  # noqa: E402
 
 FILE_BYTES = 5 * 10**9
 

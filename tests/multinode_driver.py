@@ -21,19 +21,17 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TESTS), str(TESTS.parent)]
 
-import conftest  # noqa: E402,F401  (its environment: no auth, offline, ...)
 import ray  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from proof import checks  # noqa: E402
+import conftest  # noqa: E402,F401  (its environment: no auth, offline, ...)
 import helpers  # noqa: E402
-from weight_sync import models  # noqa: E402
-from weight_sync import multinode  # noqa: E402
-from proof import program  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
+from proof import checks, program  # noqa: E402
+from weight_sync import models, multinode  # noqa: E402
 
 SLEEPS = (
     sys.executable,

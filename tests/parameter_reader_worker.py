@@ -4,8 +4,8 @@ float32), `fp8_parameter_names()` (exact_check_engine's), and
 `fp8_kernel_agrees()` (fp8_experts' verdict per device)."""
 
 from proof import exact_check_engine
-from weight_sync import fp8_experts
 from proof.exact_check_engine import ExactCheckWorker
+from weight_sync import fp8_experts
 
 
 class ParameterReader(ExactCheckWorker):

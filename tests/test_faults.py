@@ -15,14 +15,12 @@ import time
 import pytest
 import ray.cloudpickle
 import torch.distributed as dist
-from conftest import start_cpu_server
 
-from proof import checks
 import helpers
-from weight_sync import sources
-from weight_sync import models
-from proof import program
 import rlhf_ipc_fsdp_ep as script
+from conftest import start_cpu_server
+from proof import checks, program
+from weight_sync import models, sources
 
 # Ray's workers cannot import this test module: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

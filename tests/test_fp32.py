@@ -11,10 +11,8 @@ would agree on the rounded value."""
 import pytest
 import torch
 
-from weight_sync import models
-import helpers
-from weight_sync import sources
 from conftest import run_ranks
+from weight_sync import models, sources
 
 PRESETS = ("tiny-deepseek-v3", "tiny-glm4-moe")
 BIAS = "e_score_correction_bias"

@@ -10,9 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from conftest import private_socket_path
-
 import helpers
+from conftest import private_socket_path
 from proof import program
 
 TESTS = Path(__file__).resolve().parent

@@ -9,13 +9,13 @@ import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import pytest
 from pathlib import Path
 
-from proof import checks
+import pytest
+
 import helpers
 from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
+from proof import checks
 
 
 def test_health_and_sleep_state(cpu_server):

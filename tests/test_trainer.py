@@ -8,10 +8,10 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from proof import checks
 import helpers
 import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, run_ranks
+from proof import checks
 
 
 def _gather_source(trainer, ckpt, random_init, out_dir, loader):

@@ -15,10 +15,8 @@ from conftest import run_ranks
 def _consume_as_vllm_does(trainer, ckpt, out_dir):
     from vllm.distributed.weight_transfer.base import WeightSource
 
-    from proof import checks
-    import helpers
+    from proof import checks, exact_check_engine
     from weight_sync import sources
-    from proof import exact_check_engine
 
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=False)
@@ -110,9 +108,7 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     takes, and either way the same values."""
     from test_families import build_model
 
-    import helpers
-    from weight_sync import sources
-    from weight_sync import direct_load
+    from weight_sync import direct_load, sources
 
     hf = build_model("gpt_oss", device="cpu")
     fused = dict(sources.CheckpointForm(hf, torch.bfloat16))
@@ -151,12 +147,12 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     count as a bf16 trainer's on a GPU.)"""
     from types import SimpleNamespace
 
+    from test_families import build_model
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from proof import checks
     import helpers
+    from proof import checks
     from weight_sync import sources
-    from test_families import build_model
 
     given = []
     monkeypatch.setattr(

@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
-
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}

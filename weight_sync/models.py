@@ -20,7 +20,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import helpers
 from weight_sync import sources
 from weight_sync.model_families import FAMILIES
 

@@ -50,7 +50,6 @@ import torch.distributed as dist
 
 from helpers import DEFAULT_LAUNCHER, ServerError, death_cause, log_tail, ray_get_all, start_server, stop_server
 
-
 _listener = None  # rank 0's: the TCP socket its store listens on
 
 
