@@ -41,7 +41,6 @@ import helpers
 from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
 from proof import checks, program, toy_rl
 from weight_sync import models, sources
-from weight_sync.direct_load import untested_vllm_warning
 from weight_sync.multinode import (
     free_port,
     gloo_interface_env,
@@ -49,6 +48,7 @@ from weight_sync.multinode import (
     start_node_servers,
     stop_node_servers,
 )
+from weight_sync.vllm_adapter import loader_choice, untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -82,10 +82,10 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--weight-loader",
         choices=("direct", "vllm"),
-        default="direct",
-        help="direct: the server's direct "
+        help="direct (the default): the server's direct "
         "loader (direct_load.py), each GPU gets its own experts in one copy per layer; vllm: vLLM's "
-        "/update_weights route. direct needs --tensor-parallel-size 1",
+        "/update_weights route. direct needs --tensor-parallel-size 1. Left out, vLLM's loader where the "
+        "installed vLLM lacks what the direct loader needs (weight_sync/vllm_adapter.py), saying so",
     )
     add(
         "--rollout-dtype",
@@ -170,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
     args.prompts = args.prompts or DEFAULT_PROMPTS
+    args.weight_loader, args.weight_loader_reason = loader_choice(args.weight_loader, args.rollout_dtype == "fp8")
+    if args.weight_loader_reason not in ("the default", "asked for"):
+        print(f"[sync] {args.weight_loader_reason}", flush=True)
     if problem := checks.flag_problem(args):
         p.error(problem)
     if warning := untested_vllm_warning():

@@ -1082,6 +1082,7 @@ def run_facts(args, job) -> dict:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
         "weight_loader": args.weight_loader,
+        "weight_loader_reason": getattr(args, "weight_loader_reason", None),  # the default, or why not
         "rollout_dtype": args.rollout_dtype,  # what vLLM serves the routed experts in
         "packed": args.packed,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,

@@ -36,6 +36,7 @@ from weight_sync.direct_load import (
     local_expert_ids,
 )
 from weight_sync.fp8_experts import fp8_reference, fp8_shards
+from weight_sync.vllm_adapter import internal
 
 try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
     import triton
@@ -183,7 +184,7 @@ def exact_targets(
     fp32): the trainer fingerprints those cast, as vLLM's loader casts them;
     the parameters to compare by value alone (_relaid_out); and those written
     whole from one tensor of their shape, compared element by element."""
-    from vllm.config import set_current_vllm_config
+    set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
 
     device = next(model.parameters()).device
     layers = _expert_layers(model)  # by vLLM's layer name
@@ -461,7 +462,7 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
     load (MLA's absorbed W_UK_T and W_UV, from kv_b_proj; direct_load_finish
     runs that processing, as vLLM's loader does). The exact check proves
     their sources; the logprob gate, their use."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    is_deferred_attention_layer = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
 
     return [
         f"{prefix}.{name}"

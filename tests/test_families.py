@@ -930,9 +930,9 @@ def test_gpt_oss_experts_sent_one_by_one_are_fingerprinted_from_the_fused_tensor
     """Where vLLM takes GPT-OSS's experts one at a time (0.33), BF16Source
     sends each expert of a fused tensor alone: its origin is that expert of
     the model's own tensor, so the trainer fingerprints what it holds."""
-    from weight_sync import direct_load
+    from weight_sync import vllm_adapter
 
-    monkeypatch.setattr(direct_load, "_takes_gpt_oss_experts_one_by_one", lambda: True)
+    monkeypatch.setattr(vllm_adapter, "takes_gpt_oss_experts_one_by_one", lambda: True)
     hf = build_model("gpt_oss", device="cpu")
     with torch.no_grad():
         for _, t in hf.named_parameters():

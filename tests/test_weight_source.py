@@ -108,7 +108,7 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     takes, and either way the same values."""
     from test_families import build_model
 
-    from weight_sync import direct_load, sources
+    from weight_sync import sources, vllm_adapter
 
     hf = build_model("gpt_oss", device="cpu")
     fused = dict(sources.CheckpointForm(hf, torch.bfloat16))
@@ -116,9 +116,9 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     # FSDPGptOssForCausalLM, which must not matter. (This one instance only.)
     hf.__class__ = type(f"FSDP{type(hf).__name__}", (type(hf),), {})
     as_installed = dict(iter(sources.BF16Source(hf)))
-    if not direct_load._takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
+    if not vllm_adapter.takes_gpt_oss_experts_one_by_one():  # vLLM 0.32: as the checkpoint
         assert list(as_installed) == list(fused)
-    monkeypatch.setattr(direct_load, "_takes_gpt_oss_experts_one_by_one", lambda: True)
+    monkeypatch.setattr(vllm_adapter, "takes_gpt_oss_experts_one_by_one", lambda: True)
     source = sources.BF16Source(hf)
     split = dict(iter(source))
     assert [m.name for m in source.metadata] == list(split)

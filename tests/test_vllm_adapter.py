@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vLLM internals the direct loader uses, named in one place (weight_sync/vllm_adapter.py): each is there
+in the installed vLLM; one taken away, as a newer vLLM would, makes the default run fall back to vLLM's own
+loader, naming it, and that run syncs exactly; the direct loader asked for explicitly stops instead. Also the
+direct loader's layout learned before the first sync, and the post-load processing a later sync skips."""
+
+import base64
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_families import _sent, _sync, build_model, vllm_models  # noqa: F401  (the fixture)
+
+import rlhf_ipc_fsdp_ep as script
+from proof import exact_check_engine
+from weight_sync import direct_load, sources, vllm_adapter
+
+
+def test_every_internal_is_there_in_the_installed_vllm():
+    assert vllm_adapter.missing_internals(fp8=True) == []
+    assert len({(i.module, i.name) for i in vllm_adapter.INTERNALS}) == len(vllm_adapter.INTERNALS)
+    assert all(i.purpose and i.seen_in for i in vllm_adapter.INTERNALS)
+
+
+def test_the_direct_loaders_code_reaches_vllm_internals_only_through_the_adapter():
+    """No module of the direct loader, its FP8 path or the exact check's engine half imports a vLLM module
+    outside vLLM's public weight-transfer API itself: each goes through vllm_adapter.internal()."""
+    from pathlib import Path
+
+    root = Path(script.__file__).parent
+    for path in ["weight_sync/direct_load.py", "weight_sync/fp8_experts.py", "proof/exact_check_engine.py"]:
+        for line in (root / path).read_text().splitlines():
+            if line.strip().startswith(("from vllm", "import vllm")):
+                assert "vllm.distributed.weight_transfer.base" in line, f"{path}: {line.strip()}"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("vllm.model_executor.model_loader.utils", "process_weights_after_loading"),
+        ("vllm.distributed.weight_transfer.packed_tensor", "unpack_tensor"),
+        ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts"),
+    ],
+)
+def test_an_internal_taken_away_is_named(module, name, monkeypatch):
+    import importlib
+
+    monkeypatch.delattr(importlib.import_module(module), name)
+    (problem,) = vllm_adapter.missing_internals()
+    assert f"{module}.{name} is missing" in problem
+
+
+def test_an_internal_with_another_signature_is_named(monkeypatch):
+    from vllm.model_executor.model_loader import utils
+
+    monkeypatch.setattr(utils, "process_weights_after_loading", lambda model, config: None)
+    (problem,) = vllm_adapter.missing_internals()
+    assert "takes (model, config), not (model, model_config, target_device)" in problem
+
+
+def test_without_an_internal_the_default_run_syncs_through_vllms_loader_exactly(monkeypatch, capsys, vllm_models):
+    """The script's own flags, as a user gives them: the direct loader left to its default, and the installed
+    vLLM lacking one internal it needs. The run says so in one line naming it, records the loader and why,
+    and its sync, through vLLM's own loader, holds exactly what the trainer sent."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    monkeypatch.delattr(packed_tensor, "unpack_tensor")
+    args = script.parse_args(["--model", "tiny", "--num-gpus", "1"])
+    out = capsys.readouterr().out
+    assert args.weight_loader == "vllm"
+    assert "vllm.distributed.weight_transfer.packed_tensor.unpack_tensor is missing" in args.weight_loader_reason
+    assert f"[sync] {args.weight_loader_reason}" in out and "syncing through vLLM's own loader instead" in out
+
+    hf = build_model("qwen3_moe", device="cpu")
+    with torch.no_grad():
+        for t in hf.parameters():
+            t.normal_()
+    vllm_model = vllm_models("qwen3_moe")
+    sent = _sent(hf, args.weight_loader)
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), False] for n, t in sent]
+    targets, casts, values_only, whole = exact_check_engine.exact_targets(
+        vllm_model, metas, vllm_model.test_vllm_config
+    )
+    prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+    _sync(vllm_model, sent, args.weight_loader)
+    checked, problems = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)
+    assert problems == [] and checked > 0
+
+
+def test_without_an_internal_the_direct_loader_asked_for_stops_naming_it(monkeypatch):
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    monkeypatch.delattr(packed_tensor, "unpack_tensor")
+    with pytest.raises(SystemExit, match=r"error: the direct loader needs what this vLLM lacks: .*unpack_tensor"):
+        script.parse_args(["--model", "tiny", "--num-gpus", "1", "--weight-loader", "direct"])
+    assert script.parse_args(["--model", "tiny", "--weight-loader", "vllm"]).weight_loader_reason == "asked for"
+
+
+def test_with_every_internal_the_default_is_the_direct_loader(capsys):
+    args = script.parse_args(["--model", "tiny"])
+    assert (args.weight_loader, args.weight_loader_reason) == ("direct", "the default")
+    assert "[sync]" not in capsys.readouterr().out
+
+
+def _worker(vllm_model) -> direct_load.DirectLoadWorker:
+    worker = direct_load.DirectLoadWorker()
+    worker.model_runner = SimpleNamespace(get_model=lambda: vllm_model)
+    worker.vllm_config = vllm_model.test_vllm_config
+    return worker
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_layout_learned_before_the_first_sync_is_what_the_first_sync_learns(family, vllm_models):
+    """direct_load_learn, which DirectLoadClient calls when vLLM's IPC engine is built, learns from the
+    names, shapes and dtypes alone what a first sync would learn from its tensors; the sync after it then
+    probes nothing and writes exactly what the trainer sent."""
+    import json
+
+    hf = build_model(family, device="cpu")
+    with torch.no_grad():
+        for t in hf.parameters():
+            t.normal_()
+    sent = _sent(hf, "direct")
+    blocks = set(sources.expert_block_names(hf).values())
+    others = [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in sent if n not in blocks]
+    vllm_model = vllm_models(family, own=True)
+    by_first_sync = direct_load._layout(vllm_model)
+    _sync(vllm_model, sent, "direct", by_first_sync)
+
+    worker = _worker(vllm_model)
+    learned = worker.direct_load_learn(json.dumps(others))
+    layout = worker._direct_layout
+    assert layout.plain == by_first_sync.plain and layout.plain
+    assert layout.through_loader == by_first_sync.through_loader
+    assert learned["plain"] == len(layout.plain)
+
+    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+    targets, casts, values_only, whole = exact_check_engine.exact_targets(
+        vllm_model, metas, vllm_model.test_vllm_config
+    )
+    prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+    probed = []
+    original = direct_load._learn
+    try:
+        direct_load._learn = lambda *a: probed.append(a[1]) or original(*a)
+        _sync(vllm_model, sent, "direct", layout)
+    finally:
+        direct_load._learn = original
+    assert probed == []
+    assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == []
+
+
+class _UnquantizedFusedMoEMethod:
+    def __init__(self, backend: str) -> None:
+        self.unquantized_backend = SimpleNamespace(name=backend)
+
+
+def test_a_later_sync_skips_only_the_post_load_processing_that_derives_nothing_on_cuda(monkeypatch):
+    """On CUDA a bf16 linear layer's and a Triton bf16 expert layer's processing is skipped after an
+    in-place rewrite; any other method runs again (FlashInfer re-lays the experts out, FP8 requantizes);
+    off CUDA every one runs again (vLLM on CPU packs the linear layers' weights)."""
+    from vllm.platforms import current_platform
+
+    unquantized = type("UnquantizedLinearMethod", (), {})()
+    triton_moe = type("UnquantizedFusedMoEMethod", (_UnquantizedFusedMoEMethod,), {})("TRITON")
+    flashinfer_moe = type("UnquantizedFusedMoEMethod", (_UnquantizedFusedMoEMethod,), {})("FLASHINFER_CUTLASS")
+    fp8 = type("Fp8OnlineMoEMethod", (), {})()
+    layer = lambda method: SimpleNamespace(quant_method=method)  # noqa: E731
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert not vllm_adapter.post_load_needed_again(layer(unquantized))
+    assert not vllm_adapter.post_load_needed_again(layer(triton_moe))
+    assert vllm_adapter.post_load_needed_again(layer(flashinfer_moe))
+    assert vllm_adapter.post_load_needed_again(layer(fp8))
+    assert not vllm_adapter.post_load_needed_again(SimpleNamespace())  # no method: nothing to run
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
+    assert vllm_adapter.post_load_needed_again(layer(unquantized))
+    assert vllm_adapter.post_load_needed_again(layer(triton_moe))
+
+
+def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modules_hook(monkeypatch, vllm_models):
+    """The first finish runs vLLM's whole post-load function; a later one, the quantization method of each
+    written layer that needs it again (on CPU: every one) and the modules' own hooks (MLA derives W_UK_T and
+    W_UV from kv_b_proj), and reports each part. Recorded here, not run: on CPU vLLM's post-load processing
+    packs the linear layers' weights for its CPU GEMM and drops the parameters the next sync writes (the GPU
+    runs check the processing itself, through the exact check and the gate)."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    hf = build_model("deepseek_v3", device="cpu")
+    blocks = set(sources.expert_block_names(hf).values())
+    vllm_model = vllm_models("deepseek_v3", own=True)
+    worker = _worker(vllm_model)
+    calls = []
+    whole = direct_load.internal("vllm.model_executor.model_loader.utils", "process_weights_after_loading")
+    hooks = direct_load.run_post_load_hooks
+    monkeypatch.setattr(direct_load, "run_post_load_hooks", lambda *a: calls.append("hooks") or hooks(*a))
+    monkeypatch.setattr(
+        direct_load,
+        "internal",
+        lambda m, n: (
+            (lambda *a: calls.append("whole") or whole(*a))
+            if n == "process_weights_after_loading"
+            else vllm_adapter.internal(m, n)
+        ),
+    )
+    rerun = []
+    for module in vllm_model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading = rerun.append
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for t in hf.parameters():
+                t.normal_()
+        sent = [(n, t) for n, t in _sent(hf, "direct") if n not in blocks]
+        worker.direct_load_start()
+        worker._direct_session.importer = _CPUBuffer()
+        flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in sent]
+        update = {
+            "names": [n for n, _ in sent],
+            "shapes": [list(t.shape) for _, t in sent],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in sent],
+            "tensor_sizes": [f.numel() for f in flat],
+            "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
+            "trainer_gpu_uuids": [""],
+            "last": True,
+        }
+        rerun.clear()
+        answer = worker.direct_load_chunk(base64.b64encode(pickle.dumps(update)).decode())
+        finished = answer["finished"]
+        assert ("post_load_whole_model" in answer["seconds"]) == (seed == 0)
+        assert ("post_load_hooks" in answer["seconds"]) == (seed == 1)
+        if seed == 1:  # every layer the sync wrote, each once
+            touched = {id(worker_module) for worker_module in rerun}
+            assert len(rerun) == len(touched) == finished["layers_post_loaded"] > 0
+    assert calls == ["whole", "hooks"]
+
+
+class _CPUBuffer:
+    """In place of vLLM's PackedBufferImporter, which opens a CUDA IPC handle (no CUDA here)."""
+
+    def rebuild(self, args: list) -> torch.Tensor:
+        return args[0]
+
+    def close(self) -> None:
+        pass
