@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The runs behind the README's headline numbers, on one H200: run from the repository's root on the GPU machine
+# with the bundle of shared/gpu-host/wheels-vllm-0.34.txt installed; results under OUT.
+#   COMMIT=<hash> bash scripts/h200_sync_runs.sh a OUT    # then: ... b OUT (the same machine: b reads a's checkpoint)
+# a: the README's tiny command, cold (nothing compiled yet), alone on the GPU, while the Moonlight-16B-A3B shape is
+#    written to disk as a checkpoint; then that checkpoint through both loaders, compiled, sleep level 0: the direct
+#    loader beside vLLM's fastest mode (its in-place reload, VLLM_RELOAD_MODE=direct), 5 syncs each, then both
+#    bit for bit.
+# b: the README's tiny command again (warm caches), alone; then the same checkpoint with the routed experts served
+#    in FP8 (direct loader, 5 syncs, compiled) and, side by side while its server starts: helpers.py alone in an
+#    empty folder with a user's own trainer (tests/helpers_alone_rl.py: IPC send, vLLM's loader, a dense model),
+#    tiny with --rounds 3, tiny-deepseek-v3 with --train.
+set -u
+stage=${1:?a or b}; R=${2:?OUT}; mkdir -p "$R/logs"
+export PYTHONUNBUFFERED=1
+CKPT=/root/ckpt-moonlight
+stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T.%N | cut -c1-12)" "$line"; done; }
+run() {  # name seconds program flags...: one run, its output time-stamped line by line
+  local name=$1 secs=$2; shift 2
+  local json_flag=--json; [ "$1" = scripts/benchmark.py ] && json_flag=--out
+  echo "=== $name: python3 $*" > "$R/logs/$name.out"
+  { timeout -s INT -k 30 "$secs" python3 "$@" "$json_flag" "$R/$name.json" --server-log "$R/logs/$name.server.log" 2>&1
+    echo "rc=$?"; } | stamp >> "$R/logs/$name.out"
+}
+summary() {
+  for f in "$R"/logs/*.out; do
+    echo "=== $(basename "$f" .out): $(tail -1 "$f")"
+    grep -E "healthy after|\[exact\]|\[gate\]|\[agree\]|\[sync\]|error:|Error|FAILED|warning:|rc=" "$f" | cut -c1-300 | tail -12
+  done
+  echo "leftover vllm processes: $(pgrep -fc 'vllm.entrypoints|EngineCore|VLLM' || true)"
+}
+{
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+  echo "commit ${COMMIT:-unknown}"
+} > "$R/versions-$stage.txt" 2>&1
+if [ "$stage" = a ]; then
+  (python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" > "$R/logs/checkpoint-write.out" 2>&1
+   echo "rc=$?" >> "$R/logs/checkpoint-write.out") &
+  run tiny-cold 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
+  wait
+  VLLM_RELOAD_MODE=direct run moonlight-checkpoint 420 scripts/benchmark.py --model "$CKPT" --num-gpus 1 \
+    --loaders direct vllm --rounds 5 --kv-cache-memory-bytes 1073741824
+else
+  run tiny-warm 200 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
+  run moonlight-checkpoint-fp8 420 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
+    --rollout-dtype fp8 --rounds 5 --kv-cache-memory-bytes 1073741824 &
+  sleep 10
+  E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
+  run tiny-3-rounds 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --rounds 3 $E &
+  run dsv3-train 300 rlhf_ipc_fsdp_ep.py --model tiny-deepseek-v3 --num-gpus 1 --train --rounds 3 $E &
+  (python3 - <<'EOF'
+import shutil, sys, torch
+from pathlib import Path
+from transformers import AutoConfig, AutoModelForCausalLM
+sys.path.insert(0, ".")
+from weight_sync import models
+path = models.build_preset("tiny-qwen3", Path("/root/dense"))
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+models.init_random_weights(model, seed=2)
+model.save_pretrained(path)
+Path("/root/alone").mkdir(exist_ok=True)
+for f in ["helpers.py", "tests/helpers_alone_rl.py"]:
+    shutil.copy(f, "/root/alone")
+EOF
+   cd /root/alone && timeout 300 python3 helpers_alone_rl.py /root/dense 2>&1 | stamp
+   cp /root/alone/server.log "$R/logs/helpers-alone.server.log") > "$R/logs/helpers-alone.out" 2>&1
+  wait
+fi
+summary > "$R/summary-$stage.txt" 2>&1
+cat "$R/summary-$stage.txt"
+tar czf "$R/logs-$stage.tgz" -C "$R" logs && rm -rf "$R/logs"
