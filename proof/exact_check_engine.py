@@ -52,7 +52,27 @@ class ExactCheckWorker(DirectLoadWorker):
 
     def direct_load_start(self, in_place: str | dict = "") -> dict:
         self._exact_started = None  # fingerprints of what the engine held before this sync: no longer of use
+        if getattr(self, "_profile_path", None) and getattr(self, "_profiler", None) is None:
+            import cProfile
+
+            self._profiler = cProfile.Profile()
+            self._profiler.enable()
         return super().direct_load_start(in_place)
+
+    def profile_next_sync(self, path: str) -> dict:
+        """Profile this engine's part of the next direct sync (Python, with cProfile); its top functions by
+        cumulative time go to `path` with the engine's DP rank appended, once the sync is finished."""
+        self._profile_path = f"{path}.engine{self.vllm_config.parallel_config.data_parallel_rank}.txt"
+        return {"path": self._profile_path}
+
+    def direct_load_finish(self) -> dict:
+        try:
+            return super().direct_load_finish()
+        finally:
+            if (profiler := getattr(self, "_profiler", None)) is not None:
+                profiler.disable()
+                _write_profile(profiler, self._profile_path)
+                self._profiler = self._profile_path = None
 
     def direct_load_fingerprint(self, action: str) -> dict:
         """'store': remember a fingerprint of every parameter. 'compare':
@@ -161,6 +181,17 @@ class ExactCheckWorker(DirectLoadWorker):
 
 
 _FINGERPRINT_CHUNK = 1 << 24  # elements per step: bounds the temporary memory
+
+
+def _write_profile(profiler, path: str) -> None:
+    """The profile's 60 functions of most cumulative time, as text."""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(60)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
 
 
 def _fingerprint(tensor: torch.Tensor) -> str:

@@ -57,6 +57,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     )
     p.add_argument("--out", help="JSON path (default docs/benchmarks/<date>-<model>-<N>x<gpu>.json)")
     p.add_argument(
+        "--profile-round",
+        type=int,
+        default=0,
+        metavar="K",
+        help="profile the direct loader's round K (Python, cProfile) on every trainer rank and DP engine: "
+        "the top functions by cumulative time, as text beside the JSON (<out>.direct-roundK.rankR.txt, "
+        "...engineD.txt); the round's times then include the profiler's",
+    )
+    p.add_argument(
         "--throughput",
         metavar="PROMPTSxTOKENS",
         type=_throughput,
@@ -154,12 +163,13 @@ def run_variant(
     buffer_bytes: int | None = None,
     started_at: float | None = None,
     device_copy_gb_per_s: float | None = None,
+    profile: tuple[int, str] | None = None,
 ) -> dict:
     """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
     of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
     `started_at` (the benchmark's start), also the seconds from then to the
     end of this variant's first gated sync; with `device_copy_gb_per_s`, each
-    round against its copy floor (with_floor)."""
+    round against its copy floor (with_floor). `profile`: (round, path prefix) to profile, direct loader only."""
     args = argparse.Namespace(
         **{
             **vars(args),
@@ -181,6 +191,8 @@ def run_variant(
             flush=True,
         )
         proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
+        if profile and profile[0] == i and loader == "direct":
+            profile_next_sync(job, f"{profile[1]}.direct-round{i}")
         script.run_round(job, args, proof)
         rounds.append(proof.verdict())
         print_send_breakdown(rounds[-1].send_breakdown_s)
@@ -264,6 +276,42 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     return {"agree": True, "parameters_per_engine": stored["parameters"]}
 
 
+class _ProfiledOnce:
+    """A trainer rank's sender whose next send runs under cProfile; then the rank's own sender is back."""
+
+    def __init__(self, trainer, path: str) -> None:
+        self._trainer, self._sender, self._path = trainer, trainer.sender, path
+
+    def send(self) -> None:
+        import cProfile
+
+        from proof.exact_check_engine import _write_profile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            self._sender.send()
+        finally:
+            profiler.disable()
+            self._trainer.sender = self._sender
+            _write_profile(profiler, self._path)
+
+    def __getattr__(self, name: str):
+        return getattr(self._sender, name)
+
+
+def _profile_next_send(trainer, path: str) -> None:
+    import torch.distributed as dist
+
+    trainer.sender = _ProfiledOnce(trainer, f"{path}.rank{dist.get_rank()}.txt")
+
+
+def profile_next_sync(job: script.Job, path: str) -> None:
+    """Profile the next send on every trainer rank and the next direct sync on every DP engine."""
+    script.ray_get_all([t.__ray_call__.remote(_profile_next_send, path) for t in job.trainers])
+    helpers.collective_rpc(job.server.socket_path, "profile_next_sync", path)
+
+
 def default_out(result: dict) -> Path:
     gpu = result["gpu_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
     return Path("docs/benchmarks") / f"{result['date']}-{result['model']}-{result['num_gpus']}x{gpu}.json"
@@ -299,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 buffer_bytes,
                 None if result["variants"] else start,
                 min(result["device_copy_gb_per_s"]),
+                (bench.profile_round, str(out.with_suffix(""))) if bench.profile_round else None,
             )
             result["variants"].append(variant)
             # Like the script's, but after zeroing vLLM's weights (and the coverage check, if asked).

@@ -2,17 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # The runs behind the README's headline numbers, on one H200: run from the repository's root on the GPU machine
 # with the bundle of shared/gpu-host/wheels-vllm-0.34.txt installed; results under OUT.
-#   COMMIT=<hash> bash scripts/h200_sync_runs.sh a OUT    # then: ... b OUT (the same machine: b reads a's checkpoint)
-# a: the README's tiny command, cold (nothing compiled yet), alone on the GPU, while the Moonlight-16B-A3B shape is
-#    written to disk as a checkpoint; then that checkpoint through both loaders, compiled, sleep level 0: the direct
+#   COMMIT=<hash> bash scripts/h200_sync_runs.sh STAGE OUT    # STAGE a1, a2, b1, b2 in turn, on the same machine
+#   (each within 10 minutes; a2 and b2 read the checkpoint a1 writes)
+# a1: the README's tiny command, cold (nothing compiled yet), alone on the GPU, while the Moonlight-16B-A3B shape is
+#    written to disk as a checkpoint; a2: that checkpoint through both loaders, compiled, sleep level 0: the direct
 #    loader beside vLLM's fastest mode (its in-place reload, VLLM_RELOAD_MODE=direct), 5 syncs each, then both
-#    bit for bit.
-# b: the README's tiny command again (warm caches), alone; then the same checkpoint with the routed experts served
-#    in FP8 (direct loader, 5 syncs, compiled) and, side by side while its server starts: helpers.py alone in an
+#    bit for bit. A sixth sync of each loader, the direct loader's profiled (cProfile on the trainer and the
+#    engine); the five before it are the numbers.
+# b1: the README's tiny command again (warm caches), alone; b2: the same checkpoint with the routed experts served
+#    in FP8 (direct loader, 5 syncs and a sixth profiled, compiled) and, side by side while its server starts: helpers.py alone in an
 #    empty folder with a user's own trainer (tests/helpers_alone_rl.py: IPC send, vLLM's loader, a dense model),
 #    tiny with --rounds 3, tiny-deepseek-v3 with --train.
 set -u
-stage=${1:?a or b}; R=${2:?OUT}; mkdir -p "$R/logs"
+stage=${1:?a1, a2, b1 or b2}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
 CKPT=/root/ckpt-moonlight
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T.%N | cut -c1-12)" "$line"; done; }
@@ -35,17 +37,19 @@ summary() {
   python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
   echo "commit ${COMMIT:-unknown}"
 } > "$R/versions-$stage.txt" 2>&1
-if [ "$stage" = a ]; then
+if [ "$stage" = a1 ]; then
   (python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" > "$R/logs/checkpoint-write.out" 2>&1
    echo "rc=$?" >> "$R/logs/checkpoint-write.out") &
   run tiny-cold 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
   wait
-  VLLM_RELOAD_MODE=direct run moonlight-checkpoint 420 scripts/benchmark.py --model "$CKPT" --num-gpus 1 \
-    --loaders direct vllm --rounds 5 --kv-cache-memory-bytes 1073741824
+elif [ "$stage" = a2 ]; then
+  VLLM_RELOAD_MODE=direct run moonlight-checkpoint 540 scripts/benchmark.py --model "$CKPT" --num-gpus 1 \
+    --loaders direct vllm --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824
+elif [ "$stage" = b1 ]; then
+  run tiny-warm 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
 else
-  run tiny-warm 200 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
-  run moonlight-checkpoint-fp8 420 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
-    --rollout-dtype fp8 --rounds 5 --kv-cache-memory-bytes 1073741824 &
+  run moonlight-checkpoint-fp8 520 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
+    --rollout-dtype fp8 --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824 &
   sleep 10
   E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
   run tiny-3-rounds 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1 --rounds 3 $E &
@@ -69,5 +73,6 @@ EOF
   wait
 fi
 summary > "$R/summary-$stage.txt" 2>&1
+mv "$R"/*.direct-round* "$R"/tiny-3-rounds.json "$R"/dsv3-train.json "$R/logs/" 2>/dev/null
 cat "$R/summary-$stage.txt"
 tar czf "$R/logs-$stage.tgz" -C "$R" logs && rm -rf "$R/logs"

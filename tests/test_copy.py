@@ -107,7 +107,7 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     assert "ranks [0, 1]" in out and "same names and shapes on every rank: True" in out
     blocks = json.loads(out.split("expert blocks: ", 1)[1].split("\n", 1)[0])
     assert blocks and all(shape[0] == 4 for shape in blocks.values()), blocks  # 8 experts: each rank its 4
-    assert "one rank: passed" in out
+    assert "one rank: passed" in out, out
     assert re.search(r"two ranks: refused: .*holds experts 0\.\.7 .* sends experts 0\.\.3", out), out
     assert "health: True" in out
 

@@ -75,8 +75,13 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
     told.start_weight_update()
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         helpers.collective_rpc(sock, "direct_load_finish")  # nothing started yet
-    assert told.update_weights(empty)["finished"] == {"tensors": 0, "bytes": 0, "layers_processed": 0}
-    assert told.finish_weight_update() == {"tensors": 0, "bytes": 0, "layers_processed": 0}
+    assert told.update_weights(empty)["finished"] == {
+        "tensors": 0,
+        "bytes": 0,
+        "layers_processed": 0,
+        "layers_post_loaded": 0,
+    }
+    assert told.finish_weight_update() == {"tensors": 0, "bytes": 0, "layers_processed": 0, "layers_post_loaded": 0}
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         told.update_weights(empty)  # the session was closed by the last chunk
     # A last chunk the server refuses, under FailAfterSend as a send runs it: the finish is then a
@@ -422,11 +427,14 @@ def test_a_direct_sync_writes_the_scales_vllms_fp8_kernel_reads_also_after_vllms
         word_embeddings_untied_by_checkpoint=False, quantization=None, dtype=torch.bfloat16
     )
     session = SimpleNamespace(
-        touched={id(layer): layer}, layout=SimpleNamespace(model=layer), device=torch.device("cpu")
+        touched={id(layer): layer}, layout=SimpleNamespace(model=layer, processed=False), device=torch.device("cpu")
     )
-    direct_load._finish(session, vllm_config)
-    assert torch.equal(in_use["w1_scale"], layer.w13_weight_scale_inv)
-    assert torch.equal(in_use["w2_scale"], layer.w2_weight_scale_inv)
+    for _ in ("the first sync: vLLM's whole post-load function", "a later one: only what needs it again"):
+        direct_load._finish(session, vllm_config)
+        assert torch.equal(in_use["w1_scale"], layer.w13_weight_scale_inv)
+        assert torch.equal(in_use["w2_scale"], layer.w2_weight_scale_inv)
+        in_use["w1_scale"].zero_(), in_use["w2_scale"].zero_()
+    assert session.layout.processed and session.layers_post_loaded == 0  # the FP8 layer: never again
     # The kernel built around the layer's own tensors (the server's start, the direct loader since): nothing to do.
     layer.quant_method = SimpleNamespace(
         moe_quant_config=fp8_w8a8_moe_quant_config(

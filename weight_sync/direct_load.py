@@ -223,13 +223,17 @@ class DirectLoadWorker:
         model = self.model_runner.get_model()
         if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:
             self._direct_layout = _layout(model)
-        layout, device = self._direct_layout, next(model.parameters()).device
+        layout, device, failed = self._direct_layout, next(model.parameters()).device, {}
         set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             for name, shape, dtype in json.loads(sent):
                 if name in layout.plain or name in layout.through_loader:
                     continue
-                learned = _learn(layout, name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                try:
+                    learned = _learn(layout, name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                except Exception as e:  # the first sync probes it again, and raises there if it must
+                    failed[name] = f"{type(e).__name__}: {e}"
+                    continue
                 if learned is None:
                     layout.through_loader.add(name)
                 else:
@@ -237,6 +241,7 @@ class DirectLoadWorker:
         return {
             "plain": len(layout.plain),
             "through_loader": len(layout.through_loader),
+            "not_learned": dict(list(failed.items())[:4]),  # the first four; the first sync probes each again
             "seconds": time.perf_counter() - start,
         }
 

@@ -147,12 +147,17 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     check that failed on an FP8 parameter: exact_check_engine.py)."""
     kernel = triton is not None and block.is_cuda and _KERNEL_AGREES.get(block.device) is not False
     if kernel:
-        _launch_fp8_blocks(block, shards, weight, scales)
+        native = _NATIVE_CAST.get(block.device)
+        if native is None:  # the GPU's own e4m3 cast where it makes vLLM's bytes on every case: the fastest
+            native = _NATIVE_CAST[block.device] = _agrees_on_every_case(block.device, native=True)
+        _launch_fp8_blocks(block, shards, weight, scales, native=native)
         if block.device in _KERNEL_AGREES:
             return
     quantized, block_scales = fp8_reference(block, shards)
     if kernel:  # the first block on this GPU: the kernel against vLLM's function, on it and on every case
-        agrees = _same_bytes((weight, scales), (quantized, block_scales)) and _agrees_on_every_case(block.device)
+        agrees = _same_bytes((weight, scales), (quantized, block_scales)) and (
+            native or _agrees_on_every_case(block.device)
+        )
         _KERNEL_AGREES[block.device] = agrees
         gpu = f"{block.device} ({torch.cuda.get_device_name(block.device)})"
         if agrees:
@@ -172,6 +177,7 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
 
 
 _KERNEL_AGREES: dict[torch.device, bool] = {}  # per GPU: did the kernel's first check match vLLM's function?
+_NATIVE_CAST: dict[torch.device, bool] = {}  # per GPU: does the kernel cast with the GPU's own e4m3 conversion?
 
 
 def _same_bytes(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -181,18 +187,20 @@ def _same_bytes(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor
     )
 
 
-def _agrees_on_every_case(device: torch.device) -> bool:
+def _agrees_on_every_case(device: torch.device, native: bool = False) -> bool:
     """Whether the kernel on `device` quantizes fp8_every_case_block as vLLM's function does."""
     block = fp8_every_case_block(device)
     want = fp8_reference(block, 1)
     got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
-    _launch_fp8_blocks(block, 1, *got)
+    _launch_fp8_blocks(block, 1, *got, native=native)
     return _same_bytes(got, want)
 
 
-def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False) -> None:
+def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False, native: bool = False) -> None:
     """The kernel over every 128 x 128 block of every expert (`divide`: the scale as amax / 448, IEEE,
-    as PyTorch computes it on a CPU, instead of amax times fp32(1 / 448), as on CUDA)."""
+    as PyTorch computes it on a CPU, instead of amax times fp32(1 / 448), as on CUDA; `native`: the GPU's
+    own float32 -> e4m3 conversion, instead of its arithmetic written out, which Triton's CPU interpreter
+    runs too)."""
     rows, columns = block.shape[1] // shards, block.shape[2]
     grid = (weight.shape[1] // FP8_BLOCK, weight.shape[2] // FP8_BLOCK, block.shape[0])
     _fp8_blocks_kernel[grid](
@@ -207,6 +215,7 @@ def _launch_fp8_blocks(block, shards: int, weight, scales, divide: bool = False)
         *scales.stride()[:2],
         BLOCK=FP8_BLOCK,
         DIVIDE=divide,
+        NATIVE=native,
     )
 
 
@@ -250,6 +259,7 @@ if triton is not None:
         scales_r,
         BLOCK: tl.constexpr,
         DIVIDE: tl.constexpr,
+        NATIVE: tl.constexpr,
     ):
         # One 128 x 128 block of one expert's padded weight, in per_block_cast_to_fp8's arithmetic
         # (vLLM compiles that function with torch.compile): amax in fp32, at least 1e-4; the scale
@@ -267,9 +277,13 @@ if triton is not None:
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
         if DIVIDE:  # as on a CPU
             scale = tl.math.div_rn(amax, 448.0)
-            quantized = _e4m3_bits(x * tl.math.div_rn(1.0, scale))
+            scaled = x * tl.math.div_rn(1.0, scale)
         else:  # as the code TorchInductor generates for it on CUDA: Triton's own division
             scale = amax * (1.0 / 448.0)
-            quantized = _e4m3_bits(x * (1.0 / scale))
+            scaled = x * (1.0 / scale)
+        if NATIVE:  # one conversion instruction on the GPU (round to nearest even, saturating at 448)
+            quantized = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:  # the same conversion in 64-bit integer arithmetic, which the GPU emulates
+            quantized = _e4m3_bits(scaled)
         tl.store(weight + expert * weight_e + row[:, None] * weight_r + column[None, :], quantized)
         tl.store(scales + expert * scales_e + tl.program_id(0) * scales_r + tl.program_id(1), scale)
