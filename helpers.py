@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Colocated weight sync: an FSDP2 trainer's weights into a vLLM server (DP + EP) on the same GPUs over
 vLLM's CUDA-IPC weight transfer: the server's start (under a watchdog) and routes, the trainer ranks, the
 send. Copy it alone for vLLM's own loader; for the direct loader add weight_sync/ and pass

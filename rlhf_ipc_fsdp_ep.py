@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Move an FSDP2 trainer's weights into a colocated vLLM server over CUDA IPC.
 
 N GPUs, shared: N FSDP2 trainer ranks (one Ray actor per GPU) and one

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Proof and numbers for rlhf_ipc_fsdp_ep.py: the logprob gate, sync coverage,
 memory, the round records, the summary and the JSON; and `measure`, which
 times and inspects a trainer's sends and steps from outside its code.

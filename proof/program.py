@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What makes the example a command-line program, around the sync (not part
 of the lift): SIGTERM and SIGHUP unwind like Ctrl-C, through every `finally`
 (`hangups_unwind`; Ray's own handlers would cut the cleanup short), the

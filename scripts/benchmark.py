@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmark the weight sync of rlhf_ipc_fsdp_ep.py: every phase, both loaders, one job.
 
     python scripts/benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2      # no download

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A driver on a two-node Ray cluster (ray.cluster_utils.Cluster, both nodes
 on this machine, one fake GPU each): it places the trainers, plans each node's
 `vllm serve`, starts and loses the second node's server through its

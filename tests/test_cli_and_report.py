@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Flag validation, input errors caught before GPU work, and the reported numbers."""
 
 import json

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README's copy table is true: each file it names imports with only the
 files its last column names beside it, in an empty directory with nothing
 else of this project on the path; the lift runs a user's own RL code there

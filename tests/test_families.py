@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the trainer sends (helpers.py) against what vLLM 0.32's loaders
 take, for every MoE family both libraries implement (model_families.py).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The failure cases that run without a GPU: the real CPU vLLM server
 refuses or dies in the middle of a send, while the other trainer rank waits
 in a collective (as ranks do between chunks). The driver must hear of it at

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vLLM server's life cycle and routes, on a real vLLM server on CPU."""
 
 import errno

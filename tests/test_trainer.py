@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
 logprob gate against a real vLLM server."""
 

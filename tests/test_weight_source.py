@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The weight sources satisfy the installed vLLM's WeightSource protocol, as
 its IPC trainer engine consumes them (0.32: `iter(source)`; 0.33:
 `metadata` as an attribute, `iter_full()`, `implements_iter_full()`,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """More than one node for helpers.py: the vLLM servers of the other
 nodes. The module to copy beside helpers.py (and weight_sync/direct_load.py)
 when the trainers and one vLLM server span several nodes of a Ray cluster;
