@@ -44,6 +44,7 @@ from proof import checks, program, toy_rl
 from weight_sync import models, sources
 from weight_sync.direct_load import untested_vllm_warning
 from weight_sync.multinode import (
+    TCPRendezvous,
     free_port,
     gloo_interface_env,
     raise_node_failure,
@@ -364,7 +365,11 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 program.init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
             trainers, pg = start_trainers(
-                trainer_cls or RLTrainer, args.num_gpus, args.num_nodes, placement_timeout_s=args.placement_timeout
+                trainer_cls or RLTrainer,
+                args.num_gpus,
+                args.num_nodes,
+                placement_timeout_s=args.placement_timeout,
+                rendezvous=TCPRendezvous,  # on more than one node
             )
             ranks = placements(trainers)
             checks.show_layout(ranks, args.num_nodes)

@@ -204,7 +204,7 @@ def main(out_path: str, log_dir: str) -> None:
             lambda: helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5)
         )
 
-        trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2)
+        trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2, rendezvous=multinode.TCPRendezvous)
         placements = helpers.placements(trainers)
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
