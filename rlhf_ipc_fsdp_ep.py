@@ -4,7 +4,7 @@
 N GPUs, shared: N FSDP2 trainer ranks (one Ray actor per GPU) and one
 `vllm serve` (data parallel N/TP, expert parallel) pinned to the same GPUs,
 reachable only by this user (a Unix socket in a private directory). One round:
-steps 1-6 in run_round(), step 7 from outside it (proof/checks.py's RoundProof):
+steps 1-6 in run_round(), step 7 from outside it (proof/rounds.py's RoundProof):
 
   1. generate                               vLLM samples; trainer and vLLM score the tokens
   2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for
@@ -40,7 +40,9 @@ import torch.distributed as dist
 
 import helpers
 from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
-from proof import checks, program, toy_rl
+from proof import exact_check_driver, logprob_gate, memory, preflight, program, rank_measurement, report, toy_rl
+from proof.coverage import check_coverage
+from proof.rounds import RoundProof
 from weight_sync import models, sources
 from weight_sync.direct_load import untested_vllm_warning
 from weight_sync.multinode import (
@@ -158,7 +160,7 @@ def parser() -> argparse.ArgumentParser:
         help="a soak: after --rounds, more rounds until this many seconds have passed since the first began",
     )
     toy_rl.add_arguments(p)  # --train, --lr, --samples-per-prompt, --temperature
-    checks.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
+    preflight.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
     add("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
     add("--max-model-len", type=int, help="passed to vllm serve")
     add("--server-log", default="vllm-server.log", help="where the server's output goes")
@@ -172,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
     args.prompts = args.prompts or DEFAULT_PROMPTS
-    if problem := checks.flag_problem(args):
+    if problem := preflight.flag_problem(args):
         p.error(problem)
     if warning := untested_vllm_warning():
         print(warning, flush=True)
@@ -344,7 +346,7 @@ class Job:
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
     node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
     server_pgids: list = field(default_factory=list)  # per rank, the process group of its node's vLLM server
-    kernel_noise: checks.KernelNoise | None = None  # the gate's basis, measured before the first sync
+    kernel_noise: logprob_gate.KernelNoise | None = None  # the gate's basis, measured before the first sync
     experts_in_place: bool | None = None  # the last setup's: did the engines read the experts from the trainers
 
 
@@ -360,7 +362,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
             model_path = models.resolve_model(args.model, workdir)
-            checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
+            preflight.before_gpu_work(args, model_path, loaders or [args.weight_loader])
             if started_ray:
                 program.init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
@@ -372,8 +374,8 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                 rendezvous=TCPRendezvous,  # on more than one node
             )
             ranks = placements(trainers)
-            checks.show_layout(ranks, args.num_nodes)
-            if problem := checks.placement_problem(ranks):
+            report.show_layout(ranks, args.num_nodes)
+            if problem := preflight.placement_problem(ranks):
                 raise SystemExit(f"error: {problem}")
             filling = build_models(trainers, args, model_path)
             # The servers' workers import the direct loader and the exact check (exact_check_engine.py) from here.
@@ -410,14 +412,14 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                         weights_in_after_s=weights_in_after_s,
                         checkpoint_bytes_read_per_rank=ray_get_all(filling),
                         node_servers=node_servers,
-                        server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus, args.num_nodes),
+                        server_pgids=memory.server_pgids_per_rank(server, node_servers, args.num_gpus, args.num_nodes),
                     )
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
                 finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
                     with helpers.signals_ignored():
-                        checks.settle_exact_checks()  # a round's, if the round ended before its verdict
+                        exact_check_driver.settle_exact_checks()  # a round's, if the round ended before its verdict
                         node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)
         finally:
@@ -459,7 +461,7 @@ def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, load
         ]
     )
     job.experts_in_place = all(in_place)
-    checks.measure(job.trainers)  # every send timed and fingerprinted, every step watched, from outside
+    rank_measurement.measure(job.trainers)  # every send timed and fingerprinted, every step watched, from outside
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
         print(f"[sync] expert blocks: {how}", flush=True)
@@ -468,9 +470,9 @@ def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, load
     job.send_retries = args.send_retries if loader == "direct" else 0
 
 
-def run_round(job: Job, args: argparse.Namespace, proof: checks.RoundProof) -> None:
+def run_round(job: Job, args: argparse.Namespace, proof: RoundProof) -> None:
     """generate -> sleep -> (train) -> wake weights -> send -> wake KV. `proof`
-    (proof/checks.py) watches from outside: it times each step and scores the
+    (proof/rounds.py) watches from outside: it times each step and scores the
     batch, and judges the sync once the round is done (proof.verdict())."""
     sock, trainers = job.server.socket_path, job.trainers
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
@@ -518,11 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         sock = job.server.socket_path
         setup_weight_transfer_on_every_rank(job, args, args.weight_loader)
         if args.tensor_parallel_size == 1:
-            checks.prepare_exact_check(job)
-        coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
+            exact_check_driver.prepare_exact_check(job)
+        coverage = check_coverage(job, args.sleep_level) if args.check_coverage else None
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
-        checks.show_texts("before the first sync", args.prompts, greedy)
-        job.kernel_noise = checks.kernel_noise(
+        report.show_texts("before the first sync", args.prompts, greedy)
+        job.kernel_noise = logprob_gate.kernel_noise(
             job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy], fp8=args.rollout_dtype == "fp8"
         )
         rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
@@ -531,14 +533,14 @@ def main(argv: list[str] | None = None) -> int:
             soak = f" ({time.monotonic() - first_round_at:.0f} of {args.soak_seconds:.0f} s)"
             print(f"=== round {i}/{args.rounds}{soak if args.soak_seconds else ''} ===", flush=True)
             # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
-            proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
+            proof = RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
             run_round(job, args, proof)
             rounds.append(proof.verdict())  # 7. the exact check and the gate
             time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
         greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
-        checks.show_texts("after the last sync", args.prompts, greedy)
-        result = checks.run_result(args, job, rounds, coverage, time_to_first_sync_s)
-    return checks.report(args, result)
+        report.show_texts("after the last sync", args.prompts, greedy)
+        result = report.run_result(args, job, rounds, coverage, time_to_first_sync_s)
+    return report.report(args, result)
 
 
 if __name__ == "__main__":

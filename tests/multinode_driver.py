@@ -31,7 +31,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 import conftest  # noqa: E402,F401  (its environment: no auth, offline, ...)
 import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
-from proof import checks, program  # noqa: E402
+from proof import program, report  # noqa: E402
 from weight_sync import models, multinode  # noqa: E402
 
 SLEEPS = (
@@ -214,7 +214,7 @@ def main(out_path: str, log_dir: str) -> None:
                 lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}
             )
         )
-        checks.show_layout(placements, 2)
+        report.show_layout(placements, 2)
         seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
         args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
         head = (placements[0]["node_ip"], multinode.free_port(placements[0]["node_ip"]))

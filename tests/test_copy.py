@@ -22,8 +22,15 @@ LIFT = ["helpers.py", "weight_sync/sources.py"]
 NOT_COPIED = [
     "rlhf_ipc_fsdp_ep.py",
     "proof/program.py",
-    "proof/checks.py",
+    "proof/rounds.py",
+    "proof/preflight.py",
+    "proof/logprob_gate.py",
+    "proof/rank_measurement.py",
+    "proof/exact_check_driver.py",
     "proof/exact_check_engine.py",
+    "proof/coverage.py",
+    "proof/memory.py",
+    "proof/report.py",
     "proof/toy_rl.py",
     "scripts/benchmark.py",
 ]  # the rows that say "nothing"
