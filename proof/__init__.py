@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The example's own proof and measurement, not to copy:
 
-rounds              RoundProof: one round's proof, from outside the round, and its verdict
+rounds              Proof, the one object main() and colocated_job call, around the job; RoundProof, one round
 preflight           the proof's flags, and what is refused before any GPU work
 logprob_gate        vLLM's log-probabilities against the trainer's, the tolerances, the trainer's kernel noise
 rank_measurement    in each trainer rank: its sends timed and fingerprinted (the exact check's trainer half)

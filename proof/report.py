@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a run records and prints: each round's record (RoundRecord, the JSON's keys) and its lines,
-the trainers' layout, the completions, the run's JSON (run_result), its table (format_summary), the failed checks and
+the trainers' layout, the run's JSON (run_result), its table (format_summary), the failed checks and
 the exit code (report)."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-import helpers
-from proof.logprob_gate import QUANTILE, Gate, LogprobGap, Tolerances
+from proof.logprob_gate import QUANTILE, Gate, KernelNoise, LogprobGap, Tolerances
 from proof.memory import GPUMemory
 
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
@@ -164,10 +163,6 @@ def show_layout(placements: list[dict], num_nodes: int) -> None:
         )
 
 
-def show_texts(label: str, prompts: list[str], batch: list[helpers.Completion]) -> None:
-    print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(prompts, batch, strict=True)), sep="\n")
-
-
 def memory_growth_gib(rounds: list[RoundRecord]) -> float:
     """Largest growth, on any GPU, of the memory this job's processes use
     after a sync (all processes', where NVML cannot tell), from round 2 to the last round. Round 1 is left out: it allocates
@@ -205,12 +200,19 @@ def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
     return failures
 
 
-def run_result(args, job, rounds: list[RoundRecord], coverage: dict | None, time_to_first_sync_s: float) -> dict:
-    """The run's JSON: how it was run, then what it measured."""
+def run_result(
+    args,
+    job,
+    rounds: list[RoundRecord],
+    coverage: dict | None,
+    time_to_first_sync_s: float,
+    kernel_noise: KernelNoise | None = None,
+) -> dict:
+    """The run's JSON: how it was run, then what it measured (`kernel_noise`: the gate's basis)."""
     return {
         **run_facts(args, job),
         "train": args.train,
-        "kernel_noise": asdict(job.kernel_noise) if job.kernel_noise else None,
+        "kernel_noise": asdict(kernel_noise) if kernel_noise else None,
         "time_to_first_sync_s": time_to_first_sync_s,
         "coverage": coverage,
         "rounds": [r.to_json() for r in rounds],

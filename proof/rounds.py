@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One round's proof, from outside the round: `RoundProof`, which the round calls at its named
-steps and which judges the round once it is through (the exact check beside the gate: judged_round)."""
+"""The proof around the job, from outside its steps: `Proof`, the one object the script's main() and
+colocated_job call (hooks at named points of the job, then before_rounds, round and report), and
+`RoundProof`, which one round calls at its named steps and which judges the round once it is through
+(the exact check beside the gate: judged_round)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,19 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 import helpers
-from proof.exact_check_driver import ExactCheck, exact_check, start_exact_check
-from proof.logprob_gate import KernelNoise, LogprobGap, Tolerances, gate, job_logprob_gap
-from proof.memory import memory
-from proof.rank_measurement import measured
-from proof.report import RoundRecord, print_round, round_record
+from proof import preflight
+from proof.coverage import check_coverage
+from proof.exact_check_driver import (
+    ExactCheck,
+    exact_check,
+    prepare_exact_check,
+    settle_exact_checks,
+    start_exact_check,
+)
+from proof.logprob_gate import KernelNoise, LogprobGap, Tolerances, gate, job_logprob_gap, kernel_noise
+from proof.memory import memory, server_pgids_per_rank
+from proof.rank_measurement import measure, measured
+from proof.report import RoundRecord, print_round, report, round_record, run_result, show_layout
 
 
 class PhaseTimer:
@@ -89,10 +99,20 @@ class RoundProof:
     `step` around each phase, `trained` after the step), and `verdict()`,
     once the round is done, runs the exact check beside the gate and returns
     the round's record. `first_sync`: vLLM still holds its dummy weights;
-    `previous`: the previous round's record, if any ([] or [record])."""
+    `previous`: the previous round's record, if any ([] or [record]);
+    `kernel_noise`: the gate's basis; `server_pgids`: as `memory` takes them."""
 
-    def __init__(self, job, args, first_sync: bool, previous: list[RoundRecord] = ()) -> None:
+    def __init__(
+        self,
+        job,
+        args,
+        first_sync: bool,
+        previous: list[RoundRecord] = (),
+        kernel_noise: KernelNoise | None = None,
+        server_pgids: list | None = None,
+    ) -> None:
         self.job, self.args, self.first_sync = job, args, first_sync
+        self.kernel_noise, self.server_pgids = kernel_noise, server_pgids
         # Did the previous sync pass the exact check? Then vLLM held the trainer's weights bit for bit.
         self.proven = any(r.exact_check and r.exact_check["passed"] for r in previous)
         self.timer = PhaseTimer()
@@ -137,6 +157,91 @@ class RoundProof:
             exact=exact,
             noise=self.before if self.proven else None,
             training=self.training,
-            server_pgids=job.server_pgids,
-            kernel_noise=job.kernel_noise,
+            server_pgids=self.server_pgids,
+            kernel_noise=self.kernel_noise,
         )
+
+
+class Proof:
+    """The script's proof and measurement, around the job from outside its steps. colocated_job and
+    setup_weight_transfer_on_every_rank call its hooks at named points (before_gpu_work,
+    trainers_placed, job_started, job_ending; transfer_ready); main() calls three methods:
+    before_rounds (the gate's basis), round (each round's proof, judged on the way out) and report.
+    `started_at`: time.monotonic() at the program's start, which time_to_first_sync_s counts from."""
+
+    def __init__(self, args, started_at: float | None = None) -> None:
+        self.args = args
+        self.started_at = time.monotonic() if started_at is None else started_at
+        self.job = None
+        self.server_pgids: list | None = None  # per rank, the process group of its node's vLLM server
+        self.kernel_noise: KernelNoise | None = None  # the gate's basis, measured before the first sync
+        self.coverage: dict | None = None  # --check-coverage's result, for the transfer set up last
+        self.rounds: list[RoundRecord] = []  # the records of the rounds through the transfer set up last
+        self.time_to_first_sync_s: float | None = None
+
+    # colocated_job's hooks
+
+    def before_gpu_work(self, model_path, loaders: list[str]) -> None:
+        """Exit with one line if the model cannot be synced as asked (preflight.before_gpu_work)."""
+        preflight.before_gpu_work(self.args, model_path, loaders)
+
+    def trainers_placed(self, placements: list[dict]) -> None:
+        """Print where Ray placed the trainer ranks; exit with one line if two share a GPU."""
+        show_layout(placements, self.args.num_nodes)
+        if problem := preflight.placement_problem(placements):
+            raise SystemExit(f"error: {problem}")
+
+    def job_started(self, job) -> None:
+        """The server is up and the trainers' weights are in: the job to watch, and the process group
+        of each rank's node's server (to tell its GPU memory from other processes')."""
+        self.job = job
+        self.server_pgids = server_pgids_per_rank(job.server, job.node_servers, self.args.num_gpus, self.args.num_nodes)
+
+    def job_ending(self) -> None:
+        """Before the job leaves Ray: a round's exact check, if the round ended before its verdict."""
+        settle_exact_checks()
+
+    # setup_weight_transfer_on_every_rank's hook
+
+    def transfer_ready(self, job, args) -> None:
+        """Every rank's sender is built, with `args`: from now on every send is timed and fingerprinted
+        and every step watched; the engines learn what will be sent (the exact check; TP shards each
+        parameter: not checked), which leaves zeros where they probe; with --check-coverage, the
+        coverage sync. The rounds that follow are this transfer's."""
+        self.args, self.rounds = args, []
+        measure(job.trainers)
+        if args.tensor_parallel_size == 1:
+            prepare_exact_check(job)
+        self.coverage = check_coverage(job, args.sleep_level) if args.check_coverage else None
+
+    # main()'s
+
+    def before_rounds(self, greedy: list[helpers.Completion]) -> None:
+        """The gate's basis: the trainer's own kernel noise on these completions' tokens."""
+        sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
+        self.kernel_noise = kernel_noise(self.job.trainers, sequences, fp8=self.args.rollout_dtype == "fp8")
+
+    @contextmanager
+    def round(self, i: int):
+        """`with proof.round(i) as round_proof:` the round's RoundProof; once the round is through,
+        step 7, the exact check and the gate (the record goes into `rounds`). Round 1's sync replaces
+        vLLM's dummy weights, unless the coverage check's did."""
+        round_proof = RoundProof(
+            self.job,
+            self.args,
+            first_sync=i == 1 and self.coverage is None,
+            previous=self.rounds[-1:],
+            kernel_noise=self.kernel_noise,
+            server_pgids=self.server_pgids,
+        )
+        yield round_proof
+        self.rounds.append(round_proof.verdict())
+        if self.time_to_first_sync_s is None:
+            self.time_to_first_sync_s = time.monotonic() - self.started_at
+
+    def report(self) -> int:
+        """Print the table, write the JSON (--json), name every failed check; the exit code."""
+        result = run_result(
+            self.args, self.job, self.rounds, self.coverage, self.time_to_first_sync_s, self.kernel_noise
+        )
+        return report(self.args, result)

@@ -38,9 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the script and its packages
 import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
-from proof import coverage, exact_check_driver, logprob_gate, preflight, rank_measurement, report  # noqa: E402
-from proof.coverage import check_coverage, weight_checker  # noqa: E402
-from proof.rounds import RoundProof  # noqa: E402
+from proof import coverage, preflight, rank_measurement, report  # noqa: E402
+from proof.rounds import Proof  # noqa: E402
 
 LOADERS = ("vllm", "direct")
 
@@ -152,6 +151,7 @@ def _variant(text: str) -> tuple[str, int, int | None]:
 def run_variant(
     job: script.Job,
     args: argparse.Namespace,
+    proof: Proof,
     loader: str,
     sleep_level: int,
     buffer_bytes: int | None = None,
@@ -159,7 +159,8 @@ def run_variant(
     device_copy_gb_per_s: float | None = None,
 ) -> dict:
     """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
-    of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
+    of `buffer_bytes`, if given), starting from zeroed vLLM weights, each
+    round judged by `proof` (the script's checks, from outside the round). With
     `started_at` (the benchmark's start), also the seconds from then to the
     end of this variant's first gated sync; with `device_copy_gb_per_s`, each
     round against its copy floor (with_floor)."""
@@ -170,33 +171,30 @@ def run_variant(
             "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes,
         }
     )
-    script.setup_weight_transfer_on_every_rank(job, args, loader)
-    if args.tensor_parallel_size == 1:  # (TP shards each parameter: not checked)
-        # Before the weights are zeroed: it probes them, and leaves them zero.
-        exact_check_driver.prepare_exact_check(job)
-    coverage = check_coverage(job, args.sleep_level) if args.check_coverage else None
-    if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
-        weight_checker(job.server.socket_path, "reset")
-    rounds = []
+    # The proof tells the engines what will be sent before the weights are zeroed (it probes them,
+    # and leaves them zero), and runs the coverage sync if asked (Proof.transfer_ready).
+    script.setup_weight_transfer_on_every_rank(job, args, loader, proof)
+    if proof.coverage is None:  # vLLM forgets the weights: round 1 must bring them back
+        coverage.weight_checker(job.server.socket_path, "reset")
     for i in range(1, args.rounds + 1):
         print(
             f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
             f"buffer, round {i}/{args.rounds} ===",
             flush=True,
         )
-        proof = RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
-        script.run_round(job, args, proof)
-        rounds.append(proof.verdict())
-        print_send_breakdown(rounds[-1].send_breakdown_s)
-        print_floor(with_floor(rounds[-1].to_json(), device_copy_gb_per_s))
+        with proof.round(i) as round_proof:
+            script.run_round(job, args, round_proof)
+        print_send_breakdown(proof.rounds[-1].send_breakdown_s)
+        print_floor(with_floor(proof.rounds[-1].to_json(), device_copy_gb_per_s))
         if i == 1 and started_at is not None:
             time_to_first_sync_s = time.monotonic() - started_at
+    rounds = proof.rounds
     return {
         "weight_loader": loader,
         "sleep_level": sleep_level,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "experts_in_place": job.experts_in_place if loader == "direct" else None,
-        "coverage": coverage,
+        "coverage": proof.coverage,
         "rounds": [with_floor(r.to_json(), device_copy_gb_per_s) for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
@@ -276,13 +274,12 @@ def default_out(result: dict) -> Path:
 def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     bench, args = parse_args(argv)
-    with script.colocated_job(args, loaders=bench.loaders) as job:
+    proof = Proof(args, start)
+    with script.colocated_job(args, loaders=bench.loaders, proof=proof) as job:
         result = {**report.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
         greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
-        job.kernel_noise = logprob_gate.kernel_noise(
-            job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy], fp8=args.rollout_dtype == "fp8"
-        )
-        result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
+        proof.before_rounds(greedy)  # the gate's basis: the trainer's own kernel noise
+        result["kernel_noise"] = asdict(proof.kernel_noise) if proof.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).
         result["device_copy_gb_per_s"] = script.ray_get_all(
             [t.__ray_call__.remote(rank_measurement.device_copy_gb_per_s) for t in job.trainers]
@@ -298,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             variant = run_variant(
                 job,
                 args,
+                proof,
                 loader,
                 level,
                 buffer_bytes,

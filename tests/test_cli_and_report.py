@@ -1003,6 +1003,85 @@ def test_fingerprints_read_back_each_under_its_own_index():
     assert rank_measurement._read_back({}) == {}
 
 
+def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
+    """main() starts the job, sets up the transfer, generates, then runs the rounds; the proof (one
+    Proof) is told at its named points, in this order: before GPU work, the trainers placed, the job
+    up, the transfer ready (the sends measured, the exact check prepared, the coverage sync) before the
+    first completions, the kernel noise on their tokens, a verdict after each round, the job's end,
+    the report. Round 1 replaces the dummy weights unless the coverage sync did."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    calls = []
+
+    def called(name, result=None):
+        return lambda *a, **kw: calls.append(name) or result
+
+    monkeypatch.setattr(
+        rounds,
+        "preflight",
+        SimpleNamespace(before_gpu_work=called("before_gpu_work"), placement_problem=called("placement")),
+    )
+    monkeypatch.setattr(rounds, "show_layout", called("layout"))
+    monkeypatch.setattr(rounds, "server_pgids_per_rank", called("pgids", [7]))
+    monkeypatch.setattr(rounds, "measure", called("measure"))
+    monkeypatch.setattr(rounds, "prepare_exact_check", called("prepare_exact_check"))
+    monkeypatch.setattr(rounds, "check_coverage", called("coverage", {"unwritten": []}))
+    monkeypatch.setattr(rounds, "kernel_noise", lambda trainers, sequences, fp8: calls.append(sequences) or "noise")
+    monkeypatch.setattr(rounds, "settle_exact_checks", called("settle"))
+    monkeypatch.setattr(rounds, "run_result", lambda *a: calls.append(("run_result", *a[2:])) or {})
+    monkeypatch.setattr(rounds, "report", called("report", 0))
+
+    class Judged(rounds.RoundProof):
+        def verdict(self):
+            calls.append(("verdict", self.first_sync, self.kernel_noise, self.server_pgids))
+            return SimpleNamespace(exact_check={"passed": True})
+
+    @contextmanager
+    def job_with_hooks(args, proof=None):  # colocated_job's hooks, at its named points
+        proof.before_gpu_work("model", [args.weight_loader])
+        proof.trainers_placed([{"gpu_uuid": "GPU-a", "node_ip": "ip", "node": "n", "rank": 0, "gpu_ids": ["0"]}])
+        job = SimpleNamespace(trainers=[], server=SimpleNamespace(socket_path="s"), node_servers=[], served_name="m")
+        proof.job_started(job)
+        try:
+            yield job
+        finally:
+            proof.job_ending()
+
+    monkeypatch.setattr(rounds, "RoundProof", Judged)
+    monkeypatch.setattr(script, "colocated_job", job_with_hooks)
+    monkeypatch.setattr(script, "ray_get_all", lambda refs: [True])
+    monkeypatch.setattr(script, "run_round", lambda job, args, round_proof: calls.append("round"))
+    batch = [helpers.Completion("", [1], [2])]
+    monkeypatch.setattr(helpers, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)
+    assert script.main(["--model", "tiny", "--rounds", "2", "--prompt", "a", "--check-coverage"]) == 0
+    assert calls[:7] == [
+        "before_gpu_work",
+        "layout",
+        "placement",
+        "pgids",
+        "measure",
+        "prepare_exact_check",
+        "coverage",
+    ]
+    assert calls[7:-2] == [
+        "generate",
+        [[1, 2]],  # the kernel noise, on the first completions' tokens
+        "round",
+        ("verdict", False, "noise", [7]),  # the coverage sync replaced the dummy weights
+        "round",
+        ("verdict", False, "noise", [7]),
+        "generate",
+        "settle",
+    ]
+    name, records, coverage, time_to_first_sync_s, noise = calls[-2]
+    assert (name, len(records), coverage, noise) == ("run_result", 2, {"unwritten": []}, "noise")
+    assert time_to_first_sync_s > 0 and calls[-1] == "report"
+    calls.clear()
+    assert script.main(["--model", "tiny", "--rounds", "1", "--prompt", "a"]) == 0
+    assert "coverage" not in calls and ("verdict", True, "noise", [7]) in calls  # round 1 replaces the dummy weights
+
+
 def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch):
     """RoundProof, which the round calls at its named steps, hands the gate
     what the round did: the phases it timed, the retries, the training step
@@ -1015,13 +1094,15 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
     monkeypatch.setattr(rounds, "start_exact_check", lambda job: "started")
     monkeypatch.setattr(rounds, "exact_check", lambda started: f"verdict of {started}")
     monkeypatch.setattr(rounds, "judged_round", lambda *a, **kw: judged.append((a, kw)) or "record")
-    job = SimpleNamespace(trainers=["rank 0"], server_pgids=[7], kernel_noise="noise")
+    job = SimpleNamespace(trainers=["rank 0"])
     batch = [helpers.Completion("hi", [1, 2], [3])]
 
     def round_of(args, first_sync, previous=(), loss="no step"):
         gaps = iter(["gap before", "gap after"])
         monkeypatch.setattr(rounds, "job_logprob_gap", lambda job, sequences: (sequences, next(gaps)))
-        proof = rounds.RoundProof(job, args, first_sync=first_sync, previous=list(previous))
+        proof = rounds.RoundProof(
+            job, args, first_sync=first_sync, previous=list(previous), kernel_noise="noise", server_pgids=[7]
+        )
         proof.generated(batch)
         with proof.step("sleep"):
             pass
