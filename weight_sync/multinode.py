@@ -169,6 +169,8 @@ class NodeServer:
 
 def free_port(host: str) -> int:
     """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
+    # Not vLLM's get_open_port: it takes no host (it binds every interface, or VLLM_PORT's port
+    # upward), and the handshake binds node 0's cluster address, so that address is the one to ask.
     with socket.create_server((host, 0)) as s:
         return s.getsockname()[1]
 
