@@ -1,7 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """Colocated weight sync: an FSDP2 trainer's weights into a vLLM server (DP + EP) on the same GPUs over
 vLLM's CUDA-IPC weight transfer: the server's start (under a watchdog) and routes, the trainer ranks, the
 send. Copy it alone for vLLM's own loader; for the direct loader add weight_sync/ and pass
-serve_args(..., worker_extension="weight_sync.direct_load.DirectLoadWorker"). It imports nothing of this project. The server listens on a Unix socket in a directory only its user can enter (its
+serve_args(..., worker_extension="weight_sync.direct_load.DirectLoadWorker"). It imports nothing of this project:
+trainers on more nodes meet through what start_trainers is given (weight_sync/multinode.py's TCPRendezvous).
+The server listens on a Unix socket in a directory only its user can enter (its
 dev routes and pickled IPC handles let a client run code in it). Each trainer rank is a Ray actor of your
 class; its send_weights() calls sender.send():
 
@@ -732,14 +735,13 @@ class TrainerDied(RuntimeError):
 _store = None  # rank 0's: the store the ranks meet at
 
 
-def open_rendezvous(host: str, world_size: int) -> str | int:
+def open_rendezvous(host: str, world_size: int, rendezvous=None) -> str | int:
     """Rank 0: open the store the ranks meet at; returns where. One node: a FileStore in a 0700 directory
-    (no port for other local users), its path, to keep while the ranks run. More: a TCPStore, its port."""
+    (no port for other local users), its path, to keep while the ranks run. More: `rendezvous.open`'s
+    store on `host` (weight_sync/multinode.py's TCPRendezvous: a TCPStore), its port."""
     global _store
-    if host != "127.0.0.1":  # more than one node: multinode.py (copied beside this file for more nodes)
-        from weight_sync import multinode
-
-        _store, port = multinode.open_tcp_rendezvous(host, world_size, COLLECTIVE_TIMEOUT)
+    if rendezvous is not None:
+        _store, port = rendezvous.open(host, world_size, COLLECTIVE_TIMEOUT)
         return port
     folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)  # if this rank ends normally
@@ -749,13 +751,12 @@ def open_rendezvous(host: str, world_size: int) -> str | int:
     return str(path)
 
 
-def join_process_group(rank: int, world_size: int, host: str, where: str | int) -> None:
-    """Join the group at what open_rendezvous returned. CUDA tensors over NCCL, the rest over gloo:
-    vLLM's IPC engine's per-chunk all_gather_object + barrier wait on the host, not on the engine's GPU."""
-    if host != "127.0.0.1":  # more than one node: multinode.py (copied beside this file for more nodes)
-        from weight_sync import multinode
-
-        store = multinode.join_tcp_rendezvous(rank, host, where, world_size, _store, COLLECTIVE_TIMEOUT)
+def join_process_group(rank: int, world_size: int, host: str, where: str | int, rendezvous=None) -> None:
+    """Join the group at what open_rendezvous returned (with the same `rendezvous`). CUDA tensors over
+    NCCL, the rest over gloo: vLLM's IPC engine's per-chunk all_gather_object + barrier wait on the host,
+    not on the engine's GPU."""
+    if rendezvous is not None:
+        store = rendezvous.join(rank, host, where, world_size, _store, COLLECTIVE_TIMEOUT)
     else:
         store = _store if rank == 0 else file_store(where, world_size)
     if torch.cuda.is_available():
@@ -822,13 +823,22 @@ def start_trainers(
     gpus_per_trainer: float = 1,
     placement_timeout_s: float = 60,
     trainer_args: tuple = (),
+    rendezvous=None,
 ) -> tuple[list, object]:
     """One GPU per trainer rank, as many on each of `num_nodes` nodes, the first this one; the ranks
     (actors of `trainer_cls`, any class, built with `trainer_args`) joined in one process group in node
-    order. Returns (trainers, placement group); PlacementError if Ray cannot place them in time."""
+    order. On more than one node they meet through `rendezvous` (weight_sync.multinode.TCPRendezvous);
+    on one node through a file, and `rendezvous` is not used. Returns (trainers, placement group);
+    PlacementError if Ray cannot place them in time."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if num_nodes > 1 and rendezvous is None:
+        raise ValueError(
+            f"trainer ranks on {num_nodes} nodes meet over TCP, which helpers.py does not do alone: copy "
+            "weight_sync/multinode.py beside it and pass start_trainers(..., rendezvous=multinode.TCPRendezvous)"
+        )
+    rendezvous = rendezvous if num_nodes > 1 else None
     have = ray.cluster_resources().get("GPU", 0)
     if gpus_per_trainer and have < num_trainers * gpus_per_trainer:
         raise PlacementError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
@@ -866,12 +876,13 @@ def start_trainers(
         ]
         # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
         host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
-        where = ray_get_all([trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers)])[0]
+        opened = trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers, rendezvous)
+        where = ray_get_all([opened])[0]
         if isinstance(where, str):  # one node, this one: the store's file, in a directory of its own
             _rendezvous_dirs[pg.id.hex()] = Path(where).parent
         ray_get_all(
             [
-                t.__ray_call__.remote(_in_rank, join_process_group, r, num_trainers, host, where)
+                t.__ray_call__.remote(_in_rank, join_process_group, r, num_trainers, host, where, rendezvous)
                 for r, t in enumerate(trainers)
             ]
         )

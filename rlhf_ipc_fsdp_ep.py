@@ -1,9 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
 """Move an FSDP2 trainer's weights into a colocated vLLM server over CUDA IPC.
 
 N GPUs, shared: N FSDP2 trainer ranks (one Ray actor per GPU) and one
 `vllm serve` (data parallel N/TP, expert parallel) pinned to the same GPUs,
-reachable only by this user (a Unix socket in a private directory). One round:
-steps 1-6 in run_round(), step 7 from outside it (proof/checks.py's RoundProof):
+reachable only by this user (a Unix socket in a private directory). main():
+start the job (colocated_job), set up the transfer on every rank, generate,
+then the rounds. One round: steps 1-6 in run_round(), step 7 from outside it
+(proof/rounds.py's Proof, which wraps every step):
 
   1. generate                               vLLM samples; trainer and vLLM score the tokens
   2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for
@@ -28,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,9 +43,11 @@ import torch.distributed as dist
 
 import helpers
 from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
-from proof import checks, program, toy_rl
+from proof import preflight, program, toy_rl
+from proof.rounds import Proof, RoundProof
 from weight_sync import models, sources
 from weight_sync.multinode import (
+    TCPRendezvous,
     free_port,
     gloo_interface_env,
     raise_node_failure,
@@ -156,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
         help="a soak: after --rounds, more rounds until this many seconds have passed since the first began",
     )
     toy_rl.add_arguments(p)  # --train, --lr, --samples-per-prompt, --temperature
-    checks.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
+    preflight.add_arguments(p)  # the gate's tolerances, --check-coverage, --json
     add("--enforce-eager", action="store_true", help="passed to vllm serve (starts faster, generates slower)")
     add("--max-model-len", type=int, help="passed to vllm serve")
     add("--server-log", default="vllm-server.log", help="where the server's output goes")
@@ -173,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.weight_loader, args.weight_loader_reason = loader_choice(args.weight_loader, args.rollout_dtype == "fp8")
     if args.weight_loader_reason not in ("the default", "asked for"):
         print(f"[sync] {args.weight_loader_reason}", flush=True)
-    if problem := checks.flag_problem(args):
+    if problem := preflight.flag_problem(args):
         p.error(problem)
     if warning := untested_vllm_warning():
         print(warning, flush=True)
@@ -344,34 +350,43 @@ class Job:
     weights_in_after_s: float | None = None  # the trainers' weights filled, seconds into the server's start
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
     node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
-    server_pgids: list = field(default_factory=list)  # per rank, the process group of its node's vLLM server
-    kernel_noise: checks.KernelNoise | None = None  # the gate's basis, measured before the first sync
     experts_in_place: bool | None = None  # the last setup's: did the engines read the experts from the trainers
 
 
 @contextmanager
-def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, trainer_cls: type | None = None):
+def colocated_job(
+    args: argparse.Namespace,
+    loaders: list[str] | None = None,
+    trainer_cls: type | None = None,
+    proof: Proof | None = None,
+):
     """Reserve the GPUs, start a trainer rank on each (`trainer_cls`: any class with
     FSDPTrainer's methods, or such a Ray actor; RLTrainer by default) with the model
     sharded over them, start `vllm serve` on the same GPUs (on more nodes: through a
     NodeServer actor on each other node). On the way out (error, Ctrl-C, SIGTERM,
-    SIGHUP) stop every node's server, the trainers, and Ray if this started it."""
+    SIGHUP) stop every node's server, the trainers, and Ray if this started it.
+    `proof` (optional) is told at named points: before any GPU work (with `loaders`),
+    once the trainers are placed, once the job is up, and as it ends."""
     with program.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
         workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
             model_path = models.resolve_model(args.model, workdir)
-            checks.before_gpu_work(args, model_path, loaders or [args.weight_loader])
+            if proof:
+                proof.before_gpu_work(model_path, loaders or [args.weight_loader])
             if started_ray:
                 program.init_ray()
             print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
             trainers, pg = start_trainers(
-                trainer_cls or RLTrainer, args.num_gpus, args.num_nodes, placement_timeout_s=args.placement_timeout
+                trainer_cls or RLTrainer,
+                args.num_gpus,
+                args.num_nodes,
+                placement_timeout_s=args.placement_timeout,
+                rendezvous=TCPRendezvous,  # on more than one node
             )
             ranks = placements(trainers)
-            checks.show_layout(ranks, args.num_nodes)
-            if problem := checks.placement_problem(ranks):
-                raise SystemExit(f"error: {problem}")
+            if proof:
+                proof.trainers_placed(ranks)
             filling = build_models(trainers, args, model_path)
             # The servers' workers import the direct loader and the exact check (exact_check_engine.py) from here.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
@@ -395,7 +410,7 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                     server, filling, args.server_timeout, also_check=partial(raise_node_failure, node_servers)
                 )
                 try:
-                    yield Job(
+                    job = Job(
                         trainers=trainers,
                         server=server,
                         served_name=args.model,
@@ -407,14 +422,17 @@ def colocated_job(args: argparse.Namespace, loaders: list[str] | None = None, tr
                         weights_in_after_s=weights_in_after_s,
                         checkpoint_bytes_read_per_rank=ray_get_all(filling),
                         node_servers=node_servers,
-                        server_pgids=checks.server_pgids_per_rank(server, node_servers, args.num_gpus, args.num_nodes),
                     )
+                    if proof:
+                        proof.job_started(job)
+                    yield job
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
                 finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
                     with helpers.signals_ignored():
-                        checks.settle_exact_checks()  # a round's, if the round ended before its verdict
+                        if proof:
+                            proof.job_ending()
                         node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)
         finally:
@@ -446,8 +464,11 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
 # --- The RL round ---------------------------------------------------------------------------------
 
 
-def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, loader: str) -> None:
-    """Every trainer rank builds vLLM's IPC trainer engine for `loader`."""
+def setup_weight_transfer_on_every_rank(
+    job: Job, args: argparse.Namespace, loader: str, proof: Proof | None = None
+) -> None:
+    """Every trainer rank builds vLLM's IPC trainer engine for `loader`; then `proof`
+    (optional) is told the transfer is ready, to watch every send from outside."""
     sock = job.server.socket_path
     in_place = ray_get_all(
         [
@@ -456,19 +477,20 @@ def setup_weight_transfer_on_every_rank(job: Job, args: argparse.Namespace, load
         ]
     )
     job.experts_in_place = all(in_place)
-    checks.measure(job.trainers)  # every send timed and fingerprinted, every step watched, from outside
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
         print(f"[sync] expert blocks: {how}", flush=True)
     # Only the direct loader's sends are retried: after a failed chunk, vLLM's own route leaves
     # its layer-wise reload half done, and a second send would load on top of it.
     job.send_retries = args.send_retries if loader == "direct" else 0
+    if proof:
+        proof.transfer_ready(job, args)
 
 
-def run_round(job: Job, args: argparse.Namespace, proof: checks.RoundProof) -> None:
+def run_round(job: Job, args: argparse.Namespace, proof: RoundProof) -> None:
     """generate -> sleep -> (train) -> wake weights -> send -> wake KV. `proof`
-    (proof/checks.py) watches from outside: it times each step and scores the
-    batch, and judges the sync once the round is done (proof.verdict())."""
+    (proof/rounds.py) watches from outside: it times each step and scores the
+    batch, and judges the sync once the round is through (Proof.round)."""
     sock, trainers = job.server.socket_path, job.trainers
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
@@ -508,34 +530,36 @@ def more_rounds(args: argparse.Namespace, done: int, seconds_since_first: float)
     return done < args.rounds or seconds_since_first < args.soak_seconds
 
 
+def round_numbers(args: argparse.Namespace) -> Iterator[int]:
+    """1, 2, ... as more_rounds() allows, counting from the first round's start; each announced."""
+    first_round_at, done = time.monotonic(), 0
+    while more_rounds(args, done, time.monotonic() - first_round_at):
+        done += 1
+        soak = f" ({time.monotonic() - first_round_at:.0f} of {args.soak_seconds:.0f} s)"
+        print(f"=== round {done}/{args.rounds}{soak if args.soak_seconds else ''} ===", flush=True)
+        yield done
+
+
+def generate(job: Job, args: argparse.Namespace, label: str) -> list[helpers.Completion]:
+    """One greedy completion per prompt, printed under `label`."""
+    batch = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
+    print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(args.prompts, batch, strict=True)), sep="\n")
+    return batch
+
+
 def main(argv: list[str] | None = None) -> int:
-    start = time.monotonic()
+    started = time.monotonic()
     args = parse_args(argv)
-    with colocated_job(args) as job:
-        sock = job.server.socket_path
-        setup_weight_transfer_on_every_rank(job, args, args.weight_loader)
-        if args.tensor_parallel_size == 1:
-            checks.prepare_exact_check(job)
-        coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
-        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
-        checks.show_texts("before the first sync", args.prompts, greedy)
-        job.kernel_noise = checks.kernel_noise(
-            job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy], fp8=args.rollout_dtype == "fp8"
-        )
-        rounds, time_to_first_sync_s, first_round_at = [], None, time.monotonic()
-        while more_rounds(args, len(rounds), time.monotonic() - first_round_at):
-            i = len(rounds) + 1
-            soak = f" ({time.monotonic() - first_round_at:.0f} of {args.soak_seconds:.0f} s)"
-            print(f"=== round {i}/{args.rounds}{soak if args.soak_seconds else ''} ===", flush=True)
-            # The first sync replaces vLLM's dummy weights, unless the coverage check's did.
-            proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
-            run_round(job, args, proof)
-            rounds.append(proof.verdict())  # 7. the exact check and the gate
-            time_to_first_sync_s = time_to_first_sync_s or time.monotonic() - start
-        greedy = helpers.completions(sock, job.served_name, args.prompts, args.max_tokens)
-        checks.show_texts("after the last sync", args.prompts, greedy)
-        result = checks.run_result(args, job, rounds, coverage, time_to_first_sync_s)
-    return checks.report(args, result)
+    proof = Proof(args, started)  # the checks and measurements, from outside every step below
+    with colocated_job(args, proof=proof) as job:
+        setup_weight_transfer_on_every_rank(job, args, args.weight_loader, proof)
+        greedy = generate(job, args, "before the first sync")
+        proof.before_rounds(greedy)  # the gate's basis: the trainer's own kernel noise on these tokens
+        for i in round_numbers(args):
+            with proof.round(i) as round_proof:  # 7. once the round is through: the exact check and the gate
+                run_round(job, args, round_proof)
+        generate(job, args, "after the last sync")
+    return proof.report()
 
 
 if __name__ == "__main__":

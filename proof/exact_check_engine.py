@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The exact check's engine half, and its fingerprint: proof that every DP
 engine holds, bit for bit, what the trainer rank on its GPU sent.
 

@@ -1,9 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """What makes the example a command-line program, around the sync (not part
 of the lift): SIGTERM and SIGHUP unwind like Ctrl-C, through every `finally`
 (`hangups_unwind`; Ray's own handlers would cut the cleanup short), the
 expected failures as one `error:` line and an exit code (`cli`), Ray started
 with the driver's settings (`init_ray`), and the processes of a local Ray,
-for the server's watchdog to stop with the server (`descendants`).
+for the server's watchdog to stop with the server (`descendants`, through psutil).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import signal
 import sys
 from contextlib import contextmanager
 
+import psutil
 import ray
 
-from helpers import PlacementError, ServerError, TrainerDied, proc_stat, start_time
+from helpers import PlacementError, ServerError, TrainerDied, start_time
 from weight_sync.multinode import job_env
 
 
@@ -85,31 +87,30 @@ def init_ray() -> None:
 
 
 def descendants(pid: int, started_from: str | None = None) -> list[str]:
-    """ "PID:START" of the live descendants of process `pid` (Linux /proc),
-    for start_server's `also_stop`. With `started_from` (a directory), only
-    the children whose command line runs something in it, and all theirs:
-    e.g. the processes of a local Ray cluster `pid` started, and no others."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        if (stat := proc_stat(entry)) is not None:
-            children.setdefault(int(stat[1]), []).append(int(entry))
-    todo = [c for c in children.get(pid, []) if started_from is None or started_from.encode() in cmdline(c)]
-    found, seen = [], set()
-    while todo:
-        child = todo.pop()
-        if child in seen:
+    """ "PID:START" of the live descendants of process `pid`, for start_server's
+    `also_stop` (START: its start time as the watchdog reads it, helpers.start_time).
+    With `started_from` (a directory), only the children whose command line
+    runs something in it, and all theirs: e.g. the processes of a local Ray
+    cluster `pid` started, and no others."""
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:  # gone
+        return []
+    found = []
+    for child in children:
+        if started_from is not None and started_from.encode() not in cmdline(child.pid):
             continue
-        seen.add(child)
-        if (start := start_time(child)) is not None:
-            found.append(f"{child}:{start}")
-        todo += children.get(child, [])
+        try:
+            tree = [child, *child.children(recursive=True)]
+        except psutil.Error:  # it ended meanwhile
+            tree = [child]
+        found += [f"{p.pid}:{start}" for p in tree if (start := start_time(p.pid)) is not None]
     return found
 
 
 def cmdline(pid: int) -> bytes:
-    """/proc/PID/cmdline (arguments NUL-separated), b"" if the process is gone."""
+    """Process `pid`'s arguments, NUL-separated; b"" if it is gone (or a zombie)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
+        return os.fsencode("\0".join(psutil.Process(pid).cmdline()))
+    except psutil.Error:
         return b""

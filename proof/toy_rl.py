@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The RL part of rlhf_ipc_fsdp_ep.py: a toy task and one REINFORCE step.
 Your own reward, batch and loss replace these; the weight sync does not
 depend on anything here. The script mixes PolicyGradientStep into its trainer

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmark the weight sync of rlhf_ipc_fsdp_ep.py: every phase, both loaders, one job.
 
     python scripts/benchmark.py --model qwen3-30b-a3b-shape --num-gpus 2      # no download
@@ -37,7 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the script and its packages
 import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
-from proof import checks  # noqa: E402
+from proof import coverage, preflight, rank_measurement, report  # noqa: E402
+from proof.rounds import Proof  # noqa: E402
 
 LOADERS = ("vllm", "direct")
 
@@ -84,9 +86,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Nam
     bench.variants = bench.variants or [(loader, args.sleep_level, None) for loader in bench.loaders or LOADERS]
     bench.loaders = list(dict.fromkeys(loader for loader, *_ in bench.variants))
     for loader in bench.loaders:  # every loader's flags, before any GPU work
-        if problem := checks.loader_flag_problem(args, loader):
+        if problem := preflight.loader_flag_problem(args, loader):
             p.error(problem)
-    if problem := checks.unwritable("--out", bench.out):
+    if problem := preflight.unwritable("--out", bench.out):
         p.error(problem)
     return bench, args
 
@@ -158,6 +160,7 @@ def _variant(text: str) -> tuple[str, int, int | None]:
 def run_variant(
     job: script.Job,
     args: argparse.Namespace,
+    proof: Proof,
     loader: str,
     sleep_level: int,
     buffer_bytes: int | None = None,
@@ -166,7 +169,8 @@ def run_variant(
     profile: tuple[int, str] | None = None,
 ) -> dict:
     """--rounds syncs through `loader` at `sleep_level` (with a packed buffer
-    of `buffer_bytes`, if given), starting from zeroed vLLM weights. With
+    of `buffer_bytes`, if given), starting from zeroed vLLM weights, each
+    round judged by `proof` (the script's checks, from outside the round). With
     `started_at` (the benchmark's start), also the seconds from then to the
     end of this variant's first gated sync; with `device_copy_gb_per_s`, each
     round against its copy floor (with_floor). `profile`: (round, path prefix) to profile, direct loader only."""
@@ -177,39 +181,37 @@ def run_variant(
             "packed_buffer_size_bytes": buffer_bytes or args.packed_buffer_size_bytes,
         }
     )
-    script.setup_weight_transfer_on_every_rank(job, args, loader)
-    if args.tensor_parallel_size == 1:  # (TP shards each parameter: not checked)
-        checks.prepare_exact_check(job)  # before the weights are zeroed: it probes them, and leaves them zero
-    coverage = checks.check_coverage(job, args.sleep_level) if args.check_coverage else None
-    if coverage is None:  # vLLM forgets the weights: round 1 must bring them back
-        checks.weight_checker(job.server.socket_path, "reset")
-    rounds = []
+    # The proof tells the engines what will be sent before the weights are zeroed (it probes them,
+    # and leaves them zero), and runs the coverage sync if asked (Proof.transfer_ready).
+    script.setup_weight_transfer_on_every_rank(job, args, loader, proof)
+    if proof.coverage is None:  # vLLM forgets the weights: round 1 must bring them back
+        coverage.weight_checker(job.server.socket_path, "reset")
     for i in range(1, args.rounds + 1):
         print(
             f"=== {loader} loader, sleep level {sleep_level}, {args.packed_buffer_size_bytes / 1024**3:g} GiB "
             f"buffer, round {i}/{args.rounds} ===",
             flush=True,
         )
-        proof = checks.RoundProof(job, args, first_sync=i == 1 and coverage is None, previous=rounds[-1:])
         if profile and profile[0] == i and loader == "direct":
             profile_next_sync(job, f"{profile[1]}.direct-round{i}")
-        script.run_round(job, args, proof)
-        rounds.append(proof.verdict())
-        print_send_breakdown(rounds[-1].send_breakdown_s)
-        print_floor(with_floor(rounds[-1].to_json(), device_copy_gb_per_s))
+        with proof.round(i) as round_proof:
+            script.run_round(job, args, round_proof)
+        print_send_breakdown(proof.rounds[-1].send_breakdown_s)
+        print_floor(with_floor(proof.rounds[-1].to_json(), device_copy_gb_per_s))
         if i == 1 and started_at is not None:
             time_to_first_sync_s = time.monotonic() - started_at
+    rounds = proof.rounds
     return {
         "weight_loader": loader,
         "sleep_level": sleep_level,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "experts_in_place": job.experts_in_place if loader == "direct" else None,
-        "coverage": coverage,
+        "coverage": proof.coverage,
         "rounds": [with_floor(r.to_json(), device_copy_gb_per_s) for r in rounds],
         "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
-        "memory_growth_gib": checks.memory_growth_gib(rounds),
+        "memory_growth_gib": report.memory_growth_gib(rounds),
         **({"time_to_first_sync_s": time_to_first_sync_s} if started_at is not None else {}),
     }
 
@@ -264,7 +266,7 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     helpers.wake_to_serve(sock)
     stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
-    checks.zero_vllm_weights(sock, args.sleep_level)
+    coverage.zero_vllm_weights(sock, args.sleep_level)
     script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
     helpers.wake_to_serve(sock)
     try:
@@ -320,16 +322,15 @@ def default_out(result: dict) -> Path:
 def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     bench, args = parse_args(argv)
-    with script.colocated_job(args, loaders=bench.loaders) as job:
-        result = {**checks.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
+    proof = Proof(args, start)
+    with script.colocated_job(args, loaders=bench.loaders, proof=proof) as job:
+        result = {**report.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
         greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
-        job.kernel_noise = checks.kernel_noise(
-            job.trainers, [c.prompt_token_ids + c.token_ids for c in greedy], fp8=args.rollout_dtype == "fp8"
-        )
-        result["kernel_noise"] = asdict(job.kernel_noise) if job.kernel_noise else None
+        proof.before_rounds(greedy)  # the gate's basis: the trainer's own kernel noise
+        result["kernel_noise"] = asdict(proof.kernel_noise) if proof.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).
         result["device_copy_gb_per_s"] = script.ray_get_all(
-            [t.__ray_call__.remote(checks.device_copy_gb_per_s) for t in job.trainers]
+            [t.__ray_call__.remote(rank_measurement.device_copy_gb_per_s) for t in job.trainers]
         )
         print(
             f"[floor] device copy rate per GPU: {', '.join(f'{r:.0f}' for r in result['device_copy_gb_per_s'])} GB/s",
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             variant = run_variant(
                 job,
                 args,
+                proof,
                 loader,
                 level,
                 buffer_bytes,
@@ -354,21 +356,21 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("time_to_first_sync_s", variant.get("time_to_first_sync_s"))
             if loader == "direct":  # (run_facts came before any setup)
                 result["experts_in_place"] = variant["experts_in_place"]
-            checks.write_json(out, result)  # after every step: a run cut short keeps what it measured
-            print(checks.format_summary({**result, **variant}), flush=True)
+            report.write_json(out, result)  # after every step: a run cut short keeps what it measured
+            print(report.format_summary({**result, **variant}), flush=True)
         if set(bench.loaders) == set(LOADERS):
             result["loaders_agree"] = loaders_agree(job, args)
-            checks.write_json(out, result)
+            report.write_json(out, result)
         if bench.throughput:
             result["generation"] = generation_throughput(job, *bench.throughput)
-            checks.write_json(out, result)
+            report.write_json(out, result)
         print(f"[json] {out}")
 
     failures = [
         f"{v['weight_loader']} loader, sleep level {v['sleep_level']}, "
         f"{v['packed_buffer_size_bytes'] / 1024**3:g} GiB buffer, {failure}"
         for v in result["variants"]
-        for failure in checks.failed_checks(v, args.memory_growth_tolerance_gib)
+        for failure in report.failed_checks(v, args.memory_growth_tolerance_gib)
     ]
     if result.get("loaders_agree", {}).get("agree") is False:
         failures.append("the direct loader did not reproduce vLLM's parameters")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """exact_check_engine.HeldFingerprints on a GPU: the same sums as fingerprinting one
 tensor at a time, from the call that captures its CUDA graph on, also after
 the tensors' values change in place (the graph reads them where they are),

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The exact check's fingerprint kernel on one GPU, without vLLM: per tensor
 shape (two Moonlight expert tensors, one square), a device copy, the kernel
 direct_load holds (`current_s`), a prototype of the one-mix kernel at several

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What fingerprinting a sync's tensors costs on one GPU, without vLLM: the
 Moonlight-16B-A3B shape's 350 bf16 tensors (31.9 GB; random values), through
 the exact check's fingerprint one tensor at a time (as the trainer does in the

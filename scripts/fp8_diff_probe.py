@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """On a GPU: where the direct loader's FP8 kernel and vLLM's per_block_cast_to_fp8
 (which vLLM compiles with torch.compile) differ, element by element, on a
 Moonlight-shape expert block: the element, its block's scale, and what each way

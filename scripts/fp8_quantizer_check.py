@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """On a GPU: the direct loader's FP8 quantizer (fp8_experts.fp8_quantize_blocks,
 one Triton kernel) against vLLM's own per-block quantization
 (fp8_experts.fp8_reference, through vllm.utils.deep_gemm.per_block_cast_to_fp8),

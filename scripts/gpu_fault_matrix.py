@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fault matrix on one GPU. Each case starts the script (tiny model, eager
 server, one GPU), waits for the output line that marks its phase, does its
 fault, and records how the run ended and what it left behind: its processes,

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # The runs behind the README's headline numbers, on one H200: run from the repository's root on the GPU machine
 # with the bundle of shared/gpu-host/wheels-vllm-0.34.txt installed; results under OUT.
-#   COMMIT=<hash> bash scripts/h200_sync_runs.sh STAGE OUT    # STAGE a1, a2, b1, b2 in turn, on the same machine
+#   COMMIT=<hash> bash scripts/h200_sync_runs.sh STAGE OUT    # STAGE a1, a2, b1, b2, b3 in turn, on one machine
 #   (each within 10 minutes; a2 and b2 read the checkpoint a1 writes)
 # a1: the README's tiny command, cold (nothing compiled yet), alone on the GPU, while the Moonlight-16B-A3B shape is
 #    written to disk as a checkpoint; a2: that checkpoint through both loaders, compiled, sleep level 0: the direct
@@ -13,6 +13,8 @@
 #    in FP8 (direct loader, 5 syncs and a sixth profiled, compiled) and, side by side while its server starts: helpers.py alone in an
 #    empty folder with a user's own trainer (tests/helpers_alone_rl.py: IPC send, vLLM's loader, a dense model),
 #    tiny with --rounds 3, tiny-deepseek-v3 with --train.
+# b3: side by side, eager: every preset family through each loader it takes (2 syncs each, then both bit for
+#    bit), tiny-mixtral in FP8 with --train.
 set -u
 stage=${1:?a1, a2, b1 or b2}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
@@ -45,6 +47,17 @@ if [ "$stage" = a1 ]; then
 elif [ "$stage" = a2 ]; then
   VLLM_RELOAD_MODE=direct run moonlight-checkpoint 540 scripts/benchmark.py --model "$CKPT" --num-gpus 1 \
     --loaders direct vllm --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824
+elif [ "$stage" = b3 ]; then
+  E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
+  for preset in tiny-qwen2-moe tiny-mixtral tiny-deepseek-v3 tiny-glm4-moe tiny-qwen3; do
+    run "$preset-loaders" 420 scripts/benchmark.py --model "$preset" --num-gpus 1 --loaders direct vllm --rounds 2 $E &
+    sleep 4
+  done
+  run tiny-gpt-oss-vllm 420 scripts/benchmark.py --model tiny-gpt-oss --num-gpus 1 --loaders vllm --rounds 2 $E &
+  sleep 4
+  run mixtral-fp8-train 420 rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train \
+    --rounds 3 $E &
+  wait
 elif [ "$stage" = b1 ]; then
   run tiny-warm 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
 else
@@ -73,6 +86,7 @@ EOF
   wait
 fi
 summary > "$R/summary-$stage.txt" 2>&1
-mv "$R"/*.direct-round* "$R"/tiny-3-rounds.json "$R"/dsv3-train.json "$R/logs/" 2>/dev/null
+mv "$R"/*.direct-round* "$R"/tiny-3-rounds.json "$R"/dsv3-train.json "$R"/tiny-*-loaders.json "$R"/tiny-gpt-oss-vllm.json \
+  "$R"/mixtral-fp8-train.json "$R/logs/" 2>/dev/null
 cat "$R/summary-$stage.txt"
 tar czf "$R/logs-$stage.tgz" -C "$R" logs && rm -rf "$R/logs"

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Chart where a weight sync's time goes: one stacked horizontal bar per run and loader.
 
     python scripts/plot_phases.py OUT.svg RESULT.json [RESULT.json ...] [--xmax SECONDS]

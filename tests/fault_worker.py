@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Server-side faults for the GPU fault matrix (scripts/gpu_fault_matrix.py),
 chosen by environment variables that the server inherits from the script:
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A user's own RL code beside helpers.py alone, with vLLM's own loader and a dense model, as vLLM's
 own example has it. tests/test_copy.py copies the two into an empty folder and runs this there, with
 nothing else of this project importable; on a GPU machine it runs the same way by hand.

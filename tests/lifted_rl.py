@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A user's own RL code around the lifted files alone (tests/test_copy.py
 copies it beside them into an empty folder and runs it there, with nothing
 else of this project importable): an FSDP2 trainer class of its own (its own

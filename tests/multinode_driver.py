@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A driver on a two-node Ray cluster (ray.cluster_utils.Cluster, both nodes
 on this machine, one fake GPU each): it places the trainers, plans each node's
 `vllm serve`, starts and loses the second node's server through its
@@ -30,7 +31,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 import conftest  # noqa: E402,F401  (its environment: no auth, offline, ...)
 import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
-from proof import checks, program  # noqa: E402
+from proof import program, report  # noqa: E402
 from weight_sync import models, multinode  # noqa: E402
 
 SLEEPS = (
@@ -203,7 +204,7 @@ def main(out_path: str, log_dir: str) -> None:
             lambda: helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5)
         )
 
-        trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2)
+        trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2, rendezvous=multinode.TCPRendezvous)
         placements = helpers.placements(trainers)
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
@@ -213,7 +214,7 @@ def main(out_path: str, log_dir: str) -> None:
                 lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}
             )
         )
-        checks.show_layout(placements, 2)
+        report.show_layout(placements, 2)
         seen["layout"] = [p["gpu_ids"] for p in placements]  # one rank per node here
         args = script.parse_args(["--model", "tiny", "--num-gpus", "2", "--num-nodes", "2"])
         head = (placements[0]["node_ip"], multinode.free_port(placements[0]["node_ip"]))

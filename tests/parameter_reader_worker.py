@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A test's window into a CPU server's engine: ExactCheckWorker with more
 calls: `parameter_names(prefix)`, `read_parameter(name)` (its values,
 float32), `fp8_parameter_names()` (exact_check_engine's), and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A server-side fault for the GPU run of `scripts/with_worker.py stale_block_worker.StaleBlockWorker ...`: from
 the second sync on, DP engine 0's direct loader leaves the first expert block
 of each sync as it was (stale), as a loader bug would. The exact check must

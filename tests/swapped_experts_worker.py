@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A server-side fault for a GPU run through vLLM's loader (`scripts/with_worker.py
 swapped_experts_worker.SwappedExpertsWorker ... --weight-loader vllm`): from the
 first sync on, every layer's expert 0 and expert 1 trade names on the way into

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Flag validation, input errors caught before GPU work, and the reported numbers."""
 
 import json
@@ -14,7 +15,7 @@ import torch
 
 import helpers
 import rlhf_ipc_fsdp_ep as script
-from proof import checks, toy_rl
+from proof import exact_check_driver, logprob_gate, memory, preflight, rank_measurement, report, rounds, toy_rl
 from weight_sync import models, sources
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def test_a_path_the_run_cannot_write_is_refused_before_any_gpu_work():
             try:
                 os.setgid(65534)
                 os.setuid(65534)
-                os.write(writable, json.dumps([checks.unwritable("--json", str(p)) for p in paths]).encode())
+                os.write(writable, json.dumps([preflight.unwritable("--json", str(p)) for p in paths]).encode())
             finally:
                 os._exit(0)
         os.close(writable)
@@ -226,21 +227,21 @@ def test_packed_buffer_smaller_than_largest_parameter_is_refused(tmp_path):
     assert (name, size) == ("model.embed_tokens.weight", 1024 * 128 * 2)
     args = script.parse_args(["--model", "tiny", "--packed-buffer-size-bytes", str(size - 1)])
     with pytest.raises(SystemExit, match=f"smaller than the largest parameter, {name} \\({size} bytes\\)"):
-        checks.before_gpu_work(args, path, ["direct"])
+        preflight.before_gpu_work(args, path, ["direct"])
     args.packed_buffer_size_bytes = size
-    checks.before_gpu_work(args, path, ["direct"])  # exactly enough is fine
+    preflight.before_gpu_work(args, path, ["direct"])  # exactly enough is fine
 
 
 def test_direct_loader_refuses_experts_that_do_not_split_evenly(tmp_path):
     path = models.resolve_model("tiny", tmp_path)  # 8 experts
     args = script.parse_args(["--model", "tiny", "--num-gpus", "3"])
     with pytest.raises(SystemExit, match="8 experts, which do not split evenly over 3 GPUs.*--weight-loader vllm"):
-        checks.before_gpu_work(args, path, ["direct"])
+        preflight.before_gpu_work(args, path, ["direct"])
     with pytest.raises(SystemExit, match="do not split evenly"):
-        checks.before_gpu_work(args, path, ["vllm", "direct"])  # the benchmark's loaders
-    checks.before_gpu_work(args, path, ["vllm"])  # vLLM's loader takes any split
+        preflight.before_gpu_work(args, path, ["vllm", "direct"])  # the benchmark's loaders
+    preflight.before_gpu_work(args, path, ["vllm"])  # vLLM's loader takes any split
     args.num_gpus = 4
-    checks.before_gpu_work(args, path, ["direct"])
+    preflight.before_gpu_work(args, path, ["direct"])
 
 
 def test_a_checkpoint_without_safetensors_is_refused_before_gpu_work(tmp_path):
@@ -251,7 +252,7 @@ def test_a_checkpoint_without_safetensors_is_refused_before_gpu_work(tmp_path):
     (path / "pytorch_model.bin").write_bytes(b"")
     args = script.parse_args(["--model", str(path), "--num-gpus", "2"])
     with pytest.raises(SystemExit, match=r"^error: .*tiny has no safetensors files \(model.safetensors, or an index"):
-        checks.before_gpu_work(args, path, ["direct"])
+        preflight.before_gpu_work(args, path, ["direct"])
 
 
 @pytest.mark.parametrize(
@@ -272,13 +273,13 @@ def test_direct_loader_refuses_what_it_cannot_serve_before_gpu_work(preset, refu
     path = models.resolve_model(preset, tmp_path)
     args = script.parse_args(["--model", preset, "--num-gpus", "2"])
     if refusal is None:
-        checks.before_gpu_work(args, path, ["direct"])
+        preflight.before_gpu_work(args, path, ["direct"])
     else:
         with pytest.raises(
             SystemExit, match=refusal + r".*; sync through vLLM's loader instead .*--weight-loader vllm"
         ):
-            checks.before_gpu_work(args, path, ["direct"])
-    checks.before_gpu_work(args, path, ["vllm"])
+            preflight.before_gpu_work(args, path, ["direct"])
+    preflight.before_gpu_work(args, path, ["vllm"])
 
 
 @pytest.mark.parametrize(
@@ -299,25 +300,25 @@ def test_fp8_rollout_refuses_what_it_cannot_quantize_before_gpu_work(preset, ref
         ["--model", preset, "--num-gpus", "1", "--rollout-dtype", "fp8", "--weight-loader", "vllm"]
     )
     if refusal is None:
-        checks.before_gpu_work(args, path, ["vllm"])
+        preflight.before_gpu_work(args, path, ["vllm"])
     else:
         with pytest.raises(SystemExit, match=r"^error: --rollout-dtype fp8 .*" + refusal):
-            checks.before_gpu_work(args, path, ["vllm"])
+            preflight.before_gpu_work(args, path, ["vllm"])
     args.rollout_dtype = "bf16"
-    checks.before_gpu_work(args, path, ["vllm"])
+    preflight.before_gpu_work(args, path, ["vllm"])
 
 
 def test_fp8_rollout_refuses_experts_laid_out_otherwise_than_vllm(tmp_path):
     """The trainer's own FP8 noise quantizes its fused experts as vLLM lays them out ([E, 2I, H], gate
     rows then up rows): transformers' marker of another layout ([E, H, 2I]) is refused."""
     meta = models.meta_model(models.resolve_model("tiny", tmp_path))
-    assert checks.fp8_problem(meta) is None
+    assert preflight.fp8_problem(meta) is None
     experts = next(m for m in meta.modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts"))
     experts.is_transposed = True
     assert re.match(
         r"--rollout-dtype fp8 needs the trainer's fused experts in vLLM's layout .*, not "
         r"model\.layers\.0\.mlp\.experts\.",
-        checks.fp8_problem(meta),
+        preflight.fp8_problem(meta),
     )
 
 
@@ -329,15 +330,15 @@ def test_fp8_rollout_refuses_a_machine_without_its_kernels_before_gpu_work():
     import subprocess
     import sys
 
-    assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 9)}) is None
-    assert checks.fp8_backend_problem({}) is None
-    assert checks.fp8_backend_problem({0: (9, 0), 1: (8, 0)}) == (
+    assert preflight.fp8_backend_problem({0: (9, 0), 1: (8, 9)}) is None
+    assert preflight.fp8_backend_problem({}) is None
+    assert preflight.fp8_backend_problem({0: (9, 0), 1: (8, 0)}) == (
         "--rollout-dtype fp8 needs GPUs with FP8 arithmetic (compute capability 8.9 or later); GPU 1 is 8.0"
     )
-    assert checks.gpu_capabilities() == {}
+    assert preflight.gpu_capabilities() == {}
     no_triton = (
-        "import sys; sys.modules['triton'] = None; from proof import checks; "
-        "print(checks.fp8_backend_problem({0: (9, 0)}))"
+        "import sys; sys.modules['triton'] = None; from proof import preflight; "
+        "print(preflight.fp8_backend_problem({0: (9, 0)}))"
     )
     out = subprocess.run([sys.executable, "-c", no_triton], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith(
@@ -442,14 +443,14 @@ def test_only_a_model_with_experts_is_served_with_expert_parallelism(tmp_path):
 
 
 def test_dlogp_stats():
-    assert checks.dlogp_stats([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]]) == (1.0, 0.5)
-    assert all(math.isnan(v) for v in checks.dlogp_stats([[0.0, 1.0]], [[math.nan, 1.0]]))
-    assert all(math.isnan(v) for v in checks.dlogp_stats([[0.0, 1.0]], [[0.0, math.nan]]))
+    assert logprob_gate.dlogp_stats([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]]) == (1.0, 0.5)
+    assert all(math.isnan(v) for v in logprob_gate.dlogp_stats([[0.0, 1.0]], [[math.nan, 1.0]]))
+    assert all(math.isnan(v) for v in logprob_gate.dlogp_stats([[0.0, 1.0]], [[0.0, math.nan]]))
     with pytest.raises(ValueError):
-        checks.dlogp_stats([[0.0, 1.0]], [[0.0]])
+        logprob_gate.dlogp_stats([[0.0, 1.0]], [[0.0]])
 
 
-TOLERANCES = checks.Tolerances(mean=0.1, quantile=1.0, max=None, noise_multiple=2.0)
+TOLERANCES = logprob_gate.Tolerances(mean=0.1, quantile=1.0, max=None, noise_multiple=2.0)
 
 
 def _gap(means, maxes=None, server=None):
@@ -457,7 +458,7 @@ def _gap(means, maxes=None, server=None):
     logprobs apart (engines whose entry is equal before and after did not change)."""
     maxes = maxes or [3 * m for m in means]
     server = server or [[[-1.0 - i]] for i in range(len(means))]
-    return checks.LogprobGap(list(means), list(maxes), server)
+    return logprob_gate.LogprobGap(list(means), list(maxes), server)
 
 
 def _gate(after_means, after_maxes=None, changed=None, weights_updated=True):
@@ -466,11 +467,11 @@ def _gate(after_means, after_maxes=None, changed=None, weights_updated=True):
     changed = changed if changed is not None else [True] * n
     after_server = [[[-1.0 - i - (0.5 if c else 0.0)]] for i, c in enumerate(changed)]
     after = _gap(after_means, after_maxes, after_server)
-    return before, after, checks.gate(before, after, TOLERANCES, weights_updated)
+    return before, after, logprob_gate.gate(before, after, TOLERANCES, weights_updated)
 
 
 def test_default_tolerances_are_the_documented_ones():
-    assert checks.Tolerances.from_args(script.parse_args([])) == TOLERANCES
+    assert logprob_gate.Tolerances.from_args(script.parse_args([])) == TOLERANCES
 
 
 def test_the_gate_holds_every_engine_to_the_tolerances():
@@ -494,13 +495,13 @@ def test_a_sync_that_did_nothing_on_one_engine_fails_the_round():
     assert _gate([0.01] * 4, changed=[False] * 4, weights_updated=False)[2].passed
 
 
-MEMORY = checks.GPUMemory(trainer_peak_allocated=1.0, trainer_reserved=2.0, server_used=math.nan, device_used=50.0)
+MEMORY = memory.GPUMemory(trainer_peak_allocated=1.0, trainer_reserved=2.0, server_used=math.nan, device_used=50.0)
 
 
 def _record(after_means=(0.01,), changed=None, memory=(MEMORY,), weights_updated=True):
     before, after, result = _gate(list(after_means), changed=changed, weights_updated=weights_updated)
     phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
-    return checks.round_record(
+    return report.round_record(
         phases,
         [{"source": 0.5, "total": 2.0}],
         {"model": 4 * 10**9, "per_gpu": 10**9},
@@ -523,13 +524,13 @@ def test_round_record_derives_rates_and_reports_every_engine():
 
 
 def _memory(device_used, ranks=2):
-    return [checks.GPUMemory(1.0, 2.0, 3.0, device_used + rank) for rank in range(ranks)]
+    return [memory.GPUMemory(1.0, 2.0, 3.0, device_used + rank) for rank in range(ranks)]
 
 
 def test_memory_growth_is_measured_from_round_2():
     rounds = [_record(memory=_memory(u)) for u in (40.0, 50.0, 50.1, 50.3)]
-    assert checks.memory_growth_gib(rounds) == pytest.approx(0.3)  # round 1's 10 GiB of setup excluded
-    assert checks.memory_growth_gib(rounds[:2]) == 0.0
+    assert report.memory_growth_gib(rounds) == pytest.approx(0.3)  # round 1's 10 GiB of setup excluded
+    assert report.memory_growth_gib(rounds[:2]) == 0.0
 
 
 def test_memory_check_with_the_default_three_rounds_on_two_gpus():
@@ -538,19 +539,19 @@ def test_memory_check_with_the_default_three_rounds_on_two_gpus():
     result = {
         "rounds": [r.to_json() for r in rounds],
         "coverage": None,
-        "memory_growth_gib": checks.memory_growth_gib(rounds),
+        "memory_growth_gib": report.memory_growth_gib(rounds),
     }
-    assert result["memory_growth_gib"] == pytest.approx(default) and checks.failed_checks(result, default) == []
+    assert result["memory_growth_gib"] == pytest.approx(default) and report.failed_checks(result, default) == []
     rounds[-1] = _record(memory=_memory(50.0 + 2 * default))
-    result["memory_growth_gib"] = checks.memory_growth_gib(rounds)
-    assert checks.failed_checks(result, default) == [
+    result["memory_growth_gib"] = report.memory_growth_gib(rounds)
+    assert report.failed_checks(result, default) == [
         f"GPU memory grew {2 * default:.2f} GiB from round 2 to the last (tolerance {default} GiB)"
     ]
 
 
 def test_failed_checks_name_what_failed():
     ok = {"rounds": [_record().to_json()], "coverage": None, "memory_growth_gib": 0.1}
-    assert checks.failed_checks(ok, 0.5) == []
+    assert report.failed_checks(ok, 0.5) == []
     stuck = _record()
     stuck.unchanged_by_step = ["lm_head.weight"]
     bad = {
@@ -558,13 +559,13 @@ def test_failed_checks_name_what_failed():
         "coverage": {"parameters": 3, "unwritten": ["dp1:pp0:pcp0:tp0:x"]},
         "memory_growth_gib": 2.0,
     }
-    assert checks.failed_checks(bad, 0.5) == [
+    assert report.failed_checks(bad, 0.5) == [
         "round 2: logprob gate",
         "round 3: the step left 1 trainer parameters unchanged, e.g. ['lm_head.weight']",
         "the sync did not write 1 vLLM parameters",
         "GPU memory grew 2.00 GiB from round 2 to the last (tolerance 0.5 GiB)",
     ]
-    assert checks.failed_checks({**ok, "memory_growth_gib": math.nan}, 0.5)  # NaN is a failure
+    assert report.failed_checks({**ok, "memory_growth_gib": math.nan}, 0.5)  # NaN is a failure
 
 
 def test_reward_and_advantages():
@@ -608,7 +609,7 @@ def test_summary_table_and_json_keys(tmp_path):
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": 0.25,
     }
-    text = checks.format_summary(result)
+    text = report.format_summary(result)
     lines = text.splitlines()
     assert "2 x NVIDIA H200" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
     row1, row2, _ = (line for line in lines if line.lstrip().startswith(("1 |", "2 |", "3 |")))
@@ -621,10 +622,10 @@ def test_summary_table_and_json_keys(tmp_path):
         (756_480, "the checkpoint, 0.76 MB"),
         (0, "trainer weights (random) in 69 s"),
     ):
-        extra = checks.format_summary({**result, "weights_in_after_s": 69.0, "checkpoint_bytes_read_per_rank": [read]})
+        extra = report.format_summary({**result, "weights_in_after_s": 69.0, "checkpoint_bytes_read_per_rank": [read]})
         assert shown in extra
     # Strict JSON (NVML's NaN becomes null) with the keys promised in the README.
-    checks.write_json(tmp_path / "r.json", result)
+    report.write_json(tmp_path / "r.json", result)
     loaded = json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)
     assert loaded["memory_gib_per_rank"][0]["server_used"] is None
     round_keys = set(loaded["rounds"][0])
@@ -654,7 +655,7 @@ def test_summary_table_and_json_keys(tmp_path):
     ):
         assert key in round_keys, key
     assert "step_skipped" not in round_keys  # optional keys appear only when they say something
-    assert set(checks.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
+    assert set(report.SYNC_PHASES) <= set(loaded["rounds"][0]["phases_s"])
     assert "reward_mean" not in _record().to_json()
 
 
@@ -764,9 +765,9 @@ def test_packed_sends_need_sizes_that_keep_every_tensor_aligned():
     """vLLM packs tensors back to back: a 3-element bf16 tensor (6 bytes)
     before an fp32 one would leave it at an offset it cannot be viewed at."""
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert checks.packing_problem([("a", (4,), bf16), ("bias", (3,), fp32)]) is None
-    assert checks.packing_problem([("a", (3,), bf16), ("b", (5,), bf16)]) is None  # all bf16: no constraint
-    problem = checks.packing_problem([("odd", (3,), bf16), ("bias", (3,), fp32)])
+    assert preflight.packing_problem([("a", (4,), bf16), ("bias", (3,), fp32)]) is None
+    assert preflight.packing_problem([("a", (3,), bf16), ("b", (5,), bf16)]) is None  # all bf16: no constraint
+    problem = preflight.packing_problem([("odd", (3,), bf16), ("bias", (3,), fp32)])
     assert problem.startswith("odd is 6 bytes, not a multiple of 4") and "--no-packed --weight-loader vllm" in problem
 
 
@@ -783,7 +784,7 @@ def test_timed_client_adds_the_servers_share_and_the_engines_own_split():
             return None
 
     seconds = {}
-    client = checks.TimedClient(Client(), seconds)
+    client = rank_measurement.TimedClient(Client(), seconds)
     client.start_weight_update()
     for _ in range(2):
         assert client.update_weights({})["tensors"] == 1
@@ -801,9 +802,9 @@ def test_timed_client_adds_the_servers_share_and_the_engines_own_split():
 
 def _lp_gap(trainer, server_per_engine):
     """A LogprobGap as logprob_gap builds it, from per-token logprobs."""
-    stats = [checks.dlogp_stats(trainer, s) for s in server_per_engine]
-    quantiles = [checks.dlogp_quantile(trainer, s) for s in server_per_engine]
-    return checks.LogprobGap([m for _, m in stats], [x for x, _ in stats], server_per_engine, trainer, quantiles)
+    stats = [logprob_gate.dlogp_stats(trainer, s) for s in server_per_engine]
+    quantiles = [logprob_gate.dlogp_quantile(trainer, s) for s in server_per_engine]
+    return logprob_gate.LogprobGap([m for _, m in stats], [x for x, _ in stats], server_per_engine, trainer, quantiles)
 
 
 def test_the_gate_reads_a_quantile_not_the_single_worst_token():
@@ -811,9 +812,9 @@ def test_the_gate_reads_a_quantile_not_the_single_worst_token():
     one_token_off = [[-1.0] * 99 + [-3.0]]  # 2 nats on 1 token of 100: the max, not the 95% quantile
     after = _lp_gap(trainer, [one_token_off])
     assert after.max == 2.0 and after.quantile == 0.0 and after.mean == 0.02
-    assert checks.gate(after, after, TOLERANCES, weights_updated=False).passed
-    assert not checks.gate(after, after, checks.Tolerances(0.1, 1.0, max=1.0), weights_updated=False).passed
-    assert checks.dlogp_quantile([[0.0] * 20], [[0.0] * 18 + [1.0, 2.0]]) == 1.0  # nearest rank: the 19th of 20
+    assert logprob_gate.gate(after, after, TOLERANCES, weights_updated=False).passed
+    assert not logprob_gate.gate(after, after, logprob_gate.Tolerances(0.1, 1.0, max=1.0), weights_updated=False).passed
+    assert logprob_gate.dlogp_quantile([[0.0] * 20], [[0.0] * 18 + [1.0, 2.0]]) == 1.0  # nearest rank: the 19th of 20
 
 
 def test_a_large_trainer_vllm_gap_never_widens_a_later_rounds_tolerance():
@@ -823,13 +824,13 @@ def test_a_large_trainer_vllm_gap_never_widens_a_later_rounds_tolerance():
     round 2). Only the trainer's own kernel noise widens the tolerances."""
     trainer = [[-1.0] * 40]
     round_1 = _lp_gap(trainer, [[[-1.0 - 0.23 * (i % 2) for i in range(40)]]])  # mean 0.115: round 1 fails
-    assert not checks.gate(round_1, round_1, TOLERANCES, weights_updated=False).passed
-    round_2 = checks.gate(round_1, round_1, TOLERANCES, weights_updated=False, noise=round_1)  # round 1 its basis
+    assert not logprob_gate.gate(round_1, round_1, TOLERANCES, weights_updated=False).passed
+    round_2 = logprob_gate.gate(round_1, round_1, TOLERANCES, weights_updated=False, noise=round_1)  # round 1 its basis
     assert not round_2.passed and (round_2.mean_tolerance, round_2.quantile_tolerance) == (0.1, 1.0)
     loud = _lp_gap(trainer, [[[-1.0 - 5.0 * (i % 2) for i in range(40)]]])  # trainer and vLLM far apart
     assert TOLERANCES.given(loud) == TOLERANCES.given(None) == (0.1, 1.0)
-    kernel = checks.KernelNoise(mean=0.001, quantile=0.004, attention="sdpa vs eager")
-    assert checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel).given(loud) == (0.1, 1.0)
+    kernel = logprob_gate.KernelNoise(mean=0.001, quantile=0.004, attention="sdpa vs eager")
+    assert logprob_gate.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel).given(loud) == (0.1, 1.0)
     endless = _lp_gap(trainer, [[[-math.inf] * 40]])
     assert TOLERANCES.given(endless) == (0.1, 1.0)
 
@@ -838,8 +839,8 @@ def test_the_trainers_own_kernel_noise_sets_the_floor():
     """A deep model with random weights: two attention implementations of the
     trainer itself disagree by 0.4 nats (measured on the Moonlight shape), so
     vLLM may too; without that basis its every correct sync fails."""
-    kernel = checks.KernelNoise(mean=0.4, quantile=1.05, attention="sdpa vs eager")
-    tolerances = checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel)
+    kernel = logprob_gate.KernelNoise(mean=0.4, quantile=1.05, attention="sdpa vs eager")
+    tolerances = logprob_gate.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel)
     assert tolerances.given(None) == pytest.approx((0.8, 2.1))  # round 1: nothing measured on identical weights yet
     trainer = [[-1.0] * 40]
     loud = _lp_gap(trainer, [[[-1.0 - 5.0 * (i % 2) for i in range(40)]]])
@@ -850,11 +851,13 @@ def test_fp8s_own_noise_adds_to_the_kernel_noise_in_the_gates_basis():
     """--rollout-dtype fp8: vLLM's FP8 experts move its log-probabilities away
     from the trainer's bf16 ones by what FP8 alone does (measured on the
     trainer's own model before the first sync): the floor widens by that."""
-    kernel = checks.KernelNoise(mean=0.01, quantile=0.03, attention="sdpa vs eager", fp8_mean=0.09, fp8_quantile=0.47)
+    kernel = logprob_gate.KernelNoise(
+        mean=0.01, quantile=0.03, attention="sdpa vs eager", fp8_mean=0.09, fp8_quantile=0.47
+    )
     assert (kernel.bound_mean, kernel.bound_quantile) == pytest.approx((0.10, 0.50))
-    assert checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel).given(None) == pytest.approx((0.2, 1.0))
-    plain = checks.KernelNoise(mean=0.01, quantile=0.03, attention="sdpa vs eager")
-    assert checks.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=plain).given(None) == (0.1, 1.0)
+    assert logprob_gate.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=kernel).given(None) == pytest.approx((0.2, 1.0))
+    plain = logprob_gate.KernelNoise(mean=0.01, quantile=0.03, attention="sdpa vs eager")
+    assert logprob_gate.Tolerances(0.1, 1.0, None, 2.0, kernel_noise=plain).given(None) == (0.1, 1.0)
 
 
 def test_the_change_test_tells_a_stale_engine_from_one_that_followed_the_step():
@@ -862,11 +865,11 @@ def test_the_change_test_tells_a_stale_engine_from_one_that_followed_the_step():
     after_t = [[v - 0.5 * ((i % 3) - 1) for i, v in enumerate(before_t[0])]]  # the step moved the trainer
     noise = [[v + 0.001 for v in before_t[0]]]
     before = _lp_gap(before_t, [noise])
-    followed = checks.change_test(before, _lp_gap(after_t, [[[v + 0.001 for v in after_t[0]]]]))
-    stale = checks.change_test(before, _lp_gap(after_t, [noise]))  # vLLM's numbers did not move
+    followed = logprob_gate.change_test(before, _lp_gap(after_t, [[[v + 0.001 for v in after_t[0]]]]))
+    stale = logprob_gate.change_test(before, _lp_gap(after_t, [noise]))  # vLLM's numbers did not move
     assert followed.verdict == "followed" and stale.verdict == "did not follow"
     assert stale.residual_rms == pytest.approx(stale.trainer_change_rms)
-    tiny_step = checks.change_test(before, _lp_gap([[v + 1e-4 for v in before_t[0]]], [noise]))
+    tiny_step = logprob_gate.change_test(before, _lp_gap([[v + 1e-4 for v in before_t[0]]], [noise]))
     assert tiny_step.verdict == "too small to see"
 
 
@@ -880,23 +883,25 @@ def test_a_failed_exact_check_fails_the_run_naming_the_parameter():
         "problem": "DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent",
     }
     result = {"rounds": [r], "coverage": None, "memory_growth_gib": 0.0}
-    assert checks.failed_checks(result, 0.5) == [
+    assert report.failed_checks(result, 0.5) == [
         "round 1: exact check: DP engine 1: 1 of 21 parameters differ: x.w13_weight: not what the trainer sent"
     ]
     r["exact_check"]["passed"] = True
-    assert checks.failed_checks(result, 0.5) == []
+    assert report.failed_checks(result, 0.5) == []
 
 
 def test_the_exact_checks_line_says_where_its_time_went(capsys):
     record = _record()
-    record.exact_check = asdict(checks.ExactCheck(True, 0.32, 404, 1, None, trainer_seconds=0.12, engine_seconds=0.19))
-    checks.print_round(record, TOLERANCES)
+    record.exact_check = asdict(
+        exact_check_driver.ExactCheck(True, 0.32, 404, 1, None, trainer_seconds=0.12, engine_seconds=0.19)
+    )
+    report.print_round(record, TOLERANCES)
     assert (
         "404 vLLM parameters on each of 1 DP engine hold what the trainer sent, bit for bit "
         "(0.32 s: trainers 0.12 s, engine 0 0.19 s)" in capsys.readouterr().out
     )
     record.exact_check["wait_seconds"] = 0.05  # it ran beside the gate, and the round waited for it after
-    checks.print_round(record, TOLERANCES)
+    report.print_round(record, TOLERANCES)
     assert (
         "bit for bit (0.32 s beside the gate: trainers 0.12 s, engine 0 0.19 s; the round waited 0.050 s for it)"
         in capsys.readouterr().out
@@ -904,8 +909,8 @@ def test_the_exact_checks_line_says_where_its_time_went(capsys):
 
 
 def test_two_ranks_on_one_gpu_are_refused():
-    assert checks.placement_problem([{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}]) is None
-    assert "trainer ranks [0, 2] share GPU GPU-a" in checks.placement_problem(
+    assert preflight.placement_problem([{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}]) is None
+    assert "trainer ranks [0, 2] share GPU GPU-a" in preflight.placement_problem(
         [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a"}]
     )
     with pytest.raises(ValueError, match="two trainer ranks on one GPU"):
@@ -917,12 +922,14 @@ def test_the_step_check_sees_a_change_that_keeps_the_sum_of_the_bits():
     amounts that cancel can do to a sum): the parameter changed, and its
     fingerprint says so."""
     model = torch.nn.Linear(4, 2, bias=False)
-    before = checks.parameter_fingerprints(model.parameters())
+    before = rank_measurement.parameter_fingerprints(model.parameters())
     with torch.no_grad():
         w = model.weight.view(-1)
         w[0], w[1] = w[1].clone(), w[0].clone()
-    assert checks.parameter_fingerprints(model.parameters()) != before
-    assert checks.parameter_fingerprints(model.parameters()) == checks.parameter_fingerprints(model.parameters())
+    assert rank_measurement.parameter_fingerprints(model.parameters()) != before
+    assert rank_measurement.parameter_fingerprints(model.parameters()) == rank_measurement.parameter_fingerprints(
+        model.parameters()
+    )
 
 
 def test_gpu_memory_is_told_apart_by_process_group():
@@ -931,10 +938,10 @@ def test_gpu_memory_is_told_apart_by_process_group():
     processes only: another job's memory coming and going is not growth."""
     procs = [(10, 4 << 30), (20, 30 << 30), (21, 2 << 30), (30, 50 << 30)]  # trainer, server x2, another job
     groups = {20: 20, 21: 20, 30: 30}
-    mine, server = checks.split_gpu_memory(procs, 10, 20, getpgid=groups.__getitem__)
+    mine, server = memory.split_gpu_memory(procs, 10, 20, getpgid=groups.__getitem__)
     assert (mine, server) == (4 << 30, 32 << 30)
-    assert checks.split_gpu_memory(procs, 10, None)[1] == 82 << 30  # group unknown: every other process
-    assert all(map(math.isnan, checks.split_gpu_memory(procs, 99, 20)))  # NVML in another PID namespace
+    assert memory.split_gpu_memory(procs, 10, None)[1] == 82 << 30  # group unknown: every other process
+    assert all(map(math.isnan, memory.split_gpu_memory(procs, 99, 20)))  # NVML in another PID namespace
 
     def round_with(job_used, device_used):
         r = _record()
@@ -942,8 +949,8 @@ def test_gpu_memory_is_told_apart_by_process_group():
         return r
 
     rounds = [round_with(40.0, 90.0), round_with(40.0, 90.0), round_with(40.1, 140.0)]
-    assert checks.memory_growth_gib(rounds) == pytest.approx(0.1)
-    assert checks.memory_growth_gib([round_with(math.nan, 90.0)] * 2 + [round_with(math.nan, 91.0)]) == 1.0
+    assert report.memory_growth_gib(rounds) == pytest.approx(0.1)
+    assert report.memory_growth_gib([round_with(math.nan, 90.0)] * 2 + [round_with(math.nan, 91.0)]) == 1.0
 
 
 def test_the_kv_cache_is_freed_for_a_training_step_only_unless_told():
@@ -963,7 +970,7 @@ class _SendShape:
 
 
 def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
-    """Measurement wraps the trainer's sender (checks.TimedSender), not its
+    """Measurement wraps the trainer's sender (rank_measurement.TimedSender), not its
     methods: send_weights is the trainer's own (returns None, as send_all
     expects of any trainer), and where its time went is kept apart (what
     send_breakdown returns, and judged_round reads into the round's JSON)."""
@@ -977,7 +984,7 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
         packed=True,
         packed_buffer_size_bytes=0,
     )
-    trainer.sender = checks.TimedSender(sender, seconds, trainer.device)
+    trainer.sender = rank_measurement.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None
     assert list(seconds) == ["total"] and seconds["total"] >= 0.02
 
@@ -992,8 +999,87 @@ def test_fingerprints_read_back_each_under_its_own_index():
         1: torch.tensor([10, 11, 12]),
         5: torch.tensor([[13, 14, 15], [16, 17, 18]]),
     }
-    assert checks._read_back(sums) == {i: t.tolist() for i, t in sums.items()}
-    assert checks._read_back({}) == {}
+    assert rank_measurement._read_back(sums) == {i: t.tolist() for i, t in sums.items()}
+    assert rank_measurement._read_back({}) == {}
+
+
+def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
+    """main() starts the job, sets up the transfer, generates, then runs the rounds; the proof (one
+    Proof) is told at its named points, in this order: before GPU work, the trainers placed, the job
+    up, the transfer ready (the sends measured, the exact check prepared, the coverage sync) before the
+    first completions, the kernel noise on their tokens, a verdict after each round, the job's end,
+    the report. Round 1 replaces the dummy weights unless the coverage sync did."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    calls = []
+
+    def called(name, result=None):
+        return lambda *a, **kw: calls.append(name) or result
+
+    monkeypatch.setattr(
+        rounds,
+        "preflight",
+        SimpleNamespace(before_gpu_work=called("before_gpu_work"), placement_problem=called("placement")),
+    )
+    monkeypatch.setattr(rounds, "show_layout", called("layout"))
+    monkeypatch.setattr(rounds, "server_pgids_per_rank", called("pgids", [7]))
+    monkeypatch.setattr(rounds, "measure", called("measure"))
+    monkeypatch.setattr(rounds, "prepare_exact_check", called("prepare_exact_check"))
+    monkeypatch.setattr(rounds, "check_coverage", called("coverage", {"unwritten": []}))
+    monkeypatch.setattr(rounds, "kernel_noise", lambda trainers, sequences, fp8: calls.append(sequences) or "noise")
+    monkeypatch.setattr(rounds, "settle_exact_checks", called("settle"))
+    monkeypatch.setattr(rounds, "run_result", lambda *a: calls.append(("run_result", *a[2:])) or {})
+    monkeypatch.setattr(rounds, "report", called("report", 0))
+
+    class Judged(rounds.RoundProof):
+        def verdict(self):
+            calls.append(("verdict", self.first_sync, self.kernel_noise, self.server_pgids))
+            return SimpleNamespace(exact_check={"passed": True})
+
+    @contextmanager
+    def job_with_hooks(args, proof=None):  # colocated_job's hooks, at its named points
+        proof.before_gpu_work("model", [args.weight_loader])
+        proof.trainers_placed([{"gpu_uuid": "GPU-a", "node_ip": "ip", "node": "n", "rank": 0, "gpu_ids": ["0"]}])
+        job = SimpleNamespace(trainers=[], server=SimpleNamespace(socket_path="s"), node_servers=[], served_name="m")
+        proof.job_started(job)
+        try:
+            yield job
+        finally:
+            proof.job_ending()
+
+    monkeypatch.setattr(rounds, "RoundProof", Judged)
+    monkeypatch.setattr(script, "colocated_job", job_with_hooks)
+    monkeypatch.setattr(script, "ray_get_all", lambda refs: [True])
+    monkeypatch.setattr(script, "run_round", lambda job, args, round_proof: calls.append("round"))
+    batch = [helpers.Completion("", [1], [2])]
+    monkeypatch.setattr(helpers, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)
+    assert script.main(["--model", "tiny", "--rounds", "2", "--prompt", "a", "--check-coverage"]) == 0
+    assert calls[:7] == [
+        "before_gpu_work",
+        "layout",
+        "placement",
+        "pgids",
+        "measure",
+        "prepare_exact_check",
+        "coverage",
+    ]
+    assert calls[7:-2] == [
+        "generate",
+        [[1, 2]],  # the kernel noise, on the first completions' tokens
+        "round",
+        ("verdict", False, "noise", [7]),  # the coverage sync replaced the dummy weights
+        "round",
+        ("verdict", False, "noise", [7]),
+        "generate",
+        "settle",
+    ]
+    name, records, coverage, time_to_first_sync_s, noise = calls[-2]
+    assert (name, len(records), coverage, noise) == ("run_result", 2, {"unwritten": []}, "noise")
+    assert time_to_first_sync_s > 0 and calls[-1] == "report"
+    calls.clear()
+    assert script.main(["--model", "tiny", "--rounds", "1", "--prompt", "a"]) == 0
+    assert "coverage" not in calls and ("verdict", True, "noise", [7]) in calls  # round 1 replaces the dummy weights
 
 
 def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch):
@@ -1005,16 +1091,18 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
     from types import SimpleNamespace
 
     judged = []
-    monkeypatch.setattr(checks, "start_exact_check", lambda job: "started")
-    monkeypatch.setattr(checks, "exact_check", lambda started: f"verdict of {started}")
-    monkeypatch.setattr(checks, "judged_round", lambda *a, **kw: judged.append((a, kw)) or "record")
-    job = SimpleNamespace(trainers=["rank 0"], server_pgids=[7], kernel_noise="noise")
+    monkeypatch.setattr(rounds, "start_exact_check", lambda job: "started")
+    monkeypatch.setattr(rounds, "exact_check", lambda started: f"verdict of {started}")
+    monkeypatch.setattr(rounds, "judged_round", lambda *a, **kw: judged.append((a, kw)) or "record")
+    job = SimpleNamespace(trainers=["rank 0"])
     batch = [helpers.Completion("hi", [1, 2], [3])]
 
     def round_of(args, first_sync, previous=(), loss="no step"):
         gaps = iter(["gap before", "gap after"])
-        monkeypatch.setattr(checks, "job_logprob_gap", lambda job, sequences: (sequences, next(gaps)))
-        proof = checks.RoundProof(job, args, first_sync=first_sync, previous=list(previous))
+        monkeypatch.setattr(rounds, "job_logprob_gap", lambda job, sequences: (sequences, next(gaps)))
+        proof = rounds.RoundProof(
+            job, args, first_sync=first_sync, previous=list(previous), kernel_noise="noise", server_pgids=[7]
+        )
         proof.generated(batch)
         with proof.step("sleep"):
             pass
@@ -1052,9 +1140,9 @@ def test_the_rows_of_experts_other_engines_hold_follow_the_linear_placement():
         f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj")
     ]
     first = {0: 0, 1: 0, 2: 64, 3: 128, 4: 192}  # q, and experts 0 and 1 (gate, up) in their slots
-    assert checks.rows_on_every_engine(first, names, 2) == {**first, 5: 0, 6: 64, 7: 128, 8: 192}
-    assert checks.rows_on_every_engine(first, names, 1) == first
-    assert checks.rows_on_every_engine({0: 0}, names[:1], 2) == {0: 0}
+    assert exact_check_driver.rows_on_every_engine(first, names, 2) == {**first, 5: 0, 6: 64, 7: 128, 8: 192}
+    assert exact_check_driver.rows_on_every_engine(first, names, 1) == first
+    assert exact_check_driver.rows_on_every_engine({0: 0}, names[:1], 2) == {0: 0}
 
 
 def test_the_trainer_takes_each_pieces_row_from_the_engine_that_holds_it():
@@ -1064,6 +1152,6 @@ def test_the_trainer_takes_each_pieces_row_from_the_engine_that_holds_it():
     another is an error, not a silent choice."""
     engine_0 = {"rows": {"0": 0, "1": 64, "5": 0}}  # q/k/v, and its expert 0's gate
     engine_1 = {"rows": {"0": 0, "1": 64, "9": 0}}  # the same q/k/v; its expert 4's gate, its own slot 0
-    assert checks.engines_rows([engine_0, engine_1]) == {0: 0, 1: 64, 5: 0, 9: 0}
+    assert exact_check_driver.engines_rows([engine_0, engine_1]) == {0: 0, 1: 64, 5: 0, 9: 0}
     with pytest.raises(RuntimeError, match="DP engine 1 places sent tensor 1 at row 32"):
-        checks.engines_rows([engine_0, {"rows": {"1": 32}}])
+        exact_check_driver.engines_rows([engine_0, {"rows": {"1": 32}}])

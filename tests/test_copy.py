@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README's copy table is true: each file it names imports with only the
 files its last column names beside it, in an empty directory with nothing
 else of this project on the path; the lift runs a user's own RL code there
@@ -21,8 +22,15 @@ LIFT = ["helpers.py", "weight_sync/sources.py"]
 NOT_COPIED = [
     "rlhf_ipc_fsdp_ep.py",
     "proof/program.py",
-    "proof/checks.py",
+    "proof/rounds.py",
+    "proof/preflight.py",
+    "proof/logprob_gate.py",
+    "proof/rank_measurement.py",
+    "proof/exact_check_driver.py",
     "proof/exact_check_engine.py",
+    "proof/coverage.py",
+    "proof/memory.py",
+    "proof/report.py",
     "proof/toy_rl.py",
     "scripts/benchmark.py",
 ]  # the rows that say "nothing"
@@ -78,6 +86,42 @@ def test_helpers_imports_nothing_of_this_project(tmp_path):
         timeout=240,
     )
     assert run.returncode == 0, run.stderr[-1500:]
+
+
+def test_helpers_imports_nothing_of_this_project_even_inside_a_function():
+    """Not even lazily: every import statement in helpers.py, at any depth, is of the standard library or
+    of a package installed with vLLM (more nodes' rendezvous is passed in: start_trainers' `rendezvous`)."""
+    import ast
+
+    tree = ast.parse((ROOT / "helpers.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    ours = {"weight_sync", "proof", "rlhf_ipc_fsdp_ep", "scripts", "tests"}
+    assert not {name for name in imported if name.split(".")[0] in ours}, imported
+    assert not re.search(r"import_module|__import__", (ROOT / "helpers.py").read_text())
+
+
+def test_helpers_alone_refuses_more_nodes_and_names_what_to_copy(tmp_path):
+    """helpers.py alone cannot start trainer ranks on two nodes (they meet over TCP, through
+    weight_sync/multinode.py): it says so at once, before it asks Ray for anything."""
+    folder = copied(tmp_path / "alone", ["helpers.py"])
+    code = (
+        "import sys; sys.path.insert(0, '.')\n"
+        "import ray, helpers\n"
+        "try:\n"
+        "    helpers.start_trainers(object, 2, num_nodes=2)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e, '| ray started:', ray.is_initialized())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-I", "-c", code], cwd=folder, capture_output=True, text=True, env=alone(folder), timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-1500:]
+    assert "refused: trainer ranks on 2 nodes meet over TCP" in run.stdout, run.stdout + run.stderr[-1500:]
+    assert (
+        "copy weight_sync/multinode.py beside it" in run.stdout and "rendezvous=multinode.TCPRendezvous" in run.stdout
+    )
+    assert run.stdout.rstrip().endswith("| ray started: False"), run.stdout
 
 
 def test_each_row_imports_beside_only_what_it_names(tmp_path):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The direct loader's server side (direct_load.py) as the real vLLM loads it:
 the layout it relies on, its error messages, and its placement check.
 (Moving bytes through it needs CUDA IPC: that part is proved on the GPU host,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the trainer sends (helpers.py) against what vLLM 0.32's loaders
 take, for every MoE family both libraries implement (model_families.py).
 
@@ -877,11 +878,11 @@ def test_the_exact_check_names_two_experts_swapped_inside_the_direct_loaders_blo
 def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(family, vllm_models):
     """Through vLLM's loader the trainer sends each expert's tensors cut from
     its fused [E, 2I, H] / [E, H, I] ones by transformers' conversion; the
-    exact check's trainer half (checks.FingerprintedSource) fingerprints
+    exact check's trainer half (rank_measurement.FingerprintedSource) fingerprints
     each from the model itself, the slice its checkpoint name says (expert,
     gate, up or down), so a conversion that cuts or names one wrong fails.
     Mixtral's router, only renamed by the conversion, is read from the model too."""
-    from proof import checks, exact_check_engine
+    from proof import exact_check_engine, rank_measurement
 
     hf = build_model(family, device="cpu")
     with torch.no_grad():
@@ -895,7 +896,7 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
     config = vllm_model.test_vllm_config
     targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
     rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
-    fingerprinted = checks.FingerprintedSource(source)
+    fingerprinted = rank_measurement.FingerprintedSource(source)
     fingerprinted.casts, fingerprinted.rows = casts, rows
     true_stream = source.tensors
 

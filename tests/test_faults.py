@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The failure cases that run without a GPU: the real CPU vLLM server
 refuses or dies in the middle of a send, while the other trainer rank waits
 in a collective (as ranks do between chunks). The driver must hear of it at
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import helpers
 import rlhf_ipc_fsdp_ep as script
 from conftest import start_cpu_server
-from proof import checks, program
+from proof import coverage, program
 from weight_sync import models, sources
 
 # Ray's workers cannot import this test module: ship its classes by value.
@@ -83,20 +84,20 @@ def test_weight_checker_on_a_dummy_weight_server(dummy_server):
     labels = [label for _, label in helpers.START_MILESTONES]
     assert {"engines starting", "engines ready", "API server listening"} <= set(progress), progress
     assert progress == sorted(set(progress), key=labels.index), progress
-    dummy = checks.weight_checker(server.socket_path, "checksum")["checksums"]
+    dummy = coverage.weight_checker(server.socket_path, "checksum")["checksums"]
     assert dummy and all(key.startswith("dp0:") for key in dummy)
-    assert checks.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
+    assert coverage.weight_checker(server.socket_path, "compare", baseline=dummy) == {"match": True, "mismatches": []}
     # The direct loader's fingerprints (how the benchmark proves it equals vLLM's loader).
     (stored,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "store")
     assert stored == {"dp_rank": 0, "parameters": 21}
     (same,) = helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
     assert same["differ"] == []
-    checks.weight_checker(server.socket_path, "reset")
+    coverage.weight_checker(server.socket_path, "reset")
     with pytest.raises(helpers.ServerError, match=r"DP rank 0: \d+ of 21 parameters differ.*embed_tokens"):
         helpers.collective_rpc(server.socket_path, "direct_load_fingerprint", "compare")
-    zeros = checks.weight_checker(server.socket_path, "checksum")["checksums"]
+    zeros = coverage.weight_checker(server.socket_path, "checksum")["checksums"]
     assert set(zeros) == set(dummy)
-    changed = set(checks.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
+    changed = set(coverage.weight_checker(server.socket_path, "compare", baseline=dummy)["mismatches"])
     # Seen on CPU: reset leaves the attention and router linears' checksums as
     # they were (CPU-specific weight handling), so only these are asserted here;
     # --check-coverage itself needs a GPU.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """fp32 stays fp32: the tensors transformers keeps in fp32 whatever the
 model's dtype (`_keep_in_fp32_modules_strict`: DeepSeek-V3's and GLM-4.5's
 router e_score_correction_bias) are built, loaded, drawn and sent in fp32 by

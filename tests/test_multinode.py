@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """More than one node, on a two-node Ray cluster in one process
 tree: where the trainer ranks go, what each node's `vllm serve` is told, and
 how a server on another node that fails is reported and cleaned up. The

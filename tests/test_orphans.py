@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The server cannot outlive the process that started it: a driver
 that is SIGKILLed, with no finally block or atexit run, still leaves nothing
 behind, because the server's watchdog (helpers.server_watchdog) stops its whole group."""

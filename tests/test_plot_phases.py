@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """scripts/plot_phases.py: the phase chart from the script's and benchmark.py's JSON."""
 
 import importlib.util

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The vLLM server's life cycle and routes, on a real vLLM server on CPU."""
 
 import errno
@@ -15,7 +16,7 @@ import pytest
 
 import helpers
 from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
-from proof import checks
+from proof import logprob_gate
 
 
 def test_health_and_sleep_state(cpu_server):
@@ -63,13 +64,13 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
 
 def test_prompt_logprobs_one_per_token_after_the_first(cpu_server):
     ids = [5, 17, 99, 300, 42, 7]
-    lps = checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
+    lps = logprob_gate.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids)
     assert len(lps) == len(ids) - 1
     assert all(lp <= 0 for lp in lps)
-    assert lps == checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
+    assert lps == logprob_gate.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=0)
     # The header really picks an engine: this server has one, so DP rank 1 is refused.
     with pytest.raises(helpers.ServerError, match=r"HTTP 400.*data_parallel_rank 1 is out of range"):
-        checks.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
+        logprob_gate.prompt_logprobs(cpu_server.socket_path, SERVED_NAME, ids, dp_rank=1)
 
 
 def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
 logprob gate against a real vLLM server."""
 
@@ -11,7 +12,7 @@ import torch
 import helpers
 import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, run_ranks
-from proof import checks
+from proof import exact_check_driver, logprob_gate, rank_measurement
 
 
 def _gather_source(trainer, ckpt, random_init, out_dir, loader):
@@ -23,7 +24,7 @@ def _gather_source(trainer, ckpt, random_init, out_dir, loader):
     metadata = source.metadata() if callable(source.metadata) else source.metadata  # vLLM's own: 0.32 a method
     meta = [(m.name, m.dtype, tuple(m.shape)) for m in metadata]
     tensors = {name: t.detach().clone() for name, t in source}
-    sync_bytes = checks.sync_bytes(trainer.model, source) if loader != "module" else None
+    sync_bytes = rank_measurement.sync_bytes(trainer.model, source) if loader != "module" else None
     torch.save({"meta": meta, "tensors": tensors, "sync_bytes": sync_bytes}, out_dir / f"rank{trainer.rank}.pt")
 
 
@@ -318,7 +319,7 @@ def test_returning_borrowed_memory_is_a_call_every_rank_answers(cpu_trainers):
 def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
     """The benchmark's floor: every rank copies a buffer on its own device and reports GB/s."""
     rates = script.ray_get_all(
-        [t.__ray_call__.remote(checks.device_copy_gb_per_s, 8 * 1024**2, 3) for t in cpu_trainers]
+        [t.__ray_call__.remote(rank_measurement.device_copy_gb_per_s, 8 * 1024**2, 3) for t in cpu_trainers]
     )
     assert len(rates) == 2 and all(0.05 < r < 10_000 for r in rates), rates
 
@@ -332,26 +333,34 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_ser
 
     # The trainer's own kernel noise: a second forward through the other
     # attention implementation, then the first one back for every later forward.
-    reference = checks.trainer_logprobs(cpu_trainers, sequences)
-    kernel = checks.kernel_noise(cpu_trainers, sequences)
+    reference = logprob_gate.trainer_logprobs(cpu_trainers, sequences)
+    kernel = logprob_gate.kernel_noise(cpu_trainers, sequences)
     assert kernel.attention == "sdpa vs eager" and 0 < kernel.mean < 0.01, kernel
-    assert checks.trainer_logprobs(cpu_trainers, sequences) == reference
+    assert logprob_gate.trainer_logprobs(cpu_trainers, sequences) == reference
     # --rollout-dtype fp8: one more forward with each rank's experts as vLLM serves them in FP8; what
     # FP8 alone moves is larger than the kernels' noise, and the weights are put back bit for bit.
-    held = [t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters())) for t in cpu_trainers]
+    held = [
+        t.__ray_call__.remote(lambda t: rank_measurement.parameter_fingerprints(t.model.parameters()))
+        for t in cpu_trainers
+    ]
     held = script.ray_get_all(held)
-    fp8 = checks.kernel_noise(cpu_trainers, sequences, fp8=True)
+    fp8 = logprob_gate.kernel_noise(cpu_trainers, sequences, fp8=True)
     assert fp8.fp8_mean > kernel.mean and fp8.fp8_quantile > 0 and fp8.bound_mean > fp8.mean, fp8
     assert (
         script.ray_get_all(
-            [t.__ray_call__.remote(lambda t: checks.parameter_fingerprints(t.model.parameters())) for t in cpu_trainers]
+            [
+                t.__ray_call__.remote(lambda t: rank_measurement.parameter_fingerprints(t.model.parameters()))
+                for t in cpu_trainers
+            ]
         )
         == held
     )
-    assert checks.trainer_logprobs(cpu_trainers, sequences) == reference
-    tolerances = checks.Tolerances.from_args(script.parse_args([]), kernel)
+    assert logprob_gate.trainer_logprobs(cpu_trainers, sequences) == reference
+    tolerances = logprob_gate.Tolerances.from_args(script.parse_args([]), kernel)
     assert tolerances.given(None) == (tolerances.mean, tolerances.quantile)  # a small noise widens nothing
-    same = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+    same = logprob_gate.logprob_gap(
+        sock, SERVED_NAME, logprob_gate.trainer_logprobs(cpu_trainers, sequences), sequences, 1
+    )
     assert same.mean <= tolerances.mean and same.quantile <= tolerances.quantile, same
     # The noise, measured on these identical weights, widens nothing here.
     assert tolerances.given(same) == (tolerances.mean, tolerances.quantile)
@@ -360,9 +369,11 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_ser
         # The trainer now holds other weights: the server is "stale" and the gate must say so.
         script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
         script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), True, 7) for t in cpu_trainers])
-        stale = checks.logprob_gap(sock, SERVED_NAME, checks.trainer_logprobs(cpu_trainers, sequences), sequences, 1)
+        stale = logprob_gate.logprob_gap(
+            sock, SERVED_NAME, logprob_gate.trainer_logprobs(cpu_trainers, sequences), sequences, 1
+        )
         assert stale.mean > 3 * tolerances.mean and stale.quantile > tolerances.quantile, stale
-        assert checks.gate(same, stale, tolerances, weights_updated=True, noise=same).passed is False
+        assert logprob_gate.gate(same, stale, tolerances, weights_updated=True, noise=same).passed is False
     finally:  # the shared trainers hold the checkpoint again, as the other tests expect
         script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
         script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
@@ -383,7 +394,7 @@ def test_fp8_activations_are_vllms_per_token_group_quantization():
     x = x.to(torch.bfloat16)
     values, scales = quant.forward_native(x)
     padded = torch.nn.functional.pad(values.float(), (0, 3 * 128 - 320)).unflatten(-1, (3, 128))
-    assert torch.equal(checks.fp8_activations(x), (padded * scales[..., None]).flatten(-2)[..., :320].to(x.dtype))
+    assert torch.equal(logprob_gate.fp8_activations(x), (padded * scales[..., None]).flatten(-2)[..., :320].to(x.dtype))
 
 
 FP8_FAMILIES = {  # the families --rollout-dtype fp8 takes: their experts module, and its size's names
@@ -424,12 +435,14 @@ def test_the_fp8_experts_forward_is_the_experts_own_with_their_activations_quant
         return x
 
     own = experts(hidden, top_k_index, top_k_weights)
-    torch.testing.assert_close(checks.fp8_experts_forward(experts, as_read)(hidden, top_k_index, top_k_weights), own)
+    torch.testing.assert_close(
+        logprob_gate.fp8_experts_forward(experts, as_read)(hidden, top_k_index, top_k_weights), own
+    )
     used = top_k_index.unique().tolist()
     assert sorted(read) == sorted(
         [(int((top_k_index == e).sum()), 256) for e in used] + [(int((top_k_index == e).sum()), 64) for e in used]
     )
-    quantized = checks.fp8_experts_forward(experts)(hidden, top_k_index, top_k_weights)
+    quantized = logprob_gate.fp8_experts_forward(experts)(hidden, top_k_index, top_k_weights)
     assert not torch.equal(quantized, own) and (quantized - own).abs().max() < 0.1 * own.abs().max()
 
 
@@ -447,7 +460,9 @@ def _full_bf16(trainer):
 def _train_once(trainer, ckpt, out_dir, forward_first):
     trainer.build_model(str(ckpt), lr=1e-2)
     trainer.init_weights(str(ckpt), random_init=False)
-    trainer.optimizer = checks.StepWatch(trainer.optimizer, trainer.model, trainer.device)  # as checks.measure does
+    trainer.optimizer = rank_measurement.StepWatch(
+        trainer.optimizer, trainer.model, trainer.device
+    )  # as rank_measurement.measure does
     if forward_first:  # as every round does: the gate's forward pass comes before the step
         trainer.token_logprobs([[5, 6, 7, 8]])
     before = _full_bf16(trainer)
@@ -504,7 +519,9 @@ def _step_without_gradients(trainer, ckpt, out_dir):
     trainer.build_model(str(ckpt), lr=1e-2)
     trainer.init_weights(str(ckpt), random_init=False)
     trainer.model.lm_head.weight.requires_grad_(False)  # a parameter the step cannot move
-    trainer.optimizer = checks.StepWatch(trainer.optimizer, trainer.model, trainer.device)  # as checks.measure does
+    trainer.optimizer = rank_measurement.StepWatch(
+        trainer.optimizer, trainer.model, trainer.device
+    )  # as rank_measurement.measure does
     trainer.train_step(SAMPLES)
     torch.save(trainer.optimizer.unchanged, out_dir / f"unchanged{trainer.rank}.pt")
 
@@ -659,7 +676,7 @@ def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainer
     assert [p["rank"] for p in placements] == [0, 1]
 
 
-class SlowToFingerprint:  # a trainer rank whose measurement (checks.RankMeasurement) is slow to fingerprint
+class SlowToFingerprint:  # a trainer rank whose measurement (rank_measurement.RankMeasurement) is slow to fingerprint
     def __init__(self) -> None:
         self.measurement = self
 
@@ -670,7 +687,7 @@ class SlowToFingerprint:  # a trainer rank whose measurement (checks.RankMeasure
 def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leaves_ray(ray_cluster):
     """The exact check runs in a thread beside the gate; if the round fails
     before taking its verdict, the job's cleanup waits for it
-    (checks.settle_exact_checks) before it stops Ray under it."""
+    (exact_check_driver.settle_exact_checks) before it stops Ray under it."""
     from types import SimpleNamespace
 
     job = SimpleNamespace(
@@ -681,9 +698,9 @@ def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leave
     )
     ray.get(job.trainers[0].__ray_ready__.remote())
     begin = time.monotonic()  # before the check starts: its 2 s then surely fall after `begin`
-    started = checks.start_exact_check(job)
-    checks.settle_exact_checks(timeout_s=120)
+    started = exact_check_driver.start_exact_check(job)
+    exact_check_driver.settle_exact_checks(timeout_s=120)
     assert started.done() and time.monotonic() - begin > 1
     with pytest.raises(helpers.ServerError):  # no server there: the verdict is that error
-        checks.exact_check(started)
+        exact_check_driver.exact_check(started)
     ray.kill(job.trainers[0])

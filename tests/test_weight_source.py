@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The weight sources satisfy the installed vLLM's WeightSource protocol, as
 its IPC trainer engine consumes them (0.32: `iter(source)`; 0.33:
 `metadata` as an attribute, `iter_full()`, `implements_iter_full()`,
@@ -15,15 +16,15 @@ from conftest import run_ranks
 def _consume_as_vllm_does(trainer, ckpt, out_dir):
     from vllm.distributed.weight_transfer.base import WeightSource
 
-    from proof import checks, exact_check_engine
+    from proof import exact_check_engine, rank_measurement
     from weight_sync import sources
 
     trainer.build_model(str(ckpt))
     trainer.init_weights(str(ckpt), random_init=False)
     report = {}
     for loader in ("vllm", "direct"):
-        # What checks.RankMeasurement gives vLLM's engine: the source, timed, then fingerprinted.
-        source = checks.FingerprintedSource(checks.TimedSource(trainer.weight_source(loader), {}))
+        # What rank_measurement.RankMeasurement gives vLLM's engine: the source, timed, then fingerprinted.
+        source = rank_measurement.FingerprintedSource(rank_measurement.TimedSource(trainer.weight_source(loader), {}))
         for s in (source, source._source, source._source._source):
             assert isinstance(s, WeightSource) and not inspect.isabstract(type(s)), type(s)
         names = [m.name for m in source.metadata]
@@ -69,7 +70,7 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
 
 
 def test_the_weight_sources_are_vllm_weight_sources(tiny_checkpoint, tmp_path):
-    from proof import checks
+    from proof import rank_measurement
 
     run_ranks(_consume_as_vllm_does, 2, tiny_checkpoint, tmp_path)
     reports = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -77,7 +78,7 @@ def test_the_weight_sources_are_vllm_weight_sources(tiny_checkpoint, tmp_path):
     for loader in ("vllm", "direct"):
         # Each rank's shards of the dense tensors add up to what every rank sent whole; the
         # expert blocks are each rank's own.
-        rank_fingerprints = checks.rank_fingerprints([r[f"{loader}_fingerprints"] for r in reports])
+        rank_fingerprints = rank_measurement.rank_fingerprints([r[f"{loader}_fingerprints"] for r in reports])
         for report, fingerprints in zip(reports, rank_fingerprints, strict=True):
             assert fingerprints == report[f"{loader}_want"], loader
             assert fingerprints != report[f"{loader}_uncast"], loader  # the cast counts
@@ -92,13 +93,13 @@ def test_a_trainer_tensor_is_cast_only_where_the_cast_changes_it():
     """What the trainer fingerprints from its model: cast to the sent dtype,
     then to vLLM's, only where that changes it; a tensor with no cast (the bf16
     weights without --train) is one a CUDA graph can fingerprint."""
-    from proof import checks
+    from proof import rank_measurement
 
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert checks._casts(bf16, bf16, None) == () and checks._casts(fp32, fp32, "float32") == ()
-    assert checks._casts(fp32, bf16, None) == (bf16,)  # --train's fp32 masters, sent in bf16
-    assert checks._casts(bf16, bf16, "float32") == (fp32,)  # a router vLLM keeps in fp32
-    assert checks._casts(fp32, bf16, "float32") == (bf16, fp32)  # both: the bf16 rounding counts
+    assert rank_measurement._casts(bf16, bf16, None) == () and rank_measurement._casts(fp32, fp32, "float32") == ()
+    assert rank_measurement._casts(fp32, bf16, None) == (bf16,)  # --train's fp32 masters, sent in bf16
+    assert rank_measurement._casts(bf16, bf16, "float32") == (fp32,)  # a router vLLM keeps in fp32
+    assert rank_measurement._casts(fp32, bf16, "float32") == (bf16, fp32)  # both: the bf16 rounding counts
 
 
 def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
@@ -139,7 +140,7 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     """weight_sender leaves a source's expert blocks out of vLLM's packed
     buffer only when its client is the direct loader's client holding that
     source's ExpertsInPlace (which hands their handles to the engines), or
-    that client timed (checks.measure): through vLLM's routes, or with
+    that client timed (rank_measurement.measure): through vLLM's routes, or with
     another source's, every tensor is packed. And measure builds the
     sender again around the source timed and fingerprinted, once however
     often it runs. (vLLM's IPC trainer engine needs a GPU, and so do the
@@ -151,7 +152,7 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     import helpers
-    from proof import checks
+    from proof import rank_measurement
     from weight_sync import sources
 
     given = []
@@ -173,7 +174,7 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
 
     direct = sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks, source.experts_in_place)
     assert packed(direct) == names[: -len(blocks)]
-    assert packed(checks.TimedClient(direct, {})) == names[: -len(blocks)]
+    assert packed(rank_measurement.TimedClient(direct, {})) == names[: -len(blocks)]
     assert packed(helpers.weight_sync_client("/nowhere/vllm.sock")) == names
     assert packed(sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
     assert packed(direct, from_source=other) == names
@@ -195,13 +196,15 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
         sender=helpers.weight_sender(0, direct, source), device=torch.device("cpu"), model=model, optimizer=None
     )
     for _ in range(2):  # a second measure, with no setup between: still one layer of each
-        checks._start_measuring(trainer)
+        rank_measurement._start_measuring(trainer)
         client, engine_source = given[-1]
-        assert isinstance(client.client, checks.TimedClient) and client.client._client is direct
+        assert isinstance(client.client, rank_measurement.TimedClient) and client.client._client is direct
         assert isinstance(engine_source, sources.PackedPart)
         fingerprinted = engine_source._source
-        assert isinstance(fingerprinted, checks.FingerprintedSource) and fingerprinted._source._source is source
-        assert isinstance(trainer.sender, checks.TimedSender)
+        assert (
+            isinstance(fingerprinted, rank_measurement.FingerprintedSource) and fingerprinted._source._source is source
+        )
+        assert isinstance(trainer.sender, rank_measurement.TimedSender)
         assert trainer.sender.experts_in_place is source.experts_in_place
         last = blocks[-1]
         assert trainer.measurement.sent_metadata()[-1] == [last, "bfloat16", list(source.expert_blocks[last]), True]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The direct weight loader: the server side of rlhf_ipc_fsdp_ep.py's fast sync.
 
 vLLM's own receive path (/update_weights) hands every tensor to the model's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Routed experts served in FP8 (--rollout-dtype fp8): the direct loader's
 quantization of each expert block as it writes it. Optional: copy it beside
 direct_load.py (which imports it when vLLM serves an expert layer in FP8).

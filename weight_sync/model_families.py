@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tiny random-weight configs for the model families that transformers 5.x and
 vLLM 0.32 both implement: nothing is downloaded.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Models for rlhf_ipc_fsdp_ep.py: where the weights come from.
 
 A Hugging Face id or a local directory is loaded as it is. Without a

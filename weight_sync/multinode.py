@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """More than one node for helpers.py: the vLLM servers of the other
 nodes. The module to copy beside helpers.py (and weight_sync/direct_load.py)
 when the trainers and one vLLM server span several nodes of a Ray cluster;
@@ -11,9 +12,9 @@ reads the CUDA IPC buffer of the trainer rank on its own GPU. A server that
 exits on any node is named (raise_node_failure) through helpers's
 checks: wait_until_ready's `also_check` and send_all's `check_failure`.
 
-On the driver, with helpers's names (start_trainers handles the nodes):
+On the driver, with helpers's names (start_trainers handles the nodes, its ranks meeting through TCPRendezvous):
 
-    trainers, pg = start_trainers(MyTrainer, num_gpus, num_nodes, trainer_args=(...))
+    trainers, pg = start_trainers(MyTrainer, num_gpus, num_nodes, trainer_args=(...), rendezvous=TCPRendezvous)
     ranks = placements(trainers)                                   # in node order, rank 0 on this node
     head = (ranks[0]["node_ip"], free_port(ranks[0]["node_ip"]))   # node 0's DP handshake
     flags = [serve_args(model_name, node_gpu_ids[k], num_nodes=num_nodes, node=k, head=head)
@@ -31,7 +32,7 @@ On the driver, with helpers's names (start_trainers handles the nodes):
 
 Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
 free_port, job_env (for ray.init: the driver's settings on every node), gloo_interface_env; and the
-trainers' rendezvous across nodes, which helpers.start_trainers calls (open_tcp_rendezvous,
+trainers' rendezvous across nodes, TCPRendezvous, which helpers.start_trainers is given (open_tcp_rendezvous,
 join_tcp_rendezvous). The model must be at the same path on every node (or each node builds it:
 resolve_model), and the job must run on a network you trust: vLLM's and the trainers' handshakes listen
 on the cluster network.
@@ -81,6 +82,14 @@ def join_tcp_rendezvous(rank: int, host: str, port: int, world_size: int, rank0_
     if rank == 0:
         return rank0_store
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
+class TCPRendezvous:
+    """How trainer ranks on more than one node meet: helpers.start_trainers(..., rendezvous=TCPRendezvous)
+    runs `open` on rank 0 and `join` on every rank (helpers imports nothing of this project: it is given this)."""
+
+    open = staticmethod(open_tcp_rendezvous)
+    join = staticmethod(join_tcp_rendezvous)
 
 
 def gloo_interface_env(node_ip: str) -> dict[str, str]:
@@ -160,6 +169,8 @@ class NodeServer:
 
 def free_port(host: str) -> int:
     """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
+    # Not vLLM's get_open_port: it takes no host (it binds every interface, or VLLM_PORT's port
+    # upward), and the handshake binds node 0's cluster address, so that address is the one to ask.
     with socket.create_server((host, 0)) as s:
         return s.getsockname()[1]
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a trainer rank sends, beside helpers.py: its weights in checkpoint
 form (CheckpointForm, BF16Source: what vLLM's own loader reads, every family's
 names, persistent buffers included, gathered one FSDP module at a time) and the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every vLLM name the direct loader, its FP8 path and the exact check's engine half use beyond vLLM's public API.
 
 vLLM's public weight-transfer API (the IPC trainer engine, its HTTP client, `WeightSource`, `ModuleSource`) is

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+"""--check-coverage: zero every vLLM parameter, sync once, and list what the sync left zero."""
+
+from __future__ import annotations
+
+import functools
+
+import helpers
+from weight_sync import multinode
+
+
+def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict:
+    """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns
+    {key: sha256}, 'compare' checks against a baseline."""
+    body = {"action": action, **({"baseline": baseline} if baseline is not None else {})}
+    return helpers.request(sock, "POST", "/weight_checker", json=body)
+
+
+def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
+    """The first half of a sync (sleep, wake the weights), then zero every
+    vLLM parameter on every DP rank; returns their checksums as zeros. What
+    the sync then fails to write stays zero."""
+    helpers.sleep_for_sync(sock, sleep_level)
+    helpers.wake_weights(sock, sleep_level)
+    weight_checker(sock, "reset")
+    return weight_checker(sock, "checksum")["checksums"]
+
+
+def check_coverage(job, sleep_level: int) -> dict:
+    """A sync into zeroed vLLM weights: what it misses stays zero."""
+    zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
+    helpers.send_all(
+        job.trainers,
+        job.server.socket_path,
+        job.send_retries,
+        check_failure=functools.partial(multinode.raise_node_failure, job.node_servers),
+    )
+    helpers.wake_to_serve(job.server.socket_path)
+    result = coverage(job.server.socket_path, zeros)
+    print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)
+    return result
+
+
+def coverage(sock: str, zeros: dict[str, str]) -> dict:
+    """After a sync that followed zero_vllm_weights: which parameters it left
+    zero (vLLM's /weight_checker: slow, it hashes every tensor)."""
+    written = set(weight_checker(sock, "compare", baseline=zeros)["mismatches"])
+    return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}

@@ -1,0 +1,379 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The logprob gate: vLLM's prompt log-probabilities on every DP engine against the trainer's, on the
+same tokens (LogprobGap), within tolerances that widen only to the trainer's own kernel noise
+(KernelNoise, measured before the first sync: its model through two attention implementations, and
+with --rollout-dtype fp8 its experts as vLLM serves them), and whether vLLM followed a training step
+(ChangeTest, reported)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import helpers
+from weight_sync import fp8_experts, sources
+
+
+def _worst(values: list[float]) -> float:
+    """The largest value, NaN if any is NaN (max() alone may skip a NaN)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
+    """vLLM's log-probability of each prompt token given the ones before it
+    (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
+    out = helpers.post_completions(
+        sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    per_position = out.choices[0].prompt_logprobs
+    # Position 0 has no context (None); each later entry maps token id -> info
+    # and always holds the prompt's own token.
+    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
+
+
+@dataclass
+class LogprobGap:
+    """|trainer - vLLM| prompt log-probabilities on the same tokens, per DP
+    engine (each holds different experts, so each is asked)."""
+
+    mean_per_dp_rank: list[float]
+    max_per_dp_rank: list[float]
+    server: list[list[list[float]]]  # per DP rank, per sequence, per token
+    trainer: list[list[float]] | None = None  # per sequence, per token
+    quantile_per_dp_rank: list[float] | None = None  # the QUANTILE of |dlogp| per DP rank
+
+    @property
+    def mean(self) -> float:  # the worst engine's
+        return _worst(self.mean_per_dp_rank)
+
+    @property
+    def max(self) -> float:
+        return _worst(self.max_per_dp_rank)
+
+    @property
+    def quantile(self) -> float:
+        return _worst(self.quantile_per_dp_rank or self.max_per_dp_rank)
+
+
+QUANTILE = 0.95  # of |dlogp| over the tokens: the max grows with the token count, and bf16 kernels differ
+
+
+def dlogp_stats(reference: list[list[float]], other: list[list[float]]) -> tuple[float, float]:
+    """(max, mean) |a - b| over every token of every sequence; NaN anywhere
+    makes both NaN, which fails any `<= tolerance` gate."""
+    diffs = _abs_diffs(reference, other)
+    return _worst(diffs), sum(diffs) / len(diffs)
+
+
+def dlogp_quantile(reference: list[list[float]], other: list[list[float]], q: float = QUANTILE) -> float:
+    """The q-quantile of |a - b| over every token (nearest rank); NaN if any is NaN."""
+    diffs = _abs_diffs(reference, other)
+    if any(math.isnan(d) for d in diffs):
+        return math.nan
+    return sorted(diffs)[min(len(diffs) - 1, math.ceil(q * len(diffs)) - 1)]
+
+
+def _abs_diffs(reference: list[list[float]], other: list[list[float]]) -> list[float]:
+    return [abs(d) for d in _diffs(other, reference)]
+
+
+def _diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    """a - b token by token, over every sequence, flattened."""
+    diffs: list[float] = []
+    for x, y in zip(a, b, strict=True):
+        if len(x) != len(y):
+            raise ValueError(f"sequence lengths differ: {len(y)} vs {len(x)}")
+        diffs += [u - v for u, v in zip(x, y, strict=True)]
+    if not diffs:
+        raise ValueError("no tokens to compare")
+    return diffs
+
+
+def logprob_gap(
+    sock: str, model: str, trainer_lps: list[list[float]], sequences: list[list[int]], dp_size: int
+) -> LogprobGap:
+    """Ask every DP engine for its prompt log-probabilities of `sequences`
+    and compare them with the trainer's."""
+    server = [[prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences] for dp_rank in range(dp_size)]
+    stats = [dlogp_stats(trainer_lps, lps) for lps in server]
+    quantiles = [dlogp_quantile(trainer_lps, lps) for lps in server]
+    return LogprobGap([mean for _, mean in stats], [worst for worst, _ in stats], server, trainer_lps, quantiles)
+
+
+def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
+    """The trainer's log-probabilities of `sequences` (every rank runs the forward)."""
+    return helpers.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
+
+
+def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
+    """logprob_gap between a colocated job's trainers and every one of its DP engines."""
+    return logprob_gap(
+        job.server.socket_path, job.served_name, trainer_logprobs(job.trainers, sequences), sequences, job.dp_size
+    )
+
+
+@dataclass
+class KernelNoise:
+    """How far two correct bf16 forwards of the trainer's own model drift
+    apart: |dlogp| between its attention through SDPA and through the eager
+    code, same weights, same tokens. Small on a shallow model; on a deep one
+    with random weights (the Moonlight shape) as large as the gap between the
+    trainer and vLLM, which then says nothing against the sync."""
+
+    mean: float
+    quantile: float  # the QUANTILE of |dlogp|
+    attention: str  # which two implementations, e.g. "sdpa vs eager"
+    # --rollout-dtype fp8: the same between the trainer's model and itself with its experts
+    # quantized as vLLM holds them (fp8_experts_logprobs): what FP8 alone moves
+    fp8_mean: float | None = None
+    fp8_quantile: float | None = None
+
+    @property
+    def bound_mean(self) -> float:
+        """The gap a correct sync may show: the kernels' noise, plus FP8's where vLLM serves FP8."""
+        return self.mean + (self.fp8_mean or 0.0)
+
+    @property
+    def bound_quantile(self) -> float:
+        return self.quantile + (self.fp8_quantile or 0.0)
+
+
+def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) -> KernelNoise | None:
+    """KernelNoise on `sequences` (one extra forward, through the other
+    attention implementation; with `fp8`, one more with the experts
+    as vLLM serves them in FP8), printed; None where the model has only one
+    attention implementation."""
+    reference = trainer_logprobs(trainers, sequences)
+    refs = [t.__ray_call__.remote(other_attention_logprobs, sequences) for t in trainers]
+    other = helpers.ray_get_all(refs)[0]
+    if other is None:
+        print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
+        if not fp8:
+            return None
+        noise = KernelNoise(0.0, 0.0, "one implementation")
+    else:
+        attention, lps = other
+        noise = KernelNoise(dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps), attention)
+        print(
+            f"[noise] the trainer's own model, {attention} attention, identical weights: |dlogp| mean "
+            f"{noise.mean:.4f}, p{QUANTILE * 100:.0f} {noise.quantile:.4f}",
+            flush=True,
+        )
+    if fp8:
+        lps = helpers.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
+        noise.fp8_mean, noise.fp8_quantile = dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps)
+        print(
+            f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "
+            f"{noise.fp8_mean:.4f}, p{QUANTILE * 100:.0f} {noise.fp8_quantile:.4f} (added to the above: the "
+            "gate's basis)",
+            flush=True,
+        )
+    return noise
+
+
+def other_attention_logprobs(trainer, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:
+    """In a rank: token_logprobs through the other attention implementation
+    (eager for SDPA or flash, SDPA for eager): a second correct bf16 forward
+    of the same weights, for KernelNoise. None if the model refuses it."""
+    current = trainer.model.config._attn_implementation
+    other = "sdpa" if current == "eager" else "eager"
+    try:
+        trainer.model.set_attn_implementation(other)
+    except (ValueError, ImportError):
+        return None
+    try:
+        return f"{current} vs {other}", trainer.token_logprobs(sequences)
+    finally:
+        trainer.model.set_attn_implementation(current)
+
+
+def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float]]:
+    """In a rank: token_logprobs with the routed experts computing as vLLM's
+    block-FP8 MoE kernel does: every fused expert tensor as vLLM serves it
+    (this rank's block of experts quantized through vLLM's own function and
+    back, in place) and the experts' activations quantized as that kernel
+    quantizes them (fp8_experts_forward); then the weights put back from a
+    copy in host memory and the experts' own forward back: what FP8 alone
+    does to the trainer's log-probabilities."""
+    params, saved = dict(trainer.model.named_parameters()), {}
+    fused = sources.fused_expert_tensors(trainer.model)
+    experts = {trainer.model.get_submodule(name.rpartition(".")[0]) for name in fused}
+    try:
+        with torch.no_grad():
+            for name in fused:
+                local = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
+                saved[name] = (local, local.detach().to("cpu", copy=True))
+                local.copy_(fp8_dequantized(local.to(torch.bfloat16), 2 if name.endswith("gate_up_proj") else 1))
+        for module in experts:
+            module.forward = fp8_experts_forward(module)  # (an attribute of the object: over its class's forward)
+        return trainer.token_logprobs(sequences)
+    finally:
+        for module in experts:
+            module.__dict__.pop("forward", None)
+        if hasattr(trainer.model, "reshard"):  # (a forward that failed part way may leave modules gathered)
+            trainer.model.reshard()
+        with torch.no_grad():
+            for local, original in saved.values():
+                local.copy_(original)
+
+
+def fp8_experts_forward(experts: torch.nn.Module, activations=None):
+    """A forward for a transformers fused experts module (gate_up_proj
+    [experts, 2 x intermediate, hidden], down_proj [experts, hidden,
+    intermediate], act_fn) that reads its input and the intermediate as
+    vLLM's block-FP8 Triton MoE kernel does: through `activations`
+    (default fp8_activations). The same arithmetic as the module's own loop
+    otherwise."""
+    quantized = fp8_activations if activations is None else activations
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            if expert >= experts.num_experts:  # (the index an expert-parallel model gives experts held elsewhere)
+                continue
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = torch.nn.functional.linear(quantized(hidden_states[token]), experts.gate_up_proj[expert]).chunk(
+                2, dim=-1
+            )
+            down = torch.nn.functional.linear(quantized(experts.act_fn(gate) * up), experts.down_proj[expert])
+            out.index_add_(0, token, (down * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+    return forward
+
+
+def fp8_activations(x: torch.Tensor) -> torch.Tensor:
+    """`x` as vLLM's block-FP8 MoE kernel reads an activation: each row's
+    values in groups of 128 columns (the last one padded with zeros), each
+    group quantized to e4m3 with the scale its largest magnitude / 448 (at
+    least 1e-10 / 448, as per_token_group_quant_fp8), and back."""
+    columns = x.shape[-1]
+    padded = -(-columns // fp8_experts.FP8_BLOCK) * fp8_experts.FP8_BLOCK
+    groups = torch.nn.functional.pad(x.float(), (0, padded - columns)).unflatten(-1, (-1, fp8_experts.FP8_BLOCK))
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+    back = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return back.flatten(-2)[..., :columns].to(x.dtype)
+
+
+def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:
+    """An expert block ([experts, shards x rows, columns]) as vLLM serves it in
+    FP8, back in float32: fp8_experts.fp8_reference's weight times its block
+    scales, without the padding."""
+    weight, scales = fp8_experts.fp8_reference(block, shards)
+    block_size = fp8_experts.FP8_BLOCK
+    values = weight.float() * scales.repeat_interleave(block_size, 1).repeat_interleave(block_size, 2)
+    rows, step = block.shape[1] // shards, weight.shape[1] // shards
+    return torch.cat([values[:, k * step : k * step + rows, : block.shape[2]] for k in range(shards)], dim=1)
+
+
+@dataclass
+class Tolerances:
+    mean: float  # the gate: wrong weights move every token
+    quantile: float = 1.0  # the QUANTILE of |dlogp|: a guard against a few tokens grossly off
+    max: float | None = None  # the single worst token, if asked for
+    noise_multiple: float = 2.0
+    kernel_noise: KernelNoise | None = None  # measured once, before the first sync
+
+    @classmethod
+    def from_args(cls, args, kernel_noise: KernelNoise | None = None) -> Tolerances:
+        return cls(
+            args.logprob_mean_tolerance,
+            args.logprob_quantile_tolerance,
+            args.logprob_max_tolerance,
+            args.noise_multiple,
+            kernel_noise,
+        )
+
+    def given(self, noise: LogprobGap | None = None) -> tuple[float, float]:
+        """(mean, quantile) tolerances: the absolute ones, or `noise_multiple`
+        times the trainer's own kernel noise (its bound: with FP8's) where
+        that is larger. The basis is measured only where the weights are
+        identical by construction, without vLLM: the trainer against itself.
+        `noise`, a trainer-vs-vLLM gap (a round's `before`), is not a basis:
+        it is what the gate judges, and the exact check that would vouch for
+        it may itself be wrong, so a large gap in one round must not widen
+        the next round's tolerance (it is taken, and ignored, so that a
+        caller's round reads the same). Never tightened either."""
+        del noise
+        k = self.kernel_noise
+        return (self._floor(self.mean, k and k.bound_mean), self._floor(self.quantile, k and k.bound_quantile))
+
+    def _floor(self, absolute: float, kernel: float | None) -> float:
+        """One of given()'s tolerances, from its absolute value and the kernel noise (None: not measured)."""
+        return absolute if kernel is None else max(absolute, self.noise_multiple * kernel)
+
+
+@dataclass
+class ChangeTest:
+    """Did vLLM's log-probabilities follow the trainer's step? Per token, the
+    trainer's change (after - before) against vLLM's, on the worst engine."""
+
+    trainer_change_rms: float
+    noise_rms: float  # |trainer - vLLM| with identical weights
+    residual_rms: float  # vLLM's change minus the trainer's
+    verdict: str  # "followed", "did not follow", or "too small to see" (below the noise); reported, not gated
+
+
+def change_test(before: LogprobGap, after: LogprobGap) -> ChangeTest | None:
+    """After a step (before: vLLM held the previous sync, the trainer had not
+    stepped; after: both should hold the stepped weights). None without the
+    trainer's numbers."""
+    if before.trainer is None or after.trainer is None:
+        return None
+    t_change = _diffs(after.trainer, before.trainer)
+    trainer_rms = _rms(t_change)
+    noise = max(_rms(_diffs(engine, before.trainer)) for engine in before.server)
+    residual = 0.0
+    for engine_before, engine_after in zip(before.server, after.server, strict=True):
+        v_change = _diffs(engine_after, engine_before)
+        residual = max(residual, _rms([v - t for v, t in zip(v_change, t_change, strict=True)]))
+    if not trainer_rms > 3 * noise:
+        verdict = "too small to see"
+    else:
+        verdict = "followed" if residual <= 0.5 * trainer_rms else "did not follow"
+    return ChangeTest(trainer_rms, noise, residual, verdict)
+
+
+def _rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
+
+
+@dataclass
+class Gate:
+    passed: bool
+    changed_per_dp_rank: list[bool]
+    mean_tolerance: float | None = None  # as applied this round (given the trainer's kernel noise)
+    quantile_tolerance: float | None = None
+    change: ChangeTest | None = None
+
+
+def gate(
+    before: LogprobGap,
+    after: LogprobGap,
+    tolerances: Tolerances,
+    weights_updated: bool,
+    noise: LogprobGap | None = None,
+    stepped: bool = False,
+) -> Gate:
+    """A round passes when EVERY engine is within the tolerances after the
+    sync (Tolerances.given: from the trainer's own kernel noise, never from
+    a trainer-vs-vLLM gap; `noise`, the gap before the sync on weights the
+    previous exact check proved, is the change test's reference only); if
+    the weights were updated, EVERY engine's log-probabilities changed (a sync that silently did nothing on one engine leaves its
+    numbers exactly as they were: vLLM's outputs repeat bit for bit on the
+    same weights, while the trainer's HF MoE forward need not); and, after a
+    training step (`stepped`), the change test is reported (not gated: MoE
+    routing near ties makes it too noisy to fail a round on; the exact check
+    proves the bytes). `<=` is False for NaN."""
+    changed = [b != a for b, a in zip(before.server, after.server, strict=True)]
+    mean_tol, quantile_tol = tolerances.given(noise)
+    change = change_test(before, after) if stepped and noise is not None else None
+    passed = (
+        after.mean <= mean_tol
+        and after.quantile <= quantile_tol
+        and (tolerances.max is None or after.max <= tolerances.max)
+        and (all(changed) or not weights_updated)
+    )
+    return Gate(passed, changed, mean_tol, quantile_tol, change)
