@@ -227,7 +227,8 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     Triton kernel; here it runs in Triton's interpreter on CPU, against the
     torch code: the same three sums for every shape that matters (rows and
     columns, one column, 1-D, non-contiguous, a last partial tile, a row
-    wider than a tile)."""
+    wider than a tile), also at the last rows that have a weight; and the
+    kernel that adds up the tiles' sums, over more of them than it has lanes."""
     code = """
 import sys, torch
 from proof import exact_check_engine as d
@@ -243,6 +244,12 @@ for t in cases:
     assert d._fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
 for t in cases[:3]:  # a shard that starts at row 3 of dim 0 of a larger tensor
     assert d._fingerprint_sums(t, 3).tolist() == d.fingerprint_sums_triton(t, block=256, row_offset=3).tolist()
+last = (1 << 30) - 37  # the last rows that have a weight of their own
+assert d._fingerprint_sums(cases[0], last).tolist() == d.fingerprint_sums_triton(cases[0], block=256, row_offset=last).tolist()
+partial = torch.randint(0, 1 << 62, (3000, 3))  # more tiles' sums than the kernel that adds them up has lanes
+sums = torch.empty(3, dtype=torch.int64)
+d._sum_partials_kernel[(3,)](partial, sums, 3000, BLOCK=1024)
+assert sums.tolist() == [sum(column) % (1 << 62) for column in partial.t().tolist()]
 swapped = cases[0].clone().view(-1)
 swapped[0], swapped[1] = cases[0].view(-1)[1], cases[0].view(-1)[0]
 assert d.fingerprint_sums_triton(swapped.view(37, 129), block=256)[2] != d.fingerprint_sums_triton(cases[0], block=256)[2]
