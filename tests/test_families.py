@@ -63,8 +63,11 @@ def write_config(name: str, out_dir: str | os.PathLike) -> Path:
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory):
     """family -> a vLLM model built on CPU in this process (bf16), built on
-    first use. One world-size-1 gloo group serves all of them."""
-    from vllm.config import set_current_vllm_config
+    first use, in any order. One world-size-1 gloo group serves all of them,
+    with the parallel groups set up for no model in particular: vLLM sets up
+    an expert-parallel group for a config without a model, not for a dense
+    model's, and a MoE model built later needs it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -86,8 +89,8 @@ def vllm_models(tmp_path_factory):
             max_model_len=512,
             dtype="bfloat16",
         ).create_engine_config()
-        with set_current_vllm_config(config):
-            if not torch.distributed.is_initialized():
+        if not torch.distributed.is_initialized():
+            with set_current_vllm_config(VllmConfig()):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
@@ -99,6 +102,7 @@ def vllm_models(tmp_path_factory):
                     distributed_init_method=f"tcp://127.0.0.1:{port}",
                 )
                 initialize_model_parallel(1, 1)
+        with set_current_vllm_config(config):
             with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
                 model = initialize_model(vllm_config=config)
             model.test_vllm_config = config  # what the server's worker passes the direct loader
@@ -809,8 +813,6 @@ def _written_by(sent, targets, names) -> set[str]:
 
 
 # (family, the first tensor of each pair to swap, in one layer): what each fault class looks like there
-# (the dense model last: the session's first vLLM model sets up the parallel groups, and a dense one sets
-# up no expert-parallel group for the MoE models after it)
 _STACKED_FAULTS = {
     "gate/up of a shared expert": ("qwen2_moe", ["model.layers.1.mlp.shared_expert.gate_proj.weight"]),
     "gate/up of DeepSeek-V3's dense layer": ("deepseek_v3", ["model.layers.0.mlp.gate_proj.weight"]),
