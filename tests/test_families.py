@@ -463,10 +463,12 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     they are into a block of rows of one parameter: all of it, or its slice
     of a stacked q/k/v or gate/up; from then on it copies those itself.
     Every parameter is still exactly what the trainer sent (the exact
-    check), sync after sync, the weights changing between, and a parameter
-    given new storage between syncs written there; what is learned
-    is learned from random probes, not from the tensors sent (here all ones
-    in the first sync, in which no row shows where it belongs)."""
+    check, each piece of a stacked one at its rows), sync after sync, the
+    weights changing between, and a parameter given new storage between
+    syncs written there; the rows learned for each piece are the rows
+    vLLM's own loader writes it into. What is learned is learned from random
+    probes, not from the tensors sent (here all ones in the first sync, in
+    which no row shows where it belongs)."""
     from proof import exact_check_engine
     from weight_sync import direct_load
 
@@ -485,12 +487,14 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         targets, casts, values_only, whole = exact_check_engine.exact_targets(
             vllm_model, metas, vllm_model.test_vllm_config
         )
-        prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+        at_rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+        prints = exact_check_engine.sent_fingerprints(sent, casts, at_rows)  # each piece at its rows
         if mean == 5.0:  # vLLM's post-load processing may give a parameter new storage (replace_parameter)
             for param in vllm_model.parameters():
                 param.data = param.data.clone()
         _sync(vllm_model, sent, "direct", layout)
-        assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == [], mean
+        in_place = set(whole) | set(placed)
+        assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, in_place)[1] == [], mean
     written_to = {
         n: names[0]
         for i, ((n, *_, block), names) in enumerate(zip(metas, targets, strict=True))
@@ -505,6 +509,14 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         rows = dict(vllm_model.named_parameters())[param].shape[0]
         assert [start for start, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces]))[:-1]
         assert sum(n for _, n in pieces) == rows, param
+    # And each piece's rows are where vLLM's own loader writes it (the last sync's tensors, all different).
+    through_vllm = _sent(hf, "vllm")
+    _sync(vllm_model, through_vllm, "vllm")
+    params, through_vllm = dict(vllm_model.named_parameters()), dict(through_vllm)
+    for n in stacked:
+        param, row = layout.plain[n]
+        tensor = through_vllm[n]
+        assert torch.equal(params[param][row : row + tensor.shape[0]], tensor), (n, param, row)
 
 
 class _CPUBuffer:
