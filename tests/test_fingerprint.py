@@ -69,7 +69,7 @@ def _odd_mix32(index: torch.Tensor, seed: int) -> torch.Tensor:
     return d._mix32((index + seed) & d._MASK32) | 1
 
 
-def test_the_rows_and_columns_odd_mix32_weights_could_not_tell_apart_are_told_apart():
+def test_the_rows_and_columns_that_odd_mix32_weights_cannot_tell_apart_are_told_apart():
     indices = torch.arange(151_936)
     for seed, pair in ((d._ROW_SEED, ODD_MIX32_ROWS), (d._COLUMN_SEED, ODD_MIX32_COLUMNS)):
         weights = _odd_mix32(indices, seed)
