@@ -513,32 +513,56 @@ def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
     return experts is not None and found is not None and int(found.group(1)) not in local_expert_ids(experts)
 
 
-# The exact check's fingerprint: every element's bits through a fixed 32-bit
-# mix (lowbias32), summed. Three sums: `plain` sums the mixed bits alone, so it
-# does not depend on where an element sits and survives what vLLM's loader
-# does to the trainer's tensors: stacking (q/k/v into qkv_proj, gate/up,
-# experts into one fused tensor), splitting by expert, concatenating biases;
-# `by_column` weighs each mixed element by an odd number drawn from its column
-# (its index along the last dim, which stacking on dim 0 keeps), so a
-# transposed tensor differs too; `by_position` weighs it by one drawn from its
-# row as well (rows swapped or reversed differ): for a parameter written whole
-# from one tensor of its shape, and for one stacked from pieces, each piece
-# fingerprinted at the rows it lands in (piece_rows), so that they add up too.
-# One mix per element (the weights are one multiplication each): the GPU
-# kernel runs at about half the memory's speed.
-# Integer arithmetic: the trainer's GPU, an engine's GPU and a CPU give the
-# same sums.
+# The exact check's fingerprint (exact_fingerprint says what it is and what it
+# guarantees). Three sums of each element's mixed bits: `plain`, which does not
+# depend on where an element sits; `by_column`, weighted by its column; and
+# `by_position`, weighted by its column and its row. Integer arithmetic, exact
+# in int64: the trainer's GPU, an engine's GPU and a CPU give the same sums.
 FINGERPRINT_MODULUS = 1 << 62
-_MASK32 = 0xFFFFFFFF
+_INDEX_LIMIT = 1 << 30  # every row and every column index below it has a weight of its own
+_MASK30, _MASK31, _MASK32, _MASK62 = _INDEX_LIMIT - 1, (1 << 31) - 1, (1 << 32) - 1, FINGERPRINT_MODULUS - 1
+_COLUMN_SEED, _ROW_SEED = 0x9E3779B9, 0x27D4EB2F
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of int64 values below 2**32 (products wrap; the low 32 bits are exact)."""
+    """lowbias32 of int64 values below 2**32 (products wrap; the low 32 bits are exact): a bijection of them."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _MASK32
     return x ^ (x >> 16)
+
+
+def _mix30(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of the int64 values below 2**30: each step is invertible
+    (an xor with the value shifted right; a product by an odd number modulo 2**30)."""
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK30
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & _MASK30
+    return x ^ (x >> 15)
+
+
+def _weights(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """The weight of each row (or column) `index` (int64, below 2**30):
+    2 * mix30((index + seed) mod 2**30) + 1, odd, below 2**31, and a
+    different one for every index (index -> (index + seed) mod 2**30 and
+    mix30 are bijections of the integers below 2**30)."""
+    return _mix30((index.to(torch.int64) + seed) & _MASK30) * 2 + 1
+
+
+def _times62(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a * w modulo 2**62 for int64 a below 2**62 and w below 2**31, exact:
+    a split at bit 31, each partial product below 2**62, their sum below 2**63."""
+    return (((((a >> 31) * w) & _MASK31) << 31) + (a & _MASK31) * w) & _MASK62
+
+
+def _sum62(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The sum of `a` (int64, each below 2**63, at most 2**31 of them along
+    `dim`; None: all) modulo 2**62, exact: the bits above 31 and those below
+    summed apart, each sum below 2**63."""
+    high, low = (a >> 31).sum(dim), (a & _MASK31).sum(dim)
+    return (((high & _MASK31) << 31) + (low & _MASK62)) & _MASK62
 
 
 def exact_fingerprints(tensors) -> list[list[int]]:
@@ -633,9 +657,65 @@ def exact_fingerprint_sums(tensors) -> list[torch.Tensor]:
 
 
 def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
-    """[plain, by_column, by_position] of a tensor's elements (see above),
-    each modulo FINGERPRINT_MODULUS, so the first two of a stack of tensors
-    are the sums of theirs."""
+    """[plain, by_column, by_position] of a tensor's elements, each modulo
+    FINGERPRINT_MODULUS (2**62).
+
+    The tensor is seen as [rows, columns]: its columns are its last dim (one
+    for a 1-D tensor), its rows all the dims before, counted from the first
+    row of the whole tensor that a shard or a piece is part of (`row_offset`
+    of _fingerprint_sums). Each element's bits (those of an 8-byte element
+    folded to 32) go through lowbias32, a bijection of 32-bit integers:
+    m = mix32(bits ^ 0x5BD1E995), below 2**32, different for different bits.
+    Then, modulo 2**62:
+
+        plain       = sum of m
+        by_column   = sum of m * cw(column)
+        by_position = sum of m * cw(column) * rw(row)
+
+    with cw and rw from _weights (a seed each; cw = 1 for a tensor of one
+    column): w(i) = 2 * mix30((i + seed) mod 2**30) + 1, mix30 a bijection
+    of the integers below 2**30, so every row index and every column index
+    below 2**30 has an odd weight below 2**31 of its own (a tensor with more
+    rows or columns is refused). Every intermediate stays below 2**63
+    (m * cw; _times62; _sum62 for the sums), so the arithmetic is exact on
+    any device, with no overflow.
+
+    What it guarantees:
+
+    - Sums add up. An element's three terms depend on its bits, its column
+      and its row in the whole alone, so the sums of shards (rows of dim 0,
+      each at its row_offset) and of pieces stacked on dim 0 (each at the
+      rows it lands at) add up, modulo 2**62, to the whole's, all three;
+      plain and by_column do not depend on the row, so the pieces' add up to
+      the stack's wherever they land.
+
+    - Two elements with different bits, exchanged, change a sum, always.
+      Say u sits at (i, a) and v at (j, b), m(u) != m(v). For a != b,
+      by_column changes by (cw(a) - cw(b)) * (m(v) - m(u)): cw(a) - cw(b)
+      is twice the difference of two distinct mix30 values below 2**30, so
+      nonzero with at most 1 + 29 factors of 2; m(v) - m(u) is nonzero and
+      smaller than 2**32 in size, so at most 31. The product has at most 61:
+      it is no multiple of 2**62. For a == b (so i != j), by_position changes
+      by cw(a) * (rw(i) - rw(j)) * (m(v) - m(u)), cw(a) odd: the same. So do
+      two rows (by_position) or two columns (by_column) exchanged that differ
+      in one element.
+
+    - Other rearrangements (two rows or columns exchanged that differ in
+      several elements, blocks of rows exchanged, a transpose) change a sum
+      by many such products added up, and those can cancel modulo 2**62.
+      With fixed constants this is a checksum, not a cryptographic hash:
+      data made against them can cancel. For data that is not, take the
+      mixes of different bit patterns as independent uniform 32-bit values.
+      The change is a sum over the bit patterns of A * m(pattern), A the
+      pattern's weights where it is now less its weights where it was; if
+      some A is not a multiple of 2**62, say with t factors of 2, then, the
+      other mixes given, at most max(1, 2**(t - 30)) of the 2**32 values of
+      that pattern's mix make the change vanish: a chance of at most
+      2**-min(32, 62 - t). (A pattern one row holds once and the other not
+      at all has t <= 30.)
+
+    - It compares bits: +0.0 and -0.0, or two NaNs with other payloads,
+      differ; two 8-byte elements whose bits fold to the same 32 do not."""
     return _fingerprint_sums(tensor).tolist()
 
 
@@ -651,9 +731,10 @@ def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor
     flat = tensor.detach()
     columns = _columns(flat)
     rows = flat.contiguous().reshape(-1, columns)
+    first_row = _first_row(tensor, row_offset, rows.shape[0])
     bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
     unsigned = (1 << (8 * rows.element_size())) - 1 if rows.element_size() < 8 else -1
-    column_weight = _weights(torch.arange(columns, device=rows.device), 0x9E3779B9) if columns > 1 else 1
+    column_weight = _weights(torch.arange(columns, device=rows.device), _COLUMN_SEED) if columns > 1 else 1
     sums = torch.zeros(3, dtype=torch.int64, device=rows.device)
     step = max(1, _FINGERPRINT_CHUNK // columns)
     for start in range(0, rows.shape[0], step):
@@ -661,25 +742,27 @@ def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor
         if rows.element_size() == 8:  # fold 64-bit patterns into 32
             bits = (bits ^ (bits >> 32)) & _MASK32
         plain = _mix32(bits ^ 0x5BD1E995)  # (the constant: so that zeros count too)
-        by_column = (plain * column_weight) & _MASK32
-        first = _first_row(tensor, row_offset) + start
-        row_weight = _weights(torch.arange(first, first + bits.shape[0], device=rows.device), 0x27D4EB2F)
-        sums[0] += plain.sum() % FINGERPRINT_MODULUS
-        sums[1] += by_column.sum() % FINGERPRINT_MODULUS
-        sums[2] += ((by_column * row_weight[:, None]) & _MASK32).sum() % FINGERPRINT_MODULUS
-        sums %= FINGERPRINT_MODULUS
+        by_column = plain * column_weight  # below 2**32 * 2**31
+        first = first_row + start
+        row_weight = _weights(torch.arange(first, first + bits.shape[0], device=rows.device), _ROW_SEED)
+        row_sums = _sum62(by_column, 1)  # each row's by_column; its by_position is that times its row's weight
+        sums[0] = (sums[0] + plain.sum()) & _MASK62
+        sums[1] = (sums[1] + _sum62(row_sums)) & _MASK62
+        sums[2] = (sums[2] + _sum62(_times62(row_sums, row_weight))) & _MASK62
     return sums
 
 
-def _weights(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """The odd 32-bit weight of each column (or row) `index` (int64 on the device)."""
-    return _mix32((index.to(torch.int64) + seed) & _MASK32) | 1
-
-
-def _first_row(tensor: torch.Tensor, row_offset: int) -> int:
+def _first_row(tensor: torch.Tensor, row_offset: int, rows: int | None = None) -> int:
     """The fingerprint's row (the tensor seen as [rows, columns]) of the first
-    element of a shard that starts at `row_offset` on dim 0 of the whole."""
-    return row_offset * math.prod(tensor.shape[1:-1]) if tensor.dim() >= 2 else row_offset
+    element of a shard that starts at `row_offset` on dim 0 of the whole.
+    With the shard's `rows`: raises if a row or a column has no weight of its own."""
+    first = row_offset * math.prod(tensor.shape[1:-1]) if tensor.dim() >= 2 else row_offset
+    if rows is not None and not (0 <= first and first + rows <= _INDEX_LIMIT and _columns(tensor) <= _INDEX_LIMIT):
+        raise ValueError(
+            f"cannot fingerprint a tensor of shape {tuple(tensor.shape)} at row {first}: the fingerprint "
+            f"tells apart rows and columns below {_INDEX_LIMIT}"
+        )
+    return first
 
 
 def _columns(tensor: torch.Tensor) -> int:
@@ -688,16 +771,17 @@ def _columns(tensor: torch.Tensor) -> int:
 
 
 def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset: int = 0) -> torch.Tensor:
-    """_fingerprint_sums in one Triton kernel: each program mixes a tile of
-    `block` elements (rows by columns of the tensor seen as [rows, columns];
-    `block` a power of 2) the way the torch code does, with the same 32-bit
-    arithmetic, and writes its three partial sums; torch adds them up. Reads
-    the tensor once. A 2-D grid gives each element its row and column
-    without a division. (On CPU only under
+    """_fingerprint_sums in one pass of a Triton kernel: each program mixes a
+    tile of `block` elements (rows by columns of the tensor seen as [rows,
+    columns]; `block` a power of 2) the way the torch code does, with the
+    same arithmetic, and writes its three partial sums (each below 2**62);
+    a second kernel adds those up. Reads the tensor once. A 2-D grid gives
+    each element its row and column without a division. (On CPU only under
     TRITON_INTERPRET=1, as the tests run it against the torch code.)"""
     flat = tensor.detach().contiguous().reshape(-1)
     columns = _columns(tensor)
     rows = flat.numel() // columns
+    first_row = _first_row(tensor, row_offset, rows)
     bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
     block_c = min(triton.next_power_of_2(columns), block)
     block_r = block // block_c
@@ -708,24 +792,52 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset:
         partial,
         rows,
         columns,
-        _first_row(tensor, row_offset),
+        first_row,
         ELEMENT_BITS=8 * flat.element_size(),
         SALTED=columns > 1,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
     )
-    return partial.sum(0) % FINGERPRINT_MODULUS  # (int64 sums wrap modulo 2**64, a multiple of the modulus)
+    sums = torch.empty(3, dtype=torch.int64, device=flat.device)
+    _sum_partials_kernel[(3,)](partial, sums, partial.shape[0], BLOCK=1024)
+    return sums
 
 
-if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
+# The kernel's arithmetic is the torch code's, step for step: _mix32, _mix30,
+# _weights, _times62 and _sum62 each have a twin here that computes the same
+# values (in uint32 where the torch code masks to 32 or 30 bits, which wrapping
+# modulo 2**32 does the same to; in int64 where it does not).
+if triton is not None:
 
     @triton.jit
-    def _mix32_triton(x):  # lowbias32 on uint32 (its products wrap, as `& _MASK32` does in _mix32)
+    def _mix32_triton(x):  # _mix32 on uint32 (its products wrap, as `& _MASK32` does in _mix32)
         x = x ^ (x >> 16)
         x = x * 0x7FEB352D
         x = x ^ (x >> 15)
         x = x * 0x846CA68B
         return x ^ (x >> 16)
+
+    @triton.jit
+    def _mix30_triton(x):  # _mix30 on uint32 below 2**30 (a product modulo 2**32, then masked to 30 bits)
+        x = x ^ (x >> 15)
+        x = (x * 0x2C1B3C6D) & 0x3FFFFFFF
+        x = x ^ (x >> 12)
+        x = (x * 0x297A2D39) & 0x3FFFFFFF
+        return x ^ (x >> 15)
+
+    @triton.jit
+    def _weights_triton(index, seed):  # _weights, as uint32 (below 2**31)
+        return _mix30_triton((index.to(tl.uint32) + seed) & 0x3FFFFFFF) * 2 + 1
+
+    @triton.jit
+    def _times62_triton(a, w):  # _times62: int64 a below 2**62, int64 w below 2**31
+        return (((((a >> 31) * w) & 0x7FFFFFFF) << 31) + (a & 0x7FFFFFFF) * w) & 0x3FFFFFFFFFFFFFFF
+
+    @triton.jit
+    def _sum62_triton(a, axis):  # _sum62 along `axis`
+        high = tl.sum(a >> 31, axis=axis)
+        low = tl.sum(a & 0x7FFFFFFF, axis=axis)
+        return (((high & 0x7FFFFFFF) << 31) + (low & 0x3FFFFFFFFFFFFFFF)) & 0x3FFFFFFFFFFFFFFF
 
     @triton.jit
     def _fingerprint_kernel(
@@ -739,10 +851,10 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-        column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-        inside = (row < rows) & (column < columns)
-        raw = tl.load(bits_ptr + row * columns + column, mask=inside, other=0)
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        column = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = (row[:, None] < rows) & (column[None, :] < columns)
+        raw = tl.load(bits_ptr + row[:, None] * columns + column[None, :], mask=inside, other=0)
         if ELEMENT_BITS == 8:
             bits = raw.to(tl.uint8, bitcast=True).to(tl.uint32)
         elif ELEMENT_BITS == 16:
@@ -751,13 +863,25 @@ if triton is not None:  # the fingerprint's kernel (fingerprint_sums_triton)
             bits = raw.to(tl.uint32, bitcast=True)
         plain = _mix32_triton(bits ^ 0x5BD1E995)
         if SALTED:
-            column_weight = _mix32_triton(column.to(tl.uint32) + 0x9E3779B9) | 1
+            column_weight = _weights_triton(column, 0x9E3779B9)
         else:
-            column_weight = tl.full([1, BLOCK_C], 1, dtype=tl.uint32)
-        by_column = plain * column_weight
-        by_position = by_column * (_mix32_triton((row + first_row).to(tl.uint32) + 0x27D4EB2F) | 1)
+            column_weight = tl.full([BLOCK_C], 1, dtype=tl.uint32)
         zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
+        by_column = tl.where(inside, plain.to(tl.int64) * column_weight.to(tl.int64)[None, :], zero)
+        row_weight = _weights_triton(row + first_row, 0x27D4EB2F).to(tl.int64)
+        row_sums = _sum62_triton(by_column, 1)  # this tile's part of each row's by_column
         at = partial_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 3
         tl.store(at + 0, tl.sum(tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=1), axis=0))
-        tl.store(at + 1, tl.sum(tl.sum(tl.where(inside, by_column.to(tl.int64), zero), axis=1), axis=0))
-        tl.store(at + 2, tl.sum(tl.sum(tl.where(inside, by_position.to(tl.int64), zero), axis=1), axis=0))
+        tl.store(at + 1, _sum62_triton(row_sums, 0))
+        tl.store(at + 2, _sum62_triton(_times62_triton(row_sums, row_weight), 0))
+
+    @triton.jit
+    def _sum_partials_kernel(partial_ptr, sums_ptr, tiles, BLOCK: tl.constexpr):
+        """Program k: the sum of column k of `partial` ([tiles, 3], each below
+        2**62) modulo 2**62, as the torch code adds up its chunks' sums."""
+        k = tl.program_id(0)
+        total = tl.zeros([BLOCK], dtype=tl.int64)  # each lane's share, below 2**62
+        for start in range(0, tiles, BLOCK):
+            tile = start + tl.arange(0, BLOCK)
+            total = (total + tl.load(partial_ptr + tile * 3 + k, mask=tile < tiles, other=0)) & 0x3FFFFFFFFFFFFFFF
+        tl.store(sums_ptr + k, _sum62_triton(total, 0))

@@ -233,7 +233,8 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     Triton kernel; here it runs in Triton's interpreter on CPU, against the
     torch code: the same three sums for every shape that matters (rows and
     columns, one column, 1-D, non-contiguous, a last partial tile, a row
-    wider than a tile)."""
+    wider than a tile), also at the last rows that have a weight; and the
+    kernel that adds up the tiles' sums, over more of them than it has lanes."""
     code = """
 import sys, torch
 from proof import exact_check_engine as d
@@ -249,6 +250,12 @@ for t in cases:
     assert d._fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
 for t in cases[:3]:  # a shard that starts at row 3 of dim 0 of a larger tensor
     assert d._fingerprint_sums(t, 3).tolist() == d.fingerprint_sums_triton(t, block=256, row_offset=3).tolist()
+last = (1 << 30) - 37  # the last rows that have a weight of their own
+assert d._fingerprint_sums(cases[0], last).tolist() == d.fingerprint_sums_triton(cases[0], block=256, row_offset=last).tolist()
+partial = torch.randint(0, 1 << 62, (3000, 3))  # more tiles' sums than the kernel that adds them up has lanes
+sums = torch.empty(3, dtype=torch.int64)
+d._sum_partials_kernel[(3,)](partial, sums, 3000, BLOCK=1024)
+assert sums.tolist() == [sum(column) % (1 << 62) for column in partial.t().tolist()]
 swapped = cases[0].clone().view(-1)
 swapped[0], swapped[1] = cases[0].view(-1)[1], cases[0].view(-1)[0]
 assert d.fingerprint_sums_triton(swapped.view(37, 129), block=256)[2] != d.fingerprint_sums_triton(cases[0], block=256)[2]
@@ -470,17 +477,41 @@ def test_fp8_reference_is_vllms_per_expert_quantization_of_vllms_layout():
         assert torch.equal(weight[e].view(torch.uint8), want_w.view(torch.uint8)) and torch.equal(scales[e], want_s)
 
 
+def _vllms_online_fp8(block: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What vLLM's online block-FP8 MoE method holds of a bf16 expert block
+    ([experts, shards x rows, columns]), made here without fp8_experts: per
+    expert, each shard's rows then zeros up to a multiple of 128 rows, the
+    columns likewise, through vLLM's per_block_cast_to_fp8, one expert at a time."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    rows, columns = block.shape[1] // shards, block.shape[2]
+    padded_rows, padded_columns = -(-rows // 128) * 128, -(-columns // 128) * 128
+    weights, scales = [], []
+    for expert in block:
+        laid_out = torch.zeros(shards * padded_rows, padded_columns, dtype=torch.bfloat16)
+        for shard in range(shards):
+            top = shard * padded_rows
+            laid_out[top : top + rows, :columns] = expert[shard * rows : (shard + 1) * rows]
+        weight, scale = per_block_cast_to_fp8(laid_out, [128, 128], use_ue8m0=False)
+        weights.append(weight)
+        scales.append(scale)
+    return torch.stack(weights), torch.stack(scales)
+
+
 def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
     """An expert block vLLM holds in FP8 is written into two parameters (the
     weight and its scales): the trainer sends one fingerprint for each, of its
     own quantization of what it sent (held_fingerprint_sums), and each is
-    compared whole. A block quantized from other values, a scale from another
-    block, or weight and scales swapped: each fails, naming the parameter."""
+    compared whole, here against what vLLM's online method makes of the block
+    (_vllms_online_fp8: no fp8_experts code), which the direct loader's own
+    writer on CPU (fp8_quantize_blocks) makes too. A block quantized from
+    other values, a scale from another block, one weight bit, or weight and
+    scales swapped: each fails, naming the parameter."""
     torch.manual_seed(0)
-    block = (torch.randn(2, 256, 128) * 0.02).to(torch.bfloat16)
+    block = (torch.randn(2, 2 * 100, 130) * 0.02).to(torch.bfloat16)  # rows and columns padded to 128s
     layer = torch.nn.Module()
-    layer.w13_weight = torch.nn.Parameter(torch.empty(2, 256, 128, dtype=torch.float8_e4m3fn), requires_grad=False)
-    layer.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, 1), requires_grad=False)
+    layer.w13_weight = torch.nn.Parameter(torch.empty(2, 256, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
+    layer.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, 2), requires_grad=False)
     model = torch.nn.Module()
     model.experts = layer
     targets = [["experts.w13_weight", "experts.w13_weight_scale_inv"]]
@@ -490,17 +521,24 @@ def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
     def problems():
         return exact_check_engine.exact_problems(model, targets, sent, whole=whole)[1]
 
-    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    def hold(quantized) -> None:  # what vLLM's online method would hold
+        layer.w13_weight.data.copy_(quantized[0])
+        layer.w13_weight_scale_inv.data.copy_(quantized[1])
+
+    vllms = _vllms_online_fp8(block, 2)
+    hold(vllms)
     assert problems() == []
-    fp8_experts.fp8_quantize_blocks(block * 2, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
-    assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]  # x2: the same fp8, scales x2
     fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    assert fp8_experts._same_bytes((layer.w13_weight, layer.w13_weight_scale_inv), vllms)
+    hold(_vllms_online_fp8(block * 2, 2))
+    assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]  # x2: the same fp8, scales x2
+    hold(vllms)
     layer.w13_weight_scale_inv.data[0, 0, 0] = layer.w13_weight_scale_inv.data[1, 0, 0]
     assert problems() == ["experts.w13_weight_scale_inv: not what the trainer sent"]
-    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    hold(vllms)
     layer.w13_weight.data.view(torch.uint8)[1, 7, 3] ^= 1
     assert problems() == ["experts.w13_weight: not what the trainer sent"]
-    fp8_experts.fp8_quantize_blocks(block, 2, layer.w13_weight.data, layer.w13_weight_scale_inv.data)
+    hold(vllms)
     sent = [sent[0][::-1]]  # each target's fingerprint given to the other
     assert len(problems()) == 2
 

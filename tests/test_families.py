@@ -31,6 +31,9 @@ from conftest import run_ranks
 from weight_sync import model_families, sources
 
 FAMILIES = list(model_families.FAMILIES)
+# The families whose fused experts the direct loader cannot copy as they are (GPT-OSS's [E, H, 2I], gate
+# and up interleaved: vLLM's loader transposes them): it refuses them before any GPU work.
+DIRECT_LOADER_REFUSES = {"gpt_oss"}
 
 
 # Test helpers: build a family's model or config directly, and probe vLLM.
@@ -64,8 +67,11 @@ def write_config(name: str, out_dir: str | os.PathLike) -> Path:
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory):
     """family -> a vLLM model built on CPU in this process (bf16), built on
-    first use. One world-size-1 gloo group serves all of them."""
-    from vllm.config import set_current_vllm_config
+    first use, in any order. One world-size-1 gloo group serves all of them,
+    with the parallel groups set up for no model in particular: vLLM sets up
+    an expert-parallel group for a config without a model, not for a dense
+    model's, and a MoE model built later needs it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -87,8 +93,8 @@ def vllm_models(tmp_path_factory):
             max_model_len=512,
             dtype="bfloat16",
         ).create_engine_config()
-        with set_current_vllm_config(config):
-            if not torch.distributed.is_initialized():
+        if not torch.distributed.is_initialized():
+            with set_current_vllm_config(VllmConfig()):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
@@ -100,6 +106,7 @@ def vllm_models(tmp_path_factory):
                     distributed_init_method=f"tcp://127.0.0.1:{port}",
                 )
                 initialize_model_parallel(1, 1)
+        with set_current_vllm_config(config):
             with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
                 model = initialize_model(vllm_config=config)
             model.test_vllm_config = config  # what the server's worker passes the direct loader
@@ -108,6 +115,17 @@ def vllm_models(tmp_path_factory):
         return model
 
     return get
+
+
+def direct_loader_takes(family: str, hf, world_size: int) -> bool:
+    """Whether the direct loader takes this family's model; it must refuse,
+    naming the layout, exactly the families DIRECT_LOADER_REFUSES names."""
+    problem = sources.direct_loader_problem(hf, world_size=world_size)
+    if family in DIRECT_LOADER_REFUSES:
+        assert problem and "fused expert layout" in problem and "--weight-loader vllm" in problem, problem
+        return False
+    assert problem is None, problem
+    return True
 
 
 def random_tensors(metadata, seed=0):
@@ -218,11 +236,8 @@ def test_direct_loader_sends_what_vllm_holds(family, vllm_models):
     from weight_sync import direct_load
 
     hf = build_model(family, device="cpu")
-    problem = sources.direct_loader_problem(hf, world_size=2)
-    if family == "gpt_oss":  # [E, H, 2I], gate/up interleaved: vLLM's loader transposes it
-        assert problem and "fused expert layout" in problem and "--weight-loader vllm" in problem
-        return
-    assert problem is None
+    if not direct_loader_takes(family, hf, world_size=2):
+        return  # refused, naming the layout (asserted)
     vllm_model = vllm_models(family)
     with torch.no_grad():
         for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
@@ -449,16 +464,18 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     they are into a block of rows of one parameter: all of it, or its slice
     of a stacked q/k/v or gate/up; from then on it copies those itself.
     Every parameter is still exactly what the trainer sent (the exact
-    check), sync after sync, the weights changing between, and a parameter
-    given new storage between syncs written there; what is learned
-    is learned from random probes, not from the tensors sent (here all ones
-    in the first sync, in which no row shows where it belongs)."""
+    check, each piece of a stacked one at its rows), sync after sync, the
+    weights changing between, and a parameter given new storage between
+    syncs written there; the rows learned for each piece are the rows
+    vLLM's own loader writes it into. What is learned is learned from random
+    probes, not from the tensors sent (here all ones in the first sync, in
+    which no row shows where it belongs)."""
     from proof import exact_check_engine
     from weight_sync import direct_load
 
     hf = build_model(family, device="cpu")
-    if sources.direct_loader_problem(hf, world_size=1):
-        return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
+    if not direct_loader_takes(family, hf, world_size=1):
+        return  # refused before any GPU work, naming the layout (asserted)
     vllm_model = vllm_models(family)
     layout = direct_load._layout(vllm_model)
     for mean in (None, 3.0, 5.0):  # the first sync's tensors all ones, as a fresh model's norms are
@@ -471,12 +488,14 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         targets, casts, values_only, whole = exact_check_engine.exact_targets(
             vllm_model, metas, vllm_model.test_vllm_config
         )
-        prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
+        at_rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+        prints = exact_check_engine.sent_fingerprints(sent, casts, at_rows)  # each piece at its rows
         if mean == 5.0:  # vLLM's post-load processing may give a parameter new storage (replace_parameter)
             for param in vllm_model.parameters():
                 param.data = param.data.clone()
         _sync(vllm_model, sent, "direct", layout)
-        assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)[1] == [], mean
+        in_place = set(whole) | set(placed)
+        assert exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, in_place)[1] == [], mean
     written_to = {
         n: names[0]
         for i, ((n, *_, block), names) in enumerate(zip(metas, targets, strict=True))
@@ -491,6 +510,14 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         rows = dict(vllm_model.named_parameters())[param].shape[0]
         assert [start for start, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces]))[:-1]
         assert sum(n for _, n in pieces) == rows, param
+    # And each piece's rows are where vLLM's own loader writes it (the last sync's tensors, all different).
+    through_vllm = _sent(hf, "vllm")
+    _sync(vllm_model, through_vllm, "vllm")
+    params, through_vllm = dict(vllm_model.named_parameters()), dict(through_vllm)
+    for n in stacked:
+        param, row = layout.plain[n]
+        tensor = through_vllm[n]
+        assert torch.equal(params[param][row : row + tensor.shape[0]], tensor), (n, param, row)
 
 
 class _CPUBuffer:
@@ -627,8 +654,8 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     from proof import exact_check_engine
 
     hf = build_model(family, device="cpu")
-    if loader == "direct" and sources.direct_loader_problem(hf, world_size=1):
-        return  # refused before any GPU work (test_direct_loader_sends_what_vllm_holds)
+    if loader == "direct" and not direct_loader_takes(family, hf, world_size=1):
+        return  # refused before any GPU work, naming the layout (asserted)
     for module in hf.modules():  # what transformers keeps in fp32, in fp32 (as models.meta_model builds it)
         for key, buf in module._buffers.items():
             if key == "e_score_correction_bias":
@@ -810,8 +837,6 @@ def _written_by(sent, targets, names) -> set[str]:
 
 
 # (family, the first tensor of each pair to swap, in one layer): what each fault class looks like there
-# (the dense model last: the session's first vLLM model sets up the parallel groups, and a dense one sets
-# up no expert-parallel group for the MoE models after it)
 _STACKED_FAULTS = {
     "gate/up of a shared expert": ("qwen2_moe", ["model.layers.1.mlp.shared_expert.gate_proj.weight"]),
     "gate/up of DeepSeek-V3's dense layer": ("deepseek_v3", ["model.layers.0.mlp.gate_proj.weight"]),
