@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The exact check's fingerprint (exact_check_engine.exact_fingerprint): every
 row index and every column index has a weight of its own, two elements
 exchanged always change it, rows, columns and blocks of rows exchanged change
