@@ -50,12 +50,12 @@ elif [ "$stage" = a2 ]; then
 elif [ "$stage" = b3 ]; then
   E="--enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 2147483648"
   for preset in tiny-qwen2-moe tiny-mixtral tiny-deepseek-v3 tiny-glm4-moe tiny-qwen3; do
-    run "$preset-loaders" 420 scripts/benchmark.py --model "$preset" --num-gpus 1 --loaders direct vllm --rounds 2 $E &
+    run "$preset-loaders" 330 scripts/benchmark.py --model "$preset" --num-gpus 1 --loaders direct vllm --rounds 2 $E &
     sleep 4
   done
-  run tiny-gpt-oss-vllm 420 scripts/benchmark.py --model tiny-gpt-oss --num-gpus 1 --loaders vllm --rounds 2 $E &
+  run tiny-gpt-oss-vllm 330 scripts/benchmark.py --model tiny-gpt-oss --num-gpus 1 --loaders vllm --rounds 2 $E &
   sleep 4
-  run mixtral-fp8-train 420 rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train \
+  run mixtral-fp8-train 330 rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train \
     --rounds 3 $E &
   wait
 elif [ "$stage" = b1 ]; then

@@ -37,7 +37,7 @@ class Internal:
     """One vLLM name used beyond the public API."""
 
     module: str
-    name: str  # an attribute of `module`, or "Class.attribute"
+    name: str  # an attribute of `module`, or "Class.attribute" (a class's own, not one set on its instances)
     purpose: str
     seen_in: str
     parameters: tuple[str, ...] = ()  # the leading parameters a function must take, in order
@@ -97,12 +97,6 @@ INTERNALS = (
         "0.32.0, 0.33.0, 0.34.0",
     ),
     Internal(
-        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
-        "UnquantizedFusedMoEMethod.unquantized_backend",
-        "bf16 expert layers: with the Triton backend their post-load processing keeps the weights where they are",
-        "0.32.0, 0.33.0, 0.34.0",
-    ),
-    Internal(
         "vllm.utils.deep_gemm",
         "per_block_cast_to_fp8",
         "vLLM's block-wise FP8 quantization, the reference the FP8 kernel is checked against",
@@ -117,23 +111,8 @@ def _resolve(internal: Internal):
     """The object `internal` names; raises ImportError or AttributeError where it is not there."""
     obj = importlib.import_module(internal.module)
     for part in internal.name.split("."):
-        if inspect.isclass(obj) and part not in dir(obj):
-            obj = _instance_attribute(obj, part)
-        else:
-            obj = getattr(obj, part)
+        obj = getattr(obj, part)
     return obj
-
-
-def _instance_attribute(cls: type, name: str):
-    """An attribute a class sets on its instances (not on the class): found in its source, else AttributeError."""
-    for klass in cls.__mro__:
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        if f"self.{name} =" in source or f"self.{name}:" in source:
-            return None
-    raise AttributeError(f"type object {cls.__name__!r} sets no attribute {name!r}")
 
 
 def internal_problem(internal: Internal) -> str | None:
@@ -169,7 +148,8 @@ def internal(module: str, name: str):
 # The post-load processing a sync can skip: a layer whose weights were written in place, in the layout they
 # had, needs it again only where it derives something from them. These methods derive nothing on CUDA: a bf16
 # linear layer picks its GEMM by the weight's shape, a bf16 expert layer on the Triton backend keeps its
-# weights as they are. Anything else runs as vLLM runs it after a load.
+# weights as they are. Anything else runs as vLLM runs it after a load, and so does an expert layer whose
+# method names no backend.
 _SKIPPED_POST_LOAD_BACKENDS = {"UnquantizedFusedMoEMethod": ("TRITON", "BATCHED_TRITON")}
 
 
