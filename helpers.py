@@ -617,7 +617,7 @@ def post_completions(sock: str, dp_rank: int | None = None, **fields):
 def completions(
     sock: str, model: str, prompts: list[str], max_tokens: int, temperature: float = 0.0, dp_rank: int | None = None
 ) -> list[Completion]:
-    """One completion per prompt (greedy by default), with the prompt's and the output's token ids."""
+    """Return one completion per prompt, greedy by default, with the prompt's and the output's token ids."""
     out = post_completions(
         sock,
         dp_rank,
@@ -695,7 +695,7 @@ class PlacementError(RuntimeError):
 
 
 class TrainerDied(RuntimeError):
-    """A trainer rank's process died (killed, out of memory, crashed)."""
+    """A trainer rank's process died: it was killed, ran out of memory, or crashed."""
 
 
 _store = None  # on rank 0: the store the ranks meet at
