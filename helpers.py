@@ -1,24 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Colocated weight sync: an FSDP2 trainer's weights into a vLLM server (DP + EP) on the same GPUs over
-vLLM's CUDA-IPC weight transfer: the server's start (under a watchdog) and routes, the trainer ranks, the
-send. Copy it alone for vLLM's own loader; for the direct loader add weight_sync/ and pass
-serve_args(..., worker_extension="weight_sync.direct_load.DirectLoadWorker"). It imports nothing of this project:
-trainers on more nodes meet through what start_trainers is given (weight_sync/multinode.py's TCPRendezvous).
-The server listens on a Unix socket in a directory only its user can enter (its
-dev routes and pickled IPC handles let a client run code in it). Each trainer rank is a Ray actor of your
-class; its send_weights() calls sender.send():
+"""Sync an FSDP2 trainer's weights into a vLLM server on the same GPUs over CUDA IPC.
+
+Copy this file alone for vLLM's own weight loader, or with weight_sync/ for the direct loader. The server
+listens on a Unix socket in a directory only your user can enter: anyone who reaches it can run code in it.
+Each trainer rank is a Ray actor of your own class whose send_weights() calls sender.send():
 
     trainers, pg = start_trainers(MyTrainer, num_gpus, trainer_args=(...))
-    gpu_ids = [p["gpu_ids"][0] for p in placements(trainers)]   # the server on the trainers' GPUs
+    gpu_ids = [p["gpu_ids"][0] for p in placements(trainers)]  # serve on the trainers' GPUs
     with serving([model_path, *serve_args(model_name, gpu_ids)], socket_path=private_dir / "vllm.sock",
                  log_path="vllm-server.log") as server:
         wait_until_healthy(server, timeout_s=1200)
-        sock = server.socket_path   # each rank, once: sender = weight_sender(rank, weight_sync_client(sock),
-                                    #   ModuleSource(model)), or weight_sync.sources' source and client
-        freed = sleep_for_sync(sock, level=0, free_kv_cache=True)   # /sleep (+ /release_kv_cache_memory)
-        wake_weights(sock, level=0)                                 # /wake_up?tags=weights (levels 1, 2)
-        send_all(trainers, sock, retries=1)                         # every rank's sender.send()
-        wake_to_serve(sock, kv_cache=freed)   # after every rank's torch.cuda.empty_cache() if freed
+        sock = server.socket_path  # each rank, once: weight_sender(rank, weight_sync_client(sock), ModuleSource(model))
+        freed = sleep_for_sync(sock, level=0, free_kv_cache=True)
+        wake_weights(sock, level=0)  # maps the weights back at levels 1 and 2 only
+        send_all(trainers, sock, retries=1)  # every rank's send_weights()
+        wake_to_serve(sock, kv_cache=freed)  # if freed, after torch.cuda.empty_cache() on every rank
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-# A call that waits on the server (a chunk of weights too) gives up after this, well inside the trainers'
-# 10-minute collective timeout: a hung server is reported as such, not as a dead trainer.
+# Server calls give up after this, before the trainers' collective timeout: a hung server is named as such.
 SERVER_CALL_TIMEOUT_S = 300.0
 
 
@@ -58,15 +53,12 @@ class ServerError(RuntimeError):
 
 
 # ---- The server process ----
-# Run the CLI through Python: it works where no `vllm` console script is installed.
-DEFAULT_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.cli.main")
+DEFAULT_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.cli.main")  # works without a `vllm` script
 
-# The dev routes (/sleep, /collective_rpc, weight transfer) need dev mode, the pickled IPC handles the
-# insecure serialization: both safe only because nobody but this user can reach the server (start_server).
+# For the dev routes and the pickled IPC handles; safe only because no other user can reach the socket.
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
-# A faster start: engine processes forked from the API server, which has imported vLLM; one Triton cache
-# (code loaded from vLLM's compile cache looks for its kernels there, else compiles them again).
+# Start faster: fork engines from the API server, and share the Triton cache that vLLM's compile cache uses.
 SERVER_ENV_DEFAULTS = {
     "VLLM_WORKER_MULTIPROC_METHOD": "fork",
     "TRITON_CACHE_DIR": str(Path.home() / ".triton" / "cache"),
@@ -75,22 +67,20 @@ SERVER_ENV_DEFAULTS = {
 
 @dataclass
 class Server:
-    """A running `vllm serve` and where to reach it."""
-
     proc: subprocess.Popen
     socket_path: str
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
-    healthy_after_s: float | None = None  # what wait_until_healthy returned
-    milestones_shown: set[str] = field(default_factory=set)  # print_progress
-    watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)  # `alive`'s write end, `done`'s read end
+    healthy_after_s: float | None = None  # set from wait_until_healthy's result
+    milestones_shown: set[str] = field(default_factory=set)  # the ones print_progress has printed
+    watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)  # our ends: `alive`'s write, `done`'s read
 
     @property
     def pgid(self) -> int:
         return self.proc.pid  # start_new_session=True makes the server the leader of its own group
 
 
-KV_BLOCK_TOKENS = 16  # vLLM's smallest KV cache block (tokens)
+KV_BLOCK_TOKENS = 16  # tokens in vLLM's smallest KV cache block
 
 
 def serve_args(
@@ -110,12 +100,10 @@ def serve_args(
     worker_extension: str | None = None,
     rollout_dtype: str = "bf16",
 ) -> list[str]:
-    """`vllm serve` flags after the model's path for one node's engines (`gpu_ids`; as many on each of
-    `num_nodes`, nodes > 0 headless, reaching node 0 at `head`): a DP engine per TP group, experts over every
-    GPU, dummy weights (the trainer sends them), sleep mode, IPC weight transfer, and `worker_extension` if
-    given (the direct loader's: "weight_sync.direct_load.DirectLoadWorker"; vLLM's own loader needs none). "fp8":
-    vLLM quantizes the routed experts it receives to block-wise FP8. The KV cache: `kv_cache_memory_bytes`, or
-    `kv_cache_tokens`, else what `gpu_memory_utilization` leaves (each sync resets every block: 0.25 s per 40 GiB)."""
+    """Return the `vllm serve` flags after the model path, for the engines on one node's `gpu_ids`.
+
+    The direct loader needs `worker_extension="weight_sync.direct_load.DirectLoadWorker"`. Size the KV cache with
+    `kv_cache_memory_bytes` or `kv_cache_tokens`: each sync resets all of it, about 0.25 s per 40 GiB."""
     if kv_cache_memory_bytes and kv_cache_tokens:
         raise ValueError("pass kv_cache_memory_bytes or kv_cache_tokens, not both")
     dp_size = len(gpu_ids) * num_nodes // tensor_parallel_size
@@ -148,9 +136,9 @@ def serve_args(
             "--data-parallel-rpc-port",
             str(head[1]),
         ]
-        if node > 0:
+        if node > 0:  # engines only, reaching node 0's API server at `head`
             flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
-    if rollout_dtype == "fp8":
+    if rollout_dtype == "fp8":  # vLLM quantizes the routed experts it receives to block-wise FP8
         flags += [
             "--quantization",
             "online",
@@ -177,28 +165,28 @@ def start_server(
     launcher: Sequence[str] = DEFAULT_LAUNCHER,
     also_stop: Sequence[str] = (),
 ) -> Server:
-    """Start `vllm serve <serve_args>` on `socket_path` (in a 0700 directory, where vLLM's ZMQ sockets
-    go too), in its own process group, logging to `log_path`; `env` over SERVER_ENV_DEFAULTS, this process's
-    environment and SERVER_ENV, without Ray's GPU mask (`--device-ids` chooses). A watchdog stops the group
-    once this process is gone, however it ended, and then `also_stop` ("PID:START")."""
+    """Start `vllm serve <serve_args>` on the Unix socket `socket_path`, without waiting for it to be healthy.
+
+    The socket's directory must be yours alone (0700): anyone who reaches the server can run code in it. A watchdog
+    stops the server once this process is gone, however it ended, and kills the processes in `also_stop`."""
     socket_path = os.fspath(socket_path)
     folder = os.path.dirname(os.path.abspath(socket_path))
     if os.stat(folder).st_uid != os.getuid() or stat.S_IMODE(os.stat(folder).st_mode) & 0o077:
         raise ServerError(f"the server's socket must be in a directory private to you (0700): {socket_path}")
     if len(socket_path.encode()) > 100:  # the kernel's limit for a socket path is 107 bytes
         raise ServerError(f"socket path too long for a Unix socket ({len(socket_path)} bytes): {socket_path}")
-    if len(folder.encode()) > 70:  # + vLLM's "/<uuid4>" for its ZMQ sockets
+    if len(folder.encode()) > 70:  # vLLM adds "/<uuid4>" for its ZMQ sockets
         raise ServerError(
             f"the socket's directory is too long for vLLM's own sockets in it (over 70 bytes): "
             f"{os.path.dirname(socket_path)}; set TMPDIR to a shorter directory"
         )
     full_env = {**SERVER_ENV_DEFAULTS, **os.environ, **SERVER_ENV, **(env or {})}
-    full_env.pop("CUDA_VISIBLE_DEVICES", None)
-    # vLLM's own ZMQ sockets (/tmp by default, which a user of the same group could reach: they unpickle).
+    full_env.pop("CUDA_VISIBLE_DEVICES", None)  # `--device-ids` picks the GPUs, not Ray's mask
+    # vLLM's ZMQ sockets unpickle what they receive: keep them out of /tmp, in the private directory.
     full_env["VLLM_RPC_BASE_PATH"] = folder
     cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
     if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
-        # What Popen would raise: the watchdog's exec fails only in the child.
+        # Raise what Popen would: started through the watchdog, a missing program fails only in the child.
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -207,16 +195,14 @@ def start_server(
     return Server(proc=proc, socket_path=socket_path, log_path=Path(log_path), watchdog_fds=watchdog_fds)
 
 
-_WATCHDOG_GRACE_S = 10.0  # the watchdog's, between SIGTERM and SIGKILL
-WATCHDOG_MARKER = "helpers.server_watchdog"  # its first argument: its processes' command line tells them apart
+_WATCHDOG_GRACE_S = 10.0  # the watchdog's wait between SIGTERM and SIGKILL
+WATCHDOG_MARKER = "helpers.server_watchdog"  # its first argument, which marks its processes' command lines
 
 
 def _start_watched(
     cmd: list[str], log, env: dict[str, str], also_stop: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, tuple[int, int]]:
-    """Popen(cmd) as the leader of a new process group, through the watchdog program, which forks
-    the watchdog off (outside the group) and execs `cmd`: the Popen is the server. Only this process holds
-    the write end of `alive`, only the watchdog that of `done`: each reads EOF when the other is gone."""
+    """Popen `cmd` as a new process group's leader, under a watchdog; return it and our ends of the pipes."""
     alive_r, alive_w = os.pipe()
     done_r, done_w = os.pipe()
     try:
@@ -253,7 +239,6 @@ def _start_watched(
 
 
 def _watchdog_program() -> str:
-    """server_watchdog and what it calls, from this file: standard library only, it starts fast and stays small."""
     import inspect
 
     parts = [inspect.getsource(f) for f in (proc_stat, start_time, group_members, stop_group, server_watchdog)]
@@ -269,22 +254,22 @@ def _watchdog_program() -> str:
 
 
 def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
-    """Let the watchdog go (it stops what is left of the group and exits), and wait until it is gone."""
+    """Release the watchdog, which stops what is left of the group and exits, and wait until it is gone."""
     if server.watchdog_fds is None:
         return
     (alive_w, done_r), server.watchdog_fds = server.watchdog_fds, None
     with suppress(OSError):
-        os.write(alive_w, b"r")  # a release, not the caller's death: leave its `also_stop` alone
+        os.write(alive_w, b"r")  # a release, not our death: the watchdog leaves `also_stop` alone
     os.close(alive_w)
-    try:  # readable at EOF alone, once the watchdog exited: only it holds the write end, and never writes
+    try:  # readable only at EOF: the watchdog holds the only write end and never writes
         select.select([done_r], [], [], timeout_s)
     finally:
         os.close(done_r)
 
 
-# ---- The watchdog: a program of its own (_watchdog_program), standard library only ----
+# ---- The watchdog, run as a program of its own by _watchdog_program: standard library only ----
 def proc_stat(pid: int | str) -> list[bytes] | None:
-    """/proc/PID/stat's fields after the name (state, ppid, pgrp, ...; start time [19]), None if gone."""
+    """Return /proc/PID/stat's fields after the name, or None if gone: [0] state, [2] group, [19] start time."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()
@@ -293,13 +278,12 @@ def proc_stat(pid: int | str) -> list[bytes] | None:
 
 
 def start_time(pid: int) -> str | None:
-    """Process `pid`'s start time (clock ticks after boot), None if it is gone or a zombie."""
+    """Return process `pid`'s start time in clock ticks after boot, or None if it is gone or a zombie."""
     stat = proc_stat(pid)
     return None if stat is None or stat[0] == b"Z" else stat[19].decode()
 
 
 def group_members(pgid: int) -> list[int]:
-    """PIDs alive in process group `pgid` (Linux /proc), zombies excluded."""
     return [
         int(entry)
         for entry in filter(str.isdigit, os.listdir("/proc"))
@@ -308,8 +292,7 @@ def group_members(pgid: int) -> list[int]:
 
 
 def stop_group(pgid: int, grace_s: float) -> list[int]:
-    """SIGTERM process group `pgid`, SIGKILL what is left after `grace_s`;
-    returns what is still there 10 s after SIGKILL (else [])."""
+    """SIGTERM process group `pgid`, SIGKILL it after `grace_s`; return the PIDs still alive 10 s later."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
@@ -324,12 +307,11 @@ def stop_group(pgid: int, grace_s: float) -> list[int]:
 
 
 def server_watchdog() -> None:
-    """python -c <_watchdog_program()> helpers.server_watchdog ALIVE_FD DONE_FD GRACE_S [ALSO] -- CMD [ARGS...]
-    The group's leader forks off a watchdog into a session of its own, then execs CMD, keeping its PID. On
-    EOF on ALIVE_FD (the caller is gone, however it ended, or stop_server let go) the watchdog stops the
-    group (SIGTERM, SIGKILL after GRACE_S) and exits, closing DONE_FD; as it does when the group empties.
-    ALSO ("PID:START,..."): the caller's other processes (a local Ray's agents outlive a SIGKILLed driver
-    by minutes), SIGKILLed only if the caller is gone (stop_server writes "r" first); START: not a reused PID."""
+    """Run as: python -c <_watchdog_program()> helpers.server_watchdog ALIVE_FD DONE_FD GRACE_S [ALSO] -- CMD...
+
+    Fork a watchdog into its own session, then exec CMD as the group's leader. On EOF on ALIVE_FD, when the caller
+    died or stop_server released it, the watchdog stops the group and exits, closing DONE_FD. If the caller died,
+    it also kills ALSO, "PID:START,...": other processes the caller started, such as a local Ray's agents."""
 
     def say(text: str) -> None:
         with suppress(OSError):
@@ -338,7 +320,7 @@ def server_watchdog() -> None:
     def watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also: list[str]) -> None:
         watching_leader, released = leader_fd is not None, False
         while True:
-            # Block on the leader's pidfd while it runs; then (its engines may live on) look once a second.
+            # Block on the leader's pidfd while it runs; after that its engines may live on, so poll each second.
             ready, _, _ = select.select(
                 [alive_fd] + ([leader_fd] if watching_leader else []), [], [], None if watching_leader or also else 1.0
             )
@@ -346,21 +328,21 @@ def server_watchdog() -> None:
                 data = b""
                 with suppress(OSError):
                     data = os.read(alive_fd, 4096)
-                released = released or b"r" in data  # stop_server says so before it lets go
-                if not data:  # EOF: the caller is gone, or stop_server let go
+                released = released or b"r" in data  # stop_server writes "r" before it closes the pipe
+                if not data:  # EOF: the caller is gone, or stop_server released us
                     if group_members(pgid):
                         say(f"the process that started the vLLM server is gone: stopping its process group {pgid}")
                         if left := stop_group(pgid, grace_s):
                             say(f"processes {left} of group {pgid} survived SIGKILL")
-                    if also and not released:  # the caller is gone: what else it started goes too
+                    if also and not released:  # the caller died: stop what else it started
                         say(f"stopping {len(also)} other processes the caller started")
                         for pid, start in (entry.split(":") for entry in also):
-                            if start_time(int(pid)) == start:  # still that same process
+                            if start_time(int(pid)) == start:  # not a reused PID
                                 with suppress(ProcessLookupError):
                                     os.kill(int(pid), signal.SIGKILL)
                     return
             watching_leader = watching_leader and leader_fd not in ready
-            # An empty group ends the watch, unless ALSO is in our care (then only the caller's release or death).
+            # An empty group ends the watch, except with ALSO: then only the caller's release or death does.
             if not watching_leader and not also and not group_members(pgid):
                 return
 
@@ -370,13 +352,12 @@ def server_watchdog() -> None:
         sys.exit("usage: server_watchdog ALIVE_FD DONE_FD GRACE_S [PID:START,...] -- CMD [ARGS...]")
     alive_fd, done_fd, cmd, leader = int(alive_fd), int(done_fd), rest[1:], os.getpid()
     try:
-        leader_fd = os.pidfd_open(leader)  # readable once the server exits (Linux 5.3+)
+        leader_fd = os.pidfd_open(leader)  # readable once the server exits; needs Linux 5.3+
     except (AttributeError, OSError):
         leader_fd = None
     child = os.fork()
     if child == 0:
-        # Twice forked, in a session of its own: out of the server's group and its signals, and not the
-        # server's child (which would not reap it).
+        # Fork twice, into a new session: out of the server's group, and not a child the server would never reap.
         try:
             os.setsid()
             if os.fork() != 0:
@@ -386,11 +367,11 @@ def server_watchdog() -> None:
             os.dup2(fd := os.open(os.devnull, os.O_RDONLY), 0)
             os.close(fd)
             watch(leader, alive_fd, leader_fd, float(grace_s), also)
-        except BaseException as e:  # noqa: BLE001 - say it in the server's log, whatever it was
+        except BaseException as e:  # noqa: BLE001 - report any failure in the server's log
             say(f"failed: {e!r}")
             os._exit(1)
-        os._exit(0)  # closes done_fd: the caller sees the watchdog gone
-    # The server: once the watchdog is out of the group, let go of the pipes and become the server.
+        os._exit(0)  # closes done_fd, so the caller sees the watchdog gone
+    # This process: once the watchdog has left the group, close the pipes and become the server.
     os.waitpid(child, 0)
     for fd in (alive_fd, done_fd, leader_fd):
         if fd is not None:
@@ -409,8 +390,7 @@ def log_tail(server: Server, lines: int = 40) -> str:
         return "(no log)"
 
 
-# A starting `vllm serve`'s milestones by their first log line (0.32), for progress lines only.
-START_MILESTONES = (
+START_MILESTONES = (  # log lines that mark a starting server's progress, used only to print it
     ("Initializing a V1 LLM engine", "engines starting"),
     ("Model loading took", "model built (dummy weights)"),
     ("Starting torch.compile", "torch.compile ..."),
@@ -423,7 +403,6 @@ START_MILESTONES = (
 
 
 def print_progress(server: Server) -> None:
-    """Print each START_MILESTONES line the log has reached since the last call."""
     try:
         text = server.log_path.read_text(errors="replace")
     except OSError:
@@ -435,8 +414,7 @@ def print_progress(server: Server) -> None:
 
 
 def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1.0, also_check=None) -> float:
-    """Until GET /health answers 200, printing progress; seconds since start. ServerError with the
-    log's end if the server exits or at the deadline; `also_check()` runs every poll, and may raise."""
+    """Wait until GET /health answers, printing progress; return seconds since start, or raise ServerError."""
     deadline = time.monotonic() + timeout_s
     while True:
         print_progress(server)
@@ -445,10 +423,10 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
                 f"vLLM server exited with code {code} during start; last lines of "
                 f"{server.log_path}:\n{log_tail(server)}"
             )
-        if also_check:  # after our own server's exit: that one we name for sure
+        if also_check:  # after our own server's exit check, which names the cause for sure
             also_check()
         if health(server.socket_path):
-            print_progress(server)  # the lines the log reached since this poll's first look
+            print_progress(server)  # milestones logged since this poll began
             return time.monotonic() - server.started_at
         if time.monotonic() > deadline:
             raise ServerError(
@@ -458,19 +436,17 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
 
 
 def stop_server(server: Server, grace_s: float = 20.0) -> None:
-    """SIGTERM the server's group, SIGKILL what is left after `grace_s`, wait for every process and the watchdog."""
     if left := stop_group(server.pgid, grace_s):
         raise ServerError(f"processes {left} of the vLLM server survived SIGKILL")
     with suppress(subprocess.TimeoutExpired):
-        server.proc.wait(timeout=10)  # the leader's exit status, and no zombie left
+        server.proc.wait(timeout=10)  # reap the leader, so no zombie is left
     _release_watchdog(server)
     _forget_client(server.socket_path)
 
 
 @contextmanager
 def serving(serve_args: Sequence[str], **start_kwargs):
-    """start_server(...), yielding the server still starting (wait_until_healthy
-    later); on the way out stop it, quoting its log if it had exited on its own."""
+    """Yield start_server's server, still starting, and stop it on the way out; call wait_until_healthy inside."""
     server = start_server(serve_args, **start_kwargs)
     try:
         yield server
@@ -485,13 +461,13 @@ def serving(serve_args: Sequence[str], **start_kwargs):
             print("[shutdown] stopping the vLLM server", flush=True)
             try:
                 stop_server(server)
-            except ServerError as e:  # say it, and keep the error that brought us here
+            except ServerError as e:  # print it, and let the error that brought us here propagate
                 print(f"[shutdown] {e}", flush=True)
 
 
 @contextmanager
 def signals_ignored():
-    """Let a cleanup finish: a second Ctrl-C, SIGTERM or SIGHUP would cut it short and leave processes behind."""
+    """Ignore Ctrl-C, SIGTERM and SIGHUP, so a second one cannot cut a cleanup short and leave processes behind."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = [signal.signal(sig, signal.SIG_IGN) for sig in sigs]
     try:
@@ -502,15 +478,13 @@ def signals_ignored():
 
 
 # ---- HTTP routes: one small function each. `sock` is the server's socket path ----
-# One client per socket and process, its connection kept open: a round's calls are milliseconds apart.
-_clients: dict[tuple[int, str], httpx.Client] = {}
+_clients: dict[tuple[int, str], httpx.Client] = {}  # kept open: a round's calls are milliseconds apart
 
 
 def _client(sock: str) -> httpx.Client:
-    key = (os.getpid(), sock)  # (a forked child opens its own connection)
+    key = (os.getpid(), sock)  # a forked child opens its own connection
     if key not in _clients:
-        # No TLS context (~30 ms to build), no proxy; an idle connection dropped at half the server's
-        # keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), never reused just as the server closes it.
+        # Skip TLS setup and proxies; drop idle connections at half the server's keep-alive, before it does.
         idle_s = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2
         transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=idle_s))
         _clients[key] = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
@@ -518,21 +492,21 @@ def _client(sock: str) -> httpx.Client:
 
 
 def _forget_client(sock: str, close: bool = True) -> None:
-    """Drop this process's client for `sock`: closed, or (close=False) left to a call another thread may be making."""
+    """Drop this process's client for `sock`; close=False leaves it open for a call in another thread."""
     client = _clients.pop((os.getpid(), sock), None)
     if client is not None and close:
         client.close()
 
 
 def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
-    """Call any route (httpx's keyword arguments); return its JSON; raise ServerError with the server's text."""
+    """Call `route` with httpx's keyword arguments and return its JSON; raise ServerError with the reply."""
     try:
         resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
     except httpx.HTTPError as e:
         _forget_client(sock, close=False)
         raise ServerError(f"{method} {route} failed: {e!r}") from e
     if resp.status_code != 200:
-        # vLLM may reset the connection after an error reply (seen after a 500): the next call opens anew.
+        # vLLM may reset the connection after an error reply, so the next call opens a new one.
         _forget_client(sock, close=False)
         raise ServerError(f"{method} {route} -> HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json() if resp.content else None
@@ -540,25 +514,24 @@ def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIM
 
 def health(sock: str) -> bool:
     try:
-        request(sock, "GET", "/health", timeout=5)  # (through request: its rules for a failed call's connection)
+        request(sock, "GET", "/health", timeout=5)  # through request, which drops a failed connection
     except ServerError:
         return False
     return True
 
 
 def sleep(sock: str, level: int) -> dict:
-    """POST /sleep: level 0 pauses scheduling; 1 also offloads the weights to CPU, 2 discards them."""
+    """POST /sleep: level 0 pauses scheduling, 1 also offloads the weights to CPU, 2 discards them."""
     return request(sock, "POST", "/sleep", params={"level": level})
 
 
 def release_kv_cache(sock: str) -> dict:
-    """POST /release_kv_cache_memory (after /sleep?level=0): the KV cache freed, the prefix cache reset."""
+    """POST /release_kv_cache_memory after a level-0 sleep: free the KV cache and reset the prefix cache."""
     return request(sock, "POST", "/release_kv_cache_memory")
 
 
 def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
-    """Stop serving until the sync: level 0 keeps the weights mapped (written in place) and frees the
-    KV cache (`free_kv_cache`) or resets the prefix cache; 1 and 2 free both. Returns whether the KV cache is freed."""
+    """Pause serving for a sync and return whether the KV cache was freed; level 0 frees it if `free_kv_cache`."""
     sleep(sock, level)
     if level == 0:
         release_kv_cache(sock) if free_kv_cache else reset_prefix_cache(sock)
@@ -570,18 +543,17 @@ def reset_prefix_cache(sock: str) -> None:
 
 
 def wake_weights(sock: str, level: int) -> None:
-    """POST /wake_up?tags=weights before the send, unless level 0 kept them mapped."""
     if level > 0:
         wake_up(sock, ["weights"])
 
 
 def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
-    """POST /wake_up?tags=...: map back the named memory pools (all if None)."""
+    """POST /wake_up?tags=...: map the named memory pools back, or all of them if `tags` is None."""
     return request(sock, "POST", "/wake_up", params=[("tags", t) for t in tags] if tags else None)
 
 
 def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
-    """POST /wake_up?tags=kv_cache (if freed)&tags=scheduling; raise unless then awake."""
+    """Map the KV cache back if it was freed, resume scheduling, and raise unless the server is awake."""
     try:
         state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
     except ServerError as e:
@@ -591,7 +563,6 @@ def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
 
 
 def wake_failure(error: str, kv_cache: bool) -> str:
-    """Out of memory while mapping a freed KV cache back is memory taken meanwhile: say so."""
     if kv_cache and "out of memory" in error.lower():
         return (
             "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another "
@@ -616,12 +587,11 @@ _openai_clients: dict[int, tuple] = {}
 
 
 def openai_client(sock: str):
-    """The openai client over the socket (`requests` cannot reach a Unix socket)."""
     import openai
 
     transport = _client(sock)
     made = _openai_clients.get(id(transport))
-    if made is None or made[0] is not transport:  # (a dropped connection's client goes with it)
+    if made is None or made[0] is not transport:  # a dropped httpx client takes its openai client with it
         made = _openai_clients[id(transport)] = (
             transport,
             openai.OpenAI(base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport),
@@ -630,15 +600,14 @@ def openai_client(sock: str):
 
 
 def post_completions(sock: str, dp_rank: int | None = None, **fields):
-    """POST /v1/completions through the openai client (vLLM's own fields in
-    `extra_body`); `dp_rank` pins one DP engine. Raises ServerError."""
+    """POST /v1/completions, raising ServerError; `dp_rank` pins one DP engine, `extra_body` takes vLLM's fields."""
     import openai
 
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
     try:
         return openai_client(sock).completions.create(extra_headers=headers, timeout=SERVER_CALL_TIMEOUT_S, **fields)
     except openai.APIStatusError as e:
-        _forget_client(sock, close=False)  # (as `request` does after an error reply)
+        _forget_client(sock, close=False)  # as request() does after an error reply
         raise ServerError(f"POST /v1/completions -> HTTP {e.status_code}: {e.response.text[:2000]}") from e
     except openai.APIError as e:
         _forget_client(sock, close=False)
@@ -648,7 +617,7 @@ def post_completions(sock: str, dp_rank: int | None = None, **fields):
 def completions(
     sock: str, model: str, prompts: list[str], max_tokens: int, temperature: float = 0.0, dp_rank: int | None = None
 ) -> list[Completion]:
-    """One completion per prompt (greedy by default), with the prompt's and the output's token ids."""
+    """Return one completion per prompt, greedy by default, with the prompt's and the output's token ids."""
     out = post_completions(
         sock,
         dp_rank,
@@ -666,7 +635,7 @@ def completions(
 
 
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
-    """POST /collective_rpc: `method` (string arguments) on every engine's worker; the first DP engine's results."""
+    """POST /collective_rpc: call `method` on every engine's workers and return the first DP engine's results."""
     body = {"method": method, "args": list(args), "timeout": timeout}
     out = request(sock, "POST", "/collective_rpc", timeout=timeout + 10, json=body)
     return out["results"] if out else []
@@ -674,7 +643,7 @@ def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_C
 
 # ---- Weight sync clients: what vLLM's IPC trainer engine calls on trainer rank 0 ----
 def weight_sync_client(sock: str):
-    """vLLM's HTTPVLLMWeightSyncClient (its weight routes) over the socket, raising ServerError."""
+    """Return vLLM's HTTPVLLMWeightSyncClient for its weight routes over the socket, raising ServerError."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     class WeightSyncClient(HTTPVLLMWeightSyncClient):
@@ -685,12 +654,10 @@ def weight_sync_client(sock: str):
 
 
 class FailAfterSend:
-    """Rank 0's weight sync client, safe to retry: every rank meets at a barrier per chunk, so rank 0
-    must not raise in the send. After a failed call the updates are skipped, finish still runs (the direct
-    loader's closes its session), and raise_failure() raises once every rank is through."""
+    """Rank 0's client, raising a failure only after the send: the ranks meet at a barrier for every chunk."""
 
     def __init__(self, client) -> None:
-        self.client, self._failure = client, None  # (the client it wraps)
+        self.client, self._failure = client, None
 
     def start_weight_update(self) -> None:
         self._failure = None
@@ -701,14 +668,14 @@ class FailAfterSend:
             self._call(self.client.update_weights, update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call(self.client.finish_weight_update, weight_version)
+        self._call(self.client.finish_weight_update, weight_version)  # even after a failure: it closes the session
 
     def raise_failure(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
-    def __getattr__(self, name: str):  # anything else vLLM calls, e.g. init_weight_transfer_engine: at setup, raising
+    def __getattr__(self, name: str):  # other calls, such as init_weight_transfer_engine at setup, raise at once
         return getattr(self.client, name)
 
     def _call(self, method, *args) -> None:
@@ -719,9 +686,8 @@ class FailAfterSend:
 
 
 # ---- The trainer ranks: one Ray actor per GPU, in one process group ----
-# Calls go to every rank at once (collectives) and must not wait on a dead one (ray_get_all). A rank is of
-# any class: these functions run in it through Ray's __ray_call__; send_all calls its send_weights().
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than any server call (SERVER_CALL_TIMEOUT_S)
+# Call every rank at once, as they run collectives. A rank is of any class: these run in it via __ray_call__.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than SERVER_CALL_TIMEOUT_S
 
 
 class PlacementError(RuntimeError):
@@ -729,32 +695,28 @@ class PlacementError(RuntimeError):
 
 
 class TrainerDied(RuntimeError):
-    """A trainer rank's process died (killed, out of memory, crashed)."""
+    """A trainer rank's process died: it was killed, ran out of memory, or crashed."""
 
 
-_store = None  # rank 0's: the store the ranks meet at
+_store = None  # on rank 0: the store the ranks meet at
 
 
 def open_rendezvous(host: str, world_size: int, rendezvous=None) -> str | int:
-    """Rank 0: open the store the ranks meet at; returns where. One node: a FileStore in a 0700 directory
-    (no port for other local users), its path, to keep while the ranks run. More: `rendezvous.open`'s
-    store on `host` (weight_sync/multinode.py's TCPRendezvous: a TCPStore), its port."""
+    """On rank 0, open the store the ranks meet at; return its file's path, or its port if `rendezvous` opened it."""
     global _store
     if rendezvous is not None:
         _store, port = rendezvous.open(host, world_size, COLLECTIVE_TIMEOUT)
         return port
-    folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # if this rank ends normally
+    folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))  # 0700: unlike a port, private to this user
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # when this rank exits normally
     path = folder / "store"
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # ours, before torch opens it
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # owner-only, created before torch opens it
     _store = file_store(path, world_size)
     return str(path)
 
 
 def join_process_group(rank: int, world_size: int, host: str, where: str | int, rendezvous=None) -> None:
-    """Join the group at what open_rendezvous returned (with the same `rendezvous`). CUDA tensors over
-    NCCL, the rest over gloo: vLLM's IPC engine's per-chunk all_gather_object + barrier wait on the host,
-    not on the engine's GPU."""
+    """Join the process group at what open_rendezvous returned, with the same `rendezvous`."""
     if rendezvous is not None:
         store = rendezvous.join(rank, host, where, world_size, _store, COLLECTIVE_TIMEOUT)
     else:
@@ -762,7 +724,7 @@ def join_process_group(rank: int, world_size: int, host: str, where: str | int, 
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",  # chunk barriers on gloo wait on the host
         store=store,
         rank=rank,
         world_size=world_size,
@@ -771,7 +733,7 @@ def join_process_group(rank: int, world_size: int, host: str, where: str | int, 
 
 
 def placement() -> dict:
-    """Which GPU, on which node, Ray gave this rank (run in it)."""
+    """Return the GPU and node Ray gave this rank; run it in the rank."""
     info = {
         "rank": dist.get_rank(),
         "pid": os.getpid(),
@@ -790,28 +752,27 @@ def placements(trainers: list) -> list[dict]:
 
 
 def _in_rank(_trainer, fn, *args):
-    return fn(*args)  # what __ray_call__ runs in a rank: `fn(*args)`, without the trainer object
+    return fn(*args)  # __ray_call__ passes the actor first: run `fn` without it
 
 
 def file_store(path: str | os.PathLike, world_size: int) -> dist.FileStore:
-    """Torch's FileStore with the collectives' timeout (it reopens the file: its directory must outlive the ranks)."""
+    """Open a FileStore with the collectives' timeout; torch reopens the file, so keep it while the ranks run."""
     store = dist.FileStore(str(path), world_size)
     store.set_timeout(COLLECTIVE_TIMEOUT)
     return store
 
 
-_rendezvous_dirs: dict[str, Path] = {}  # placement group id -> its trainers' one-node store's directory
+_rendezvous_dirs: dict[str, Path] = {}  # placement group id -> the directory of its trainers' FileStore
 
 
 def remove_rendezvous(pg) -> None:
-    """Remove the one-node store's directory of `pg`'s trainers (gone, or going)."""
     if (where := _rendezvous_dirs.pop(pg.id.hex(), None)) is not None:
         shutil.rmtree(where, ignore_errors=True)
 
 
 @atexit.register
 def _remove_rendezvous_left() -> None:
-    """At exit, the stores remove_rendezvous was not called for (Ray stops a job's trainers with its driver)."""
+    """At exit, remove what remove_rendezvous missed: Ray stops a job's trainers with its driver anyway."""
     for where in _rendezvous_dirs.values():
         shutil.rmtree(where, ignore_errors=True)
 
@@ -825,11 +786,7 @@ def start_trainers(
     trainer_args: tuple = (),
     rendezvous=None,
 ) -> tuple[list, object]:
-    """One GPU per trainer rank, as many on each of `num_nodes` nodes, the first this one; the ranks
-    (actors of `trainer_cls`, any class, built with `trainer_args`) joined in one process group in node
-    order. On more than one node they meet through `rendezvous` (weight_sync.multinode.TCPRendezvous);
-    on one node through a file, and `rendezvous` is not used. Returns (trainers, placement group);
-    PlacementError if Ray cannot place them in time."""
+    """Start `num_trainers` Ray actors of `trainer_cls`, any class, in one process group; return them and their pg."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -850,7 +807,7 @@ def start_trainers(
             f"this node has {here_gpus:g} GPUs in Ray, and needs {per_node * gpus_per_trainer:g}: "
             "run the script on a GPU node (it runs vLLM's API server and trainer rank 0)"
         )
-    # A bundle per node (CUDA IPC stays on one machine: each rank beside its GPU's engine), the first this one.
+    # One bundle per node, the first on this one: CUDA IPC needs each rank on its GPU's engine's machine.
     bundle = {"CPU": per_node, **({"GPU": per_node * gpus_per_trainer} if gpus_per_trainer else {})}
     pg = placement_group(
         [bundle] * num_nodes,
@@ -874,11 +831,11 @@ def start_trainers(
             ).remote(*trainer_args)
             for r in range(num_trainers)
         ]
-        # One node: rendezvous on loopback. More: on rank 0's address, which the other nodes reach.
+        # Meet on loopback on one node; on more, at rank 0's address, which the other nodes can reach.
         host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
         opened = trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers, rendezvous)
         where = ray_get_all([opened])[0]
-        if isinstance(where, str):  # one node, this one: the store's file, in a directory of its own
+        if isinstance(where, str):  # one node: the FileStore's path, in a directory of its own
             _rendezvous_dirs[pg.id.hex()] = Path(where).parent
         ray_get_all(
             [
@@ -886,15 +843,15 @@ def start_trainers(
                 for r, t in enumerate(trainers)
             ]
         )
-    except BaseException:  # a rank that did not start, or Ctrl-C: the caller never gets the group to remove
-        ray.util.remove_placement_group(pg)  # and its trainers with it
+    except BaseException:  # a rank failed to start, or Ctrl-C: the caller never gets `pg` to remove
+        ray.util.remove_placement_group(pg)  # which stops its trainers too
         remove_rendezvous(pg)
         raise
     return trainers, pg
 
 
 def leave_ray(started_ray: bool, pg) -> None:
-    """Ray as we found it: shut down if we started it, else our group removed; and the rendezvous directory."""
+    """Shut Ray down if we started it, else remove our placement group; remove the rendezvous directory too."""
     if started_ray:
         ray.shutdown()
     elif pg is not None:
@@ -904,8 +861,7 @@ def leave_ray(started_ray: bool, pg) -> None:
 
 
 def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
-    """ray.get(refs), raising once one fails (the others may wait for it in a collective): ServerError
-    prefixed by `who`, a dead actor as TrainerDied. `also_check()` runs every 2 s meanwhile, and may raise."""
+    """ray.get(refs), but raise as soon as one fails, as the others may wait for it; a dead actor is TrainerDied."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=None if also_check is None else 2)
@@ -924,16 +880,16 @@ def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
 
 
 def death_cause(error: Exception) -> str:
-    """The first line of Ray's report, and the error that killed the actor if it names one."""
+    """Return the first line of Ray's report, plus the error that killed the actor if it names one."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     cause = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
     return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
 
 
 def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) -> tuple[list, int]:
-    """send_weights() on every rank; their reports and the retries. A send the server failed part way is
-    sent again, whole, up to `retries` times (vLLM is still asleep); not after a dead rank or a silent server.
-    `check_failure(error)` runs at each failure and may raise a cause found elsewhere (another node's server)."""
+    """Call send_weights() on every rank; return their results and the number of retries.
+
+    If the server fails part way, resend everything up to `retries` times unless a rank or the server is dead."""
     first = why = None
     for attempt in range(retries + 1):
         sends = [t.send_weights.remote() for t in trainers]
@@ -942,11 +898,11 @@ def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) ->
         except ServerError as e:
             first = first or e
             if check_failure:
-                check_failure(
+                check_failure(  # may raise a better cause, such as another node's dead server
                     ServerError(f"the send failed part way (not retried); vLLM holds a mix of old and new weights: {e}")
                 )
             if attempt == retries:
-                why = None if retries else "not retried"  # --send-retries 0, or vLLM's own loader (send_retries)
+                why = None if retries else "not retried"  # retries=0, as the script passes for vLLM's own loader
                 break
             if not health(sock):
                 why = "not retried: the server does not answer"
@@ -966,8 +922,7 @@ def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) ->
 
 
 def _answering(sock: str):
-    """For ray_get_all: raise once /health failed twice in a row (a dead engine's API
-    server stays up, and the chunk in flight never returns)."""
+    """Return a ray_get_all check that raises once GET /health fails twice: a dead engine's chunk never returns."""
     misses = [0]
 
     def check() -> None:
@@ -979,8 +934,7 @@ def _answering(sock: str):
 
 
 def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check=None) -> float:
-    """Wait for the trainers' weights (`filling`), then for health (wait_until_healthy);
-    returns when the weights were in, in seconds into the server's start."""
+    """Wait for the `filling` refs, then for health; return when the weights were in, in seconds since start."""
     while filling and server.proc.poll() is None:
         done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
         ray_get_all(done)
@@ -988,7 +942,7 @@ def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check
             also_check()
         print_progress(server)
     filled_after_s = time.monotonic() - server.started_at
-    if not filling:  # else the server exited first, and wait_until_healthy says how
+    if not filling:  # else the server exited first, and wait_until_healthy reports how
         print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
     server.healthy_after_s = wait_until_healthy(server, timeout_s - filled_after_s, also_check=also_check)
     print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
@@ -997,24 +951,23 @@ def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check
 
 # ---- A trainer rank's half of the sync ----
 def metadata_bytes(metadata) -> int:
-    """What tensors of this metadata (ParamMeta) take, in bytes."""
     return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
 
 
 @dataclass
 class WeightSender:
-    """One trainer rank's side of the sync (weight_sender builds it; another can be built around the same source)."""
+    """One trainer rank's side of the sync, built by weight_sender; several may share one source."""
 
     client: FailAfterSend
     engine: Any  # vLLM's IPC trainer engine
-    experts_in_place: Any  # the direct loader's blocks the engines copy from this rank (sources.ExpertsInPlace)
-    source: Any  # all it sends (a WeightSource): the packed part, then the blocks in place
+    experts_in_place: Any  # sources.ExpertsInPlace: expert blocks the engines copy from this rank's memory
+    source: Any  # the WeightSource it sends: the packed part, then the blocks in place
     rank: int
     packed: bool
     packed_buffer_size_bytes: int
 
     def send(self) -> None:
-        """One full sync on every rank at once; rank 0's server error raised after it."""
+        """Send every weight; every rank calls it at once, and rank 0 raises a server error only afterwards."""
         if self.experts_in_place is not None:
             self.experts_in_place.gather()  # rank 0's client hands every rank's handles to the engines
         self.engine.send_weights()
@@ -1024,15 +977,13 @@ class WeightSender:
 def weight_sender(
     rank: int, client, source, packed: bool = True, packed_buffer_size_bytes: int = 4 * 1024**3
 ) -> WeightSender:
-    """vLLM's IPC trainer engine on this rank: `source`'s tensors (a vLLM WeightSource: ModuleSource,
-    or weight_sync.sources') packed into one IPC buffer each engine reads on its GPU; rank 0 calls `client`
-    per chunk (weight_sync_client, or sources.sync_client: the direct loader, whose expert blocks skip it)."""
+    """Build this rank's vLLM IPC trainer engine to send `source`; rank 0 calls `client` for each chunk."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
     in_place = getattr(source, "experts_in_place", None)
     if in_place is not None and getattr(client, "experts_in_place", None) is not in_place:
-        in_place = None  # a client that does not hand them to the engines (vLLM's routes): they go packed
+        in_place = None  # this client cannot hand them to the engines, e.g. vLLM's routes: pack them
     packed_part = in_place.packed_part(source) if in_place else source  # all but the blocks in place
     told = getattr(client, "packed_bytes", None)
     if told is not None and told != (packs := metadata_bytes(packed_part.metadata)):

@@ -1,25 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """Move an FSDP2 trainer's weights into a colocated vLLM server over CUDA IPC.
 
-N GPUs, shared: N FSDP2 trainer ranks (one Ray actor per GPU) and one
-`vllm serve` (data parallel N/TP, expert parallel) pinned to the same GPUs,
-reachable only by this user (a Unix socket in a private directory). main():
-start the job (colocated_job), set up the transfer on every rank, generate,
-then the rounds. One round: steps 1-6 in run_round(), step 7 from outside it
-(proof/rounds.py's Proof, which wraps every step):
+N FSDP2 trainer ranks, one Ray actor per GPU, share their N GPUs with one
+`vllm serve` that runs N / TP data-parallel engines with expert parallelism.
+The server listens on a Unix socket in a private directory, so only this user
+can reach it. main() starts the job, sets up the transfer on every rank,
+generates, and runs the rounds. run_round() does steps 1-6 of each round; the
+proof in proof/rounds.py wraps every step and does step 7 after the round:
 
-  1. generate                               vLLM samples; trainer and vLLM score the tokens
-  2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for
-     + /release_kv_cache_memory             the step (else it resets its prefix cache); its
-                                            weights stay (--sleep-level 1 or 2 frees them too)
-  3. train (--train)                        one policy-gradient step on the freed memory
-  4. (/wake_up?tags=weights)                levels 1 and 2 only: vLLM maps its weights back
-  5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads its
-                                            own GPU's buffer (direct loader: its own experts)
-  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again (once the trainers have emptied
-                                            PyTorch's cache, if its KV cache was freed)
-  7. exact check and gate                   every DP engine holds what its GPU's trainer rank sent,
-                                            bit for bit; vLLM's logprobs on every engine = the trainer's
+  1. generate                               vLLM samples; the trainer and vLLM score the tokens
+  2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for the
+     + /release_kv_cache_memory             step, else it resets its prefix cache; its weights stay
+                                            on the GPU unless --sleep-level is 1 or 2
+  3. train                                  with --train: one policy-gradient step in the freed memory
+  4. /wake_up?tags=weights                  at --sleep-level 1 and 2 only: vLLM maps its weights back
+  5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads the buffer on
+                                            its own GPU, and the direct loader sends it its own experts
+  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again, after the trainers empty PyTorch's cache
+                                            if its KV cache was freed
+  7. exact check and gate                   every DP engine holds what its GPU's trainer rank sent, bit
+                                            for bit, and vLLM's logprobs on every engine match the trainer's
 
     python rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 2      # no download
 """
@@ -190,8 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class FSDPTrainer:
-    """One FSDP2 rank on one GPU; a Ray actor (helpers.start_trainers
-    starts one per GPU and joins them in one process group)."""
+    """One FSDP2 rank on one GPU, run as a Ray actor; helpers.start_trainers starts one per GPU."""
 
     model = optimizer = sender = None
 
@@ -208,16 +207,17 @@ class FSDPTrainer:
         return dist.get_world_size()
 
     def build_model(self, model_path: str, lr: float | None = None) -> None:
-        """Allocate the model sharded from the start (never whole on one GPU);
-        init_weights() sets its values. With `lr`, for training: fp32 master
-        weights (bf16 compute; AdamW steps of a realistic size vanish in bf16)."""
+        """Allocate the model sharded from the start, never whole on one GPU; init_weights() fills it.
+
+        With `lr`, for training, keep fp32 master weights and compute in bf16: AdamW steps of a realistic size
+        vanish in bf16."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = models.meta_model(model_path, torch.bfloat16 if lr is None else torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for name in {name.rpartition(".")[0] for name in sources.fused_expert_tensors(model)}:
-            # Experts in their own FSDP unit: a sync gathers a layer's other weights in one all-gather
-            # without them (each rank sends its own experts as they are: LocalExpertSource).
+            # Give the experts their own FSDP unit, so a sync gathers a layer's other weights in one all-gather
+            # without them: LocalExpertSource sends each rank's own experts as they are.
             fully_shard(model.get_submodule(name), mp_policy=mp_policy)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
@@ -227,25 +227,25 @@ class FSDPTrainer:
         self.model, self.lr = model, lr
 
     def init_weights(self, model_path: str, random_init: bool, seed: int = 0) -> int:
-        """Random weights (presets) or the checkpoint's (this rank's shards
-        only), into the memory build_model() allocated; then, for training,
-        AdamW. Returns the bytes read from the checkpoint."""
+        """Fill the model with random weights for a preset, or with this rank's shards of the checkpoint.
+
+        For training, build AdamW afterwards. Return the bytes read from the checkpoint."""
         read = 0
         if random_init:
             models.init_random_weights(self.model, seed)
         else:
             read = models.load_pretrained_weights(self.model, model_path)
         if self.lr is not None:
-            # Now, while every parameter is a shard: after a forward, FSDP2
-            # leaves the root's own parameters (embeddings, final norm,
-            # lm_head) unsharded, and an optimizer built then would hold
-            # copies that never receive a gradient.
+            # Build it now, while every parameter is a shard. After a forward, FSDP2 leaves the root's own
+            # parameters, such as the embeddings and lm_head, unsharded, and an optimizer built then would
+            # hold copies that never receive a gradient.
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
         return read
 
     def _token_logprobs(self, ids: list[int]) -> torch.Tensor:
-        """log p(token_i | tokens_<i) for i >= 1, like vLLM's prompt_logprobs.
-        Every rank must call it: FSDP gathers each layer during the forward."""
+        """Return log p(token_i | tokens before i) for i >= 1, like vLLM's prompt_logprobs.
+
+        Every rank must call it, since FSDP gathers each layer during the forward."""
         x = torch.tensor([ids], device=self.device)
         logits = self.model(input_ids=x).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
@@ -258,38 +258,41 @@ class FSDPTrainer:
         return out
 
     def weight_source(self, loader: str):
-        """What vLLM receives, in bf16 whatever the master dtype."""
+        """Return what vLLM receives from this rank, in bf16 whatever the master dtype."""
         return sources.weight_source(self.model, self.world_size, loader)
 
     def weight_sync_client(self, sock: str, loader: str, source, trainer_gpu_uuids: list[str]):
-        """Whom rank 0 tells about each chunk (the direct loader, or vLLM's weight routes)."""
+        """Return the client rank 0 calls for each chunk: the direct loader's, or vLLM's weight routes."""
         return sources.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(
         self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int, trainer_gpu_uuids: list[str]
     ) -> bool:
-        """Build vLLM's IPC trainer engine on this rank; True if the engines
-        will copy its expert blocks straight from its memory (ExpertsInPlace)."""
+        """Build vLLM's IPC trainer engine on this rank.
+
+        Return True if the engines will copy its expert blocks straight from its memory (ExpertsInPlace)."""
         source = self.weight_source(loader)
         client = self.weight_sync_client(sock, loader, source, trainer_gpu_uuids)
         self.sender = helpers.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
         return self.sender.experts_in_place is not None
 
     def send_weights(self) -> None:
-        """One full sync; every rank takes part (a server error: raised once all are through, for a retry)."""
+        """Send every weight; all ranks call it at once.
+
+        A server error is raised only once every rank is through, so that send_all can retry."""
         self.sender.send()
 
     def return_borrowed_memory(self) -> None:
-        """Give the GPU memory this rank's allocator keeps cached (the step's
-        activations and gradients, the send's gathered modules) back to the
-        device: vLLM maps its KV cache back next, and cannot take memory that
-        PyTorch holds, even unused."""
+        """Return the GPU memory PyTorch keeps cached on this rank to the device.
+
+        The training step's activations and gradients and the send's gathered modules stay cached otherwise.
+        vLLM maps its KV cache back next, and it cannot take memory that PyTorch holds, even unused."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
-    """The trainer main() runs: FSDPTrainer with the toy RL step (toy_rl.py)."""
+    """The trainer main() runs: FSDPTrainer with the toy policy-gradient step from proof/toy_rl.py."""
 
 
 # --- The server and the job -----------------------------------------------------------------------
@@ -303,8 +306,10 @@ def serve_args(
     experts: bool = True,
     context_len: int | None = None,
 ) -> list[str]:
-    """helpers.serve_args from the flags, for one node's GPUs (`context_len`: the model's, for the
-    default KV cache), with the exact check's worker extension in place of the direct loader's."""
+    """Return helpers.serve_args for one node's GPUs, built from the flags.
+
+    The exact check's worker extension, a subclass of the direct loader's, takes its place. `context_len` is
+    the model's context length, which sets the default KV cache size."""
     return helpers.serve_args(
         args.model,
         gpu_ids,
@@ -324,10 +329,10 @@ def serve_args(
 
 
 def kv_cache_tokens(args: argparse.Namespace, context_len: int | None) -> int | None:
-    """--kv-cache-tokens, by default two sequences of the longest context
-    vLLM will serve: one must fit (vLLM checks), and the rollouts here are
-    short. None: vLLM sizes the cache (from --kv-cache-memory-bytes or
-    --gpu-memory-utilization)."""
+    """Return --kv-cache-tokens, by default room for two sequences of the longest context vLLM will serve.
+
+    vLLM checks that one sequence fits, and the rollouts here are short. None lets vLLM size the cache from
+    --kv-cache-memory-bytes or --gpu-memory-utilization."""
     if args.kv_cache_tokens is not None or args.kv_cache_memory_bytes is not None:
         return args.kv_cache_tokens or None
     longest = args.max_model_len or context_len
@@ -345,12 +350,12 @@ class Job:
     architecture: str
     gpu_name: str
     gpu_uuids: list[str]
-    send_retries: int = 0  # how often a send the server failed part way is sent again
+    send_retries: int = 0  # how many times a send the server failed part way is sent again
     rank_nodes: list[str] = field(default_factory=list)  # each rank's Ray node id
-    weights_in_after_s: float | None = None  # the trainers' weights filled, seconds into the server's start
+    weights_in_after_s: float | None = None  # seconds into the server's start when the weights were filled
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
-    node_servers: list = field(default_factory=list)  # the other nodes' NodeServer actors
-    experts_in_place: bool | None = None  # the last setup's: did the engines read the experts from the trainers
+    node_servers: list = field(default_factory=list)  # the NodeServer actors of the other nodes
+    experts_in_place: bool | None = None  # whether the last setup has the engines read the trainers' experts
 
 
 @contextmanager
@@ -360,15 +365,15 @@ def colocated_job(
     trainer_cls: type | None = None,
     proof: Proof | None = None,
 ):
-    """Reserve the GPUs, start a trainer rank on each (`trainer_cls`: any class with
-    FSDPTrainer's methods, or such a Ray actor; RLTrainer by default) with the model
-    sharded over them, start `vllm serve` on the same GPUs (on more nodes: through a
-    NodeServer actor on each other node). On the way out (error, Ctrl-C, SIGTERM,
-    SIGHUP) stop every node's server, the trainers, and Ray if this started it.
-    `proof` (optional) is told at named points: before any GPU work (with `loaders`),
-    once the trainers are placed, once the job is up, and as it ends."""
+    """Start trainer ranks with the model sharded over them, and `vllm serve` on the same GPUs.
+
+    `trainer_cls` is any class with FSDPTrainer's methods, or such a Ray actor; RLTrainer by default. On more
+    nodes, a NodeServer actor runs the server's engines on each other node. On the way out, whether through an
+    error, Ctrl-C, SIGTERM or SIGHUP, stop every node's server, the trainers, and Ray if this started it.
+    `proof`, if given, is told at named points: before any GPU work, with `loaders`; once the trainers are
+    placed; once the job is up; and as it ends."""
     with program.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
-        workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # private (0700): the server's socket
+        workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # 0700, private: the server's socket goes here
         pg, started_ray, node_servers = None, not ray.is_initialized(), []
         try:
             model_path = models.resolve_model(args.model, workdir)
@@ -382,17 +387,17 @@ def colocated_job(
                 args.num_gpus,
                 args.num_nodes,
                 placement_timeout_s=args.placement_timeout,
-                rendezvous=TCPRendezvous,  # on more than one node
+                rendezvous=TCPRendezvous,  # used only on more than one node
             )
             ranks = placements(trainers)
             if proof:
                 proof.trainers_placed(ranks)
             filling = build_models(trainers, args, model_path)
-            # The servers' workers import the direct loader and the exact check (exact_check_engine.py) from here.
+            # The servers' workers import the direct loader and the exact check from this directory.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
             network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
             flags = serve_plan(args, ranks, model_path)
-            node_model = args.model if args.model in models.PRESETS else str(model_path)  # the path resolved here
+            node_model = args.model if args.model in models.PRESETS else str(model_path)  # a preset, or this path
             node_servers = start_node_servers(
                 pg, node_model, args.server_log, env, flags[1:], resolve_model=models.resolve_model
             )
@@ -402,8 +407,8 @@ def colocated_job(
                 socket_path=workdir / "vllm.sock",
                 log_path=args.server_log,
                 env={**env, **network},
-                # A local Ray we started goes with us even if we are SIGKILLed (its agents would
-                # linger for minutes); by now, with the trainers started, all its processes are up.
+                # Stop a local Ray we started even if we are SIGKILLed, since its agents would linger for
+                # minutes. With the trainers started, all its processes are up by now.
                 also_stop=program.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
             ) as server:
                 weights_in_after_s = wait_until_ready(
@@ -429,7 +434,7 @@ def colocated_job(
                 except helpers.ServerError as e:  # name the node whose server died, if one did
                     raise_node_failure(node_servers, seen_as=e)
                     raise
-                finally:  # Ray first, while the server's watchdog still covers a SIGKILL meanwhile
+                finally:  # leave Ray first, while the server's watchdog still covers a SIGKILL
                     with helpers.signals_ignored():
                         if proof:
                             proof.job_ending()
@@ -443,8 +448,9 @@ def colocated_job(
 
 
 def serve_plan(args: argparse.Namespace, placements: list[dict], model_path: Path) -> list[list[str]]:
-    """serve_args() for each node, pinned to the GPUs of its trainer ranks
-    (Ray placed them in node order); node 0's API and DP handshake on its address."""
+    """Return serve_args() for each node, on the GPUs of its trainer ranks, which Ray placed in node order.
+
+    Node 0 serves the API and the DP handshake on its own address."""
     per_node = args.num_gpus // args.num_nodes
     gpus = [[p["gpu_ids"][0] for p in placements[k : k + per_node]] for k in range(0, args.num_gpus, per_node)]
     head = (placements[0]["node_ip"], free_port(placements[0]["node_ip"])) if args.num_nodes > 1 else None
@@ -453,10 +459,10 @@ def serve_plan(args: argparse.Namespace, placements: list[dict], model_path: Pat
 
 
 def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> list:
-    """Every rank allocates its shard of the model, then fills it; returns the
-    fill's refs, to wait on while the server starts. The memory comes first:
-    vLLM, starting, needs its share of each GPU free and sizes its KV cache
-    assuming no other process's memory changes; filling takes no more."""
+    """Allocate every rank's shard of the model, then start filling it; return the refs to wait on.
+
+    Allocation comes first: a starting vLLM needs its share of each GPU free, and sizes its KV cache assuming
+    no other process's memory changes. Filling, which runs while the server starts, takes no more memory."""
     ray_get_all([t.build_model.remote(str(model_path), args.lr if args.train else None) for t in trainers])
     return [t.init_weights.remote(str(model_path), args.model in models.PRESETS, args.seed) for t in trainers]
 
@@ -467,8 +473,7 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
 def setup_weight_transfer_on_every_rank(
     job: Job, args: argparse.Namespace, loader: str, proof: Proof | None = None
 ) -> None:
-    """Every trainer rank builds vLLM's IPC trainer engine for `loader`; then `proof`
-    (optional) is told the transfer is ready, to watch every send from outside."""
+    """Build vLLM's IPC trainer engine for `loader` on every rank, then tell `proof`, if given, to watch the sends."""
     sock = job.server.socket_path
     in_place = ray_get_all(
         [
@@ -488,9 +493,9 @@ def setup_weight_transfer_on_every_rank(
 
 
 def run_round(job: Job, args: argparse.Namespace, proof: RoundProof) -> None:
-    """generate -> sleep -> (train) -> wake weights -> send -> wake KV. `proof`
-    (proof/rounds.py) watches from outside: it times each step and scores the
-    batch, and judges the sync once the round is through (Proof.round)."""
+    """Run one round: generate, sleep, train if asked, wake the weights, send, and wake the KV cache.
+
+    `proof` times each step and scores the batch; Proof.round judges the sync once the round is through."""
     sock, trainers = job.server.socket_path, job.trainers
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
@@ -520,18 +525,17 @@ def run_round(job: Job, args: argparse.Namespace, proof: RoundProof) -> None:
 
 
 def frees_kv_cache(args: argparse.Namespace) -> bool:
-    """At sleep level 0, does the sync hand the KV cache's memory to the
-    trainer? Only the training step needs the room (--free-kv-cache says)."""
+    """Return whether the sync frees the KV cache at sleep level 0: --free-kv-cache, by default only with --train."""
     return args.train if args.free_kv_cache is None else args.free_kv_cache
 
 
 def more_rounds(args: argparse.Namespace, done: int, seconds_since_first: float) -> bool:
-    """--rounds rounds, then (a soak) more until --soak-seconds have passed."""
+    """Return whether to run another round: --rounds of them, then more until --soak-seconds have passed."""
     return done < args.rounds or seconds_since_first < args.soak_seconds
 
 
 def round_numbers(args: argparse.Namespace) -> Iterator[int]:
-    """1, 2, ... as more_rounds() allows, counting from the first round's start; each announced."""
+    """Yield the round numbers 1, 2, ... while more_rounds() allows, printing each one."""
     first_round_at, done = time.monotonic(), 0
     while more_rounds(args, done, time.monotonic() - first_round_at):
         done += 1

@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tiny random-weight configs for the model families that transformers 5.x and
-vLLM 0.32 both implement: nothing is downloaded.
+"""Tiny random-weight configs for the model families that transformers and vLLM both implement.
 
-Every config keeps the family's structure at toy size (hidden 128, 2-3 layers,
-8 experts, head_dim >= 32 for vLLM's CPU attention, vocab 1024), so a model can
-be built on the meta device in milliseconds and a CPU vLLM server can load it.
-models.py turns each into a preset (`--model tiny-mixtral`, ...).
+Nothing is downloaded. Every config keeps the family's structure at toy size: hidden size 128, 2 or 3 layers,
+8 experts, a vocabulary of 1024, and head_dim >= 32 for vLLM's CPU attention. A model then builds on the meta
+device in milliseconds, and a CPU vLLM server can load it. models.py turns each config into a preset, such as
+`--model tiny-mixtral`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ _COMMON = {
 }
 
 FAMILIES: dict[str, dict] = {
-    # routed experts only; transformers fuses them in memory, checkpoints are per expert
+    # routed experts only; transformers fuses them in memory, while checkpoints hold one tensor per expert
     "qwen3_moe": {
         **_COMMON,
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -39,7 +38,7 @@ FAMILIES: dict[str, dict] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
-    # routed experts + a gated shared expert; q/k/v biases
+    # routed experts and a gated shared expert; q/k/v biases
     "qwen2_moe": {
         **_COMMON,
         "architectures": ["Qwen2MoeForCausalLM"],
@@ -52,7 +51,7 @@ FAMILIES: dict[str, dict] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
-    # checkpoint names block_sparse_moe.experts.N.w1/w2/w3
+    # checkpoint names are block_sparse_moe.experts.N.w1/w2/w3
     "mixtral": {
         **_COMMON,
         "architectures": ["MixtralForCausalLM"],
@@ -61,8 +60,8 @@ FAMILIES: dict[str, dict] = {
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
     },
-    # MLA attention, one dense layer first, shared expert, noaux_tc router with
-    # e_score_correction_bias (a buffer in transformers, a parameter in vLLM)
+    # MLA attention, one dense layer first, a shared expert, and a noaux_tc router whose
+    # e_score_correction_bias is a buffer in transformers and a parameter in vLLM
     "deepseek_v3": {
         **_COMMON,
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -81,7 +80,7 @@ FAMILIES: dict[str, dict] = {
         "norm_topk_prob": True,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
-        # DeepSeek-V3's own MLA head dims: vLLM's MLA kernels on GPU take only these
+        # DeepSeek-V3's own MLA head dims, the only ones vLLM's MLA kernels on GPU take
         "q_lora_rank": 64,
         "kv_lora_rank": 512,
         "qk_nope_head_dim": 128,
@@ -127,7 +126,7 @@ FAMILIES: dict[str, dict] = {
         "layer_types": ["sliding_attention", "full_attention"],
         "attention_bias": True,
     },
-    # a dense model: no conversion at all, only vLLM's own q/k/v and gate/up stacking
+    # a dense model: no conversion in transformers, only vLLM's own q/k/v and gate/up stacking
     "qwen3": {
         **_COMMON,
         "architectures": ["Qwen3ForCausalLM"],

@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Models for rlhf_ipc_fsdp_ep.py: where the weights come from.
+"""Find, build and load the models for rlhf_ipc_fsdp_ep.py.
 
-A Hugging Face id or a local directory is loaded as it is. Without a
-checkpoint (no download, no disk), a preset is built locally from a config
-with random weights: "tiny" (Qwen3-30B-A3B's structure at toy size) and
-"qwen3-30b-a3b-shape" (its exact shapes, 61 GB in bf16), "moonlight-16b-a3b-shape"
-(Moonlight-16B-A3B's, 32 GB).
+A Hugging Face id or a local directory is loaded as it is. A preset needs no download and no checkpoint: it is
+built locally from a config and gets random weights. "tiny" has Qwen3-30B-A3B's structure at toy size,
+"qwen3-30b-a3b-shape" has its exact shapes, 61 GB in bf16, and "moonlight-16b-a3b-shape" has Moonlight-16B-A3B's,
+32 GB in bf16.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ _QWEN3_MOE_COMMON = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-# head_dim >= 32 keeps vLLM's CPU attention happy; 8 experts split evenly
-# over 1, 2, 4 or 8 expert-parallel ranks.
+# vLLM's CPU attention needs head_dim >= 32. 8 experts split evenly over 1, 2, 4 or 8 expert-parallel ranks.
 PRESETS = {
     "tiny": {
         **_QWEN3_MOE_COMMON,
@@ -70,9 +68,9 @@ PRESETS = {
     },
 }
 
-# Moonlight-16B-A3B's published config (moonshotai/Moonlight-16B-A3B: DeepSeek-V3's
-# architecture, MLA without a query LoRA, 64 routed + 2 shared experts, 27 layers),
-# with random weights: a model people train, on one GPU (32 GB in bf16).
+# The published config of moonshotai/Moonlight-16B-A3B, with random weights: a model people train, which fits
+# on one GPU at 32 GB in bf16. It has DeepSeek-V3's architecture with MLA and no query LoRA, 64 routed and 2
+# shared experts, and 27 layers.
 PRESETS["moonlight-16b-a3b-shape"] = {
     **FAMILIES["deepseek_v3"],
     "vocab_size": 163840,
@@ -96,8 +94,7 @@ PRESETS["moonlight-16b-a3b-shape"] = {
     "max_position_embeddings": 8192,
 }
 
-# One small random model per MoE family that transformers 5 and vLLM 0.32 both
-# implement (model_families.py): tiny-mixtral, tiny-deepseek-v3, ...
+# One small random model per MoE family in model_families.py: tiny-mixtral, tiny-deepseek-v3, ...
 PRESETS.update({f"tiny-{name.replace('_', '-')}": config for name, config in FAMILIES.items() if name != "qwen3_moe"})
 
 _TOKENIZER_CORPUS = (
@@ -110,9 +107,10 @@ _TOKENIZER_CORPUS = (
 
 
 def resolve_model(model: str, workdir: Path) -> Path:
-    """The model directory: for a preset, built once in this user's cache
-    (preset_dir; in `workdir` if that cache is not safe to use), as given for
-    a path, downloaded for a Hugging Face id. Exits with one line if none."""
+    """Return the model's directory, or exit with a one-line error.
+
+    A preset is built once in this user's cache by preset_dir, or in `workdir` if that cache is not safe to use.
+    A path is used as given, and a Hugging Face id is downloaded."""
     if model in PRESETS:
         cached = preset_dir(model)
         return cached if cached is not None else build_preset(model, workdir / model)
@@ -130,7 +128,7 @@ def resolve_model(model: str, workdir: Path) -> Path:
         raise SystemExit(f"error: could not download {model!r}: {e}") from e
 
 
-# A plain chat format for the presets' tokenizers (they have no chat model's own).
+# A plain chat format for the presets' tokenizers, which have no chat template of their own.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -138,13 +136,12 @@ CHAT_TEMPLATE = (
 
 
 def preset_dir(name: str) -> Path | None:
-    """PRESETS[name] built once, at a path that stays the same from run to
-    run ($XDG_CACHE_HOME or ~/.cache, rlhf_ipc_fsdp_ep/presets/<name>-<hash
-    of what is written>): vLLM keys its torch.compile cache on the model's
-    path, so a server of the same preset starts from the compiled code of the
-    last run instead of compiling again. None if that folder, or one above it
-    in the cache, is not this user's alone (another user could change the
-    files in it)."""
+    """Build PRESETS[name] once, at a path that stays the same from run to run, and return that path.
+
+    The path is rlhf_ipc_fsdp_ep/presets/<name>-<hash of what is written> under $XDG_CACHE_HOME or ~/.cache.
+    vLLM keys its torch.compile cache on the model's path, so a server of the same preset starts from the last
+    run's compiled code instead of compiling again. Return None if that folder, or one above it in the cache, is
+    not this user's alone, since another user could change the files in it."""
     import hashlib
     import importlib.metadata
     import inspect
@@ -165,18 +162,17 @@ def preset_dir(name: str) -> Path | None:
             building = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
                 build_preset(name, building).rename(out)  # whole or not at all: two runs may build it at once
-            except OSError:  # the other one was first
+            except OSError:  # another run built it first
                 pass
             finally:
                 shutil.rmtree(building, ignore_errors=True)
         return out if _mine_alone(out, base) and (out / "config.json").is_file() else None
-    except OSError:  # no home, a read-only one
+    except OSError:  # no home directory, or a read-only one
         return None
 
 
 def _mine_alone(path: Path, base: Path) -> bool:
-    """Whether `path`, and each folder above it up to `base`, is this user's
-    and no one else may write to it."""
+    """Return whether `path`, and each folder above it up to `base`, is this user's and writable by no one else."""
     for folder in [path, *path.parents]:
         info = folder.stat()
         if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -213,8 +209,9 @@ def build_preset(name: str, out_dir: str | os.PathLike) -> Path:
 
 
 def meta_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """The model's modules and parameter shapes, with no memory behind them,
-    each tensor in the dtype `from_pretrained(model_path, dtype=dtype)` gives it."""
+    """Build the model's modules and parameter shapes on the meta device, with no memory behind them.
+
+    Each tensor gets the dtype that `from_pretrained(model_path, dtype=dtype)` would give it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -224,16 +221,14 @@ def meta_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
 
 
 def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """fp32 for the parameters and persistent buffers that transformers keeps
-    in fp32 whatever the model's dtype (its dtype plan: for bf16
-    `_keep_in_fp32_modules_strict`, e.g. the routers' e_score_correction_bias;
-    for fp16 `_keep_in_fp32_modules` too). `from_config` builds them in
-    `dtype`: only `from_pretrained` applies the plan, as it loads. Built in
-    bf16, a tensor stays bf16 through to_empty, the random init and the
-    checkpoint load (which casts to the destination's dtype), so an fp32
-    checkpoint's 2.0 + 2**-12 would become 2.0 on the trainer, and vLLM would
-    receive the rounded value with no check to notice. Names match the plan
-    as in transformers' loader."""
+    """Cast to fp32 the parameters and persistent buffers that transformers keeps in fp32 whatever the dtype.
+
+    They come from the model's dtype plan: `_keep_in_fp32_modules_strict` for bf16, such as the routers'
+    e_score_correction_bias, and `_keep_in_fp32_modules` as well for fp16. `from_config` builds them in `dtype`,
+    since only `from_pretrained` applies the plan, as it loads. A tensor built in bf16 stays bf16 through
+    to_empty, the random init and the checkpoint load, which casts to the destination's dtype. An fp32
+    checkpoint's 2.0 + 2**-12 would then become 2.0 on the trainer, and vLLM would receive the rounded value
+    with no check to notice. Names match the plan as they do in transformers' loader."""
     from transformers.core_model_loading import build_glob_alternation
 
     if not (plan := model._get_dtype_plan(dtype)):
@@ -244,7 +239,7 @@ def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
             continue
         want = plan[glob_of_group[match.lastgroup]]
         if isinstance(tensor, torch.nn.Parameter):
-            tensor.data = tensor.data.to(want)  # the same Parameter: a tie or a reference to it holds
+            tensor.data = tensor.data.to(want)  # keep the same Parameter, so that ties and references to it hold
         else:
             module_name, _, attr = name.rpartition(".")
             model.get_submodule(module_name)._buffers[attr] = tensor.to(want)
@@ -257,29 +252,28 @@ def architecture(model_path: str | os.PathLike) -> str:
 
 
 def context_length(model_path: str | os.PathLike) -> int | None:
-    """The model's context length as its config states it (the text model's
-    max_position_embeddings), or None."""
+    """Return the text model's max_position_embeddings from the config, or None."""
     from transformers import AutoConfig
 
     return getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
 
 
 def has_experts(model_path: str | os.PathLike) -> bool:
-    """Whether the model has fused expert tensors (a MoE): vLLM refuses
-    --enable-expert-parallel for a model without experts."""
+    """Return whether the model has fused expert tensors: vLLM refuses --enable-expert-parallel without them."""
     return bool(sources.fused_expert_tensors(meta_model(model_path)))
 
 
 def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
-    """(name, bytes in bf16) of the model's largest parameter (a meta_model will do)."""
+    """Return the name and bf16 size in bytes of the model's largest parameter; a meta_model will do."""
     name, param = max(model.named_parameters(), key=lambda kv: kv[1].numel())
     return name, param.numel() * torch.bfloat16.itemsize
 
 
 def restore_rotary_tables(model: torch.nn.Module) -> None:
-    """to_empty() leaves buffers uninitialised; rebuild the rotary tables
-    (the other buffers, such as a router's correction bias, are persistent:
-    init_random_weights or the checkpoint fills them)."""
+    """Rebuild the rotary tables, which to_empty() leaves uninitialised.
+
+    The other buffers, such as a router's correction bias, are persistent: init_random_weights or the checkpoint
+    fills them."""
     for module in model.modules():
         if hasattr(module, "inv_freq"):
             fresh = type(module)(module.config)
@@ -289,11 +283,11 @@ def restore_rotary_tables(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights with a real spread of logits (unlike vLLM's dummy
-    weights, which are near zero), so a missed sync shows in the gate.
-    Each rank fills its own shard; norms get 1; persistent buffers (e.g. a
-    router's correction bias, zero in transformers' init) small values, the
-    same on every rank, so that a sync that misses one shows."""
+    """Fill the model with random weights that give the logits a real spread, so that a missed sync shows.
+
+    vLLM's dummy weights are near zero. Each rank fills its own shard, and norms get 1. Persistent buffers, such
+    as a router's correction bias, which transformers' init sets to zero, get small values, the same on every
+    rank, so that a sync that misses one shows in the gate."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     params = dict(model.named_parameters())
     for i, (name, buf) in enumerate(sources.state_tensors(model).items()):
@@ -312,19 +306,17 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_pretrained_weights(model: torch.nn.Module, model_path: str | os.PathLike) -> int:
-    """Fill `model`, sharded and allocated (FSDP2, after to_empty), from the
-    checkpoint's safetensors files, each rank reading only what its own
-    shards need; returns the bytes this rank read. No collective: every rank
-    loads on its own, and no GPU memory is taken beyond the shards (the files
-    are read and converted on the CPU, then copied in).
+    """Fill `model` from the checkpoint's safetensors files and return the bytes this rank read.
 
-    transformers' own loader does the work: `convert_and_load_state_dict_in_model`
-    (what `from_pretrained` calls) reads every checkpoint tensor lazily, slices
-    each one whose destination is a DTensor to this rank's rows (for fused
-    experts: only this rank's experts' files tensors are read) and runs the
-    model's conversions (per-expert files -> fused experts, renames) on that
-    part. One step does not fit: it assigns a new Parameter to each module,
-    which would detach FSDP2's own; for the call, it copies into the existing
+    `model` is sharded with FSDP2 and allocated with to_empty. Each rank reads only what its own shards need,
+    on its own with no collective. No GPU memory is taken beyond the shards: the files are read and converted
+    on the CPU, then copied in.
+
+    transformers' own loader does the work. `convert_and_load_state_dict_in_model`, which `from_pretrained`
+    calls, reads every checkpoint tensor lazily, slices each one whose destination is a DTensor to this rank's
+    rows, and runs the model's conversions on that part, such as per-expert tensors into fused experts, and
+    renames. For fused experts, only this rank's experts' tensors are read. One step does not fit: it assigns a
+    new Parameter to each module, which would detach FSDP2's own, so for this call it copies into the existing
     shard instead."""
     from safetensors import safe_open
     from transformers import core_model_loading
@@ -341,11 +333,11 @@ def load_pretrained_weights(model: torch.nn.Module, model_path: str | os.PathLik
         for path in paths:
             f = files.enter_context(safe_open(path, framework="pt", device="cpu"))
             slices.update({name: _CountedSlice(f.get_slice(name), read) for name in f.keys()})
-        # dtype None: each tensor is cast to its destination's dtype (bf16, or fp32 master weights;
-        # fp32 where transformers keeps a tensor in fp32: meta_model built it so).
+        # dtype None casts each tensor to its destination's dtype: bf16 or fp32 master weights, and fp32 where
+        # transformers keeps a tensor in fp32, as meta_model built it.
         config = LoadStateDictConfig(dtype=None, device_map={"": "cpu"}, weight_mapping=mapping)
-        # The patch is process-wide while it lasts: one load at a time, and no other from_pretrained
-        # meanwhile in this process (its set_param_for_module would be ours).
+        # The patch is process-wide while it lasts, so allow one load at a time and no other from_pretrained
+        # in this process meanwhile: its set_param_for_module would be ours.
         with (
             _ONE_LOAD_AT_A_TIME,
             mock.patch.object(core_model_loading, "set_param_for_module", _copy_into_shard),
@@ -361,8 +353,9 @@ _ONE_LOAD_AT_A_TIME = threading.Lock()
 
 @contextmanager
 def _env(key: str, value: str):
-    """os.environ[key] = value for a while (only that key: mock.patch.dict
-    would clear and refill the whole environment under other threads)."""
+    """Set os.environ[key] = value for a while, changing only that key.
+
+    mock.patch.dict would clear and refill the whole environment under other threads."""
     before = os.environ.get(key)
     os.environ[key] = value
     try:
@@ -375,7 +368,7 @@ def _env(key: str, value: str):
 
 
 def checkpoint_files(model_path: Path) -> list[Path]:
-    """The checkpoint's safetensors files; [] if it has none."""
+    """Return the checkpoint's safetensors files, or [] if it has none."""
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
         return [model_path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
@@ -396,8 +389,9 @@ class _CountedSlice:
 
 
 def _copy_into_shard(model, target_name, value, loading_info, hf_quantizer=None) -> None:
-    """transformers' set_param_for_module, but copying into the tensor the
-    model has (a DTensor's local shard, a buffer) instead of replacing it."""
+    """Do transformers' set_param_for_module, but copy into the tensor the model has instead of replacing it.
+
+    That tensor is a DTensor's local shard, or a buffer."""
     module_name, _, attr = target_name.rpartition(".")
     if attr == "_extra_state":
         raise ValueError(f"{target_name}: a module's extra state; the trainer loads tensors only")
@@ -413,12 +407,11 @@ def _copy_into_shard(model, target_name, value, loading_info, hf_quantizer=None)
 
 
 def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> None:
-    """Raise unless every tensor was filled, each from a conversion that
-    slicing by the destination's rows keeps right."""
+    """Raise unless every tensor was filled, each by a conversion that stays right when sliced by rows."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    # Each source tensor was sliced by its destination's rows (dim 0): right for renames and for
-    # stacking experts on dim 0 (then concatenating on a later dim), not for e.g. a qkv chunk.
+    # Each source tensor was sliced by its destination's rows on dim 0. That is right for renames and for stacking
+    # experts on dim 0, then concatenating on a later dim, but not for chunking a fused qkv, for example.
     for conversion in mapping:
         ops = getattr(conversion, "operations", [])
         if conversion.was_used() and not all(
@@ -427,8 +420,8 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
         ):
             raise ValueError(f"{model_path}: cannot load {conversion} by rows; a trainer shard needs it whole")
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
-    # FSDP2 splits like torch.chunk: a rank can hold no rows of a tensor (16 ranks, 60 experts), and
-    # then transformers, reading none of its sources, reports it missing or unconvertible.
+    # FSDP2 splits like torch.chunk, so a rank can hold no rows of a tensor, e.g. 60 experts over 16 ranks.
+    # transformers then reads none of its sources and reports it missing or unconvertible.
     empty = {
         n
         for n, t in sources.state_tensors(model).items()

@@ -1,18 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""More than one node for helpers.py: the vLLM servers of the other
-nodes. The module to copy beside helpers.py (and weight_sync/direct_load.py)
-when the trainers and one vLLM server span several nodes of a Ray cluster;
-on one node it is not needed.
+"""Run the trainers and one vLLM server across several nodes of a Ray cluster.
 
-One vLLM server spans the nodes (vLLM's multi-node data parallelism): node 0,
-where the driver runs, serves the API and its engines; every other node runs
-its engines alone (`vllm serve --headless`), started and owned by a NodeServer
-actor in that node's bundle of the trainers' placement group. Each engine still
-reads the CUDA IPC buffer of the trainer rank on its own GPU. A server that
-exits on any node is named (raise_node_failure) through helpers's
-checks: wait_until_ready's `also_check` and send_all's `check_failure`.
+Copy this module beside helpers.py, and beside weight_sync/direct_load.py for the direct loader, when the job
+spans several nodes; one node does not need it.
 
-On the driver, with helpers's names (start_trainers handles the nodes, its ranks meeting through TCPRendezvous):
+One vLLM server spans the nodes through vLLM's multi-node data parallelism. Node 0, where the driver runs,
+serves the API and runs its engines. Every other node runs its engines alone with `vllm serve --headless`,
+started and owned by a NodeServer actor in that node's bundle of the trainers' placement group. Each engine
+still reads the CUDA IPC buffer of the trainer rank on its own GPU. When a server exits on any node,
+raise_node_failure names it through helpers' checks: wait_until_ready's `also_check` and send_all's
+`check_failure`.
+
+On the driver, with helpers' names; start_trainers handles the nodes, and its ranks meet through TCPRendezvous:
 
     trainers, pg = start_trainers(MyTrainer, num_gpus, num_nodes, trainer_args=(...), rendezvous=TCPRendezvous)
     ranks = placements(trainers)                                   # in node order, rank 0 on this node
@@ -30,12 +29,11 @@ On the driver, with helpers's names (start_trainers handles the nodes, its ranks
     finally:
         stop_node_servers(node_servers)
 
-Public names: start_node_servers (NodeServer), stop_node_servers, raise_node_failure (NodeServerFailed),
-free_port, job_env (for ray.init: the driver's settings on every node), gloo_interface_env; and the
-trainers' rendezvous across nodes, TCPRendezvous, which helpers.start_trainers is given (open_tcp_rendezvous,
-join_tcp_rendezvous). The model must be at the same path on every node (or each node builds it:
-resolve_model), and the job must run on a network you trust: vLLM's and the trainers' handshakes listen
-on the cluster network.
+The public names are start_node_servers with its NodeServer actors, stop_node_servers, raise_node_failure with
+NodeServerFailed, free_port, job_env, which carries the driver's settings to every node through ray.init, and
+gloo_interface_env. TCPRendezvous, built on open_tcp_rendezvous and join_tcp_rendezvous, lets the trainers meet
+across nodes. The model must be at the same path on every node, unless each node builds it with resolve_model.
+Run the job on a network you trust: vLLM's and the trainers' handshakes listen on the cluster network.
 """
 
 from __future__ import annotations
@@ -55,10 +53,10 @@ _listener = None  # rank 0's: the TCP socket its store listens on
 
 
 def open_tcp_rendezvous(host: str, world_size: int, timeout) -> tuple:
-    """Rank 0 of trainers on more nodes (helpers.open_rendezvous): a TCPStore
-    bound by us on rank 0's address `host` only (torch's own listens on every
-    interface, and has no authentication: the job needs a network you trust).
-    Returns (the store, its port)."""
+    """On rank 0, open a TCPStore bound to rank 0's address `host` only; return the store and its port.
+
+    torch's own TCPStore listens on every interface. Neither has authentication, so the job needs a network you
+    trust. helpers.open_rendezvous calls this for trainers on several nodes."""
     global _listener
     _listener = socket.create_server((host, 0))
     port = _listener.getsockname()[1]
@@ -75,9 +73,10 @@ def open_tcp_rendezvous(host: str, world_size: int, timeout) -> tuple:
 
 
 def join_tcp_rendezvous(rank: int, host: str, port: int, world_size: int, rank0_store, timeout):
-    """The store a rank joins the process group at (helpers.join_process_group):
-    rank 0's own, or a client of it at `host`:`port`; and gloo on the interface
-    of this node's cluster address, which the other nodes reach."""
+    """Return the store a rank joins the process group at: rank 0's own, or a client of it at `host`:`port`.
+
+    It also points gloo at the interface of this node's cluster address, which the other nodes reach.
+    helpers.join_process_group calls this."""
     os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
     if rank == 0:
         return rank0_store
@@ -85,19 +84,20 @@ def join_tcp_rendezvous(rank: int, host: str, port: int, world_size: int, rank0_
 
 
 class TCPRendezvous:
-    """How trainer ranks on more than one node meet: helpers.start_trainers(..., rendezvous=TCPRendezvous)
-    runs `open` on rank 0 and `join` on every rank (helpers imports nothing of this project: it is given this)."""
+    """How trainer ranks on several nodes meet; pass it as helpers.start_trainers(..., rendezvous=TCPRendezvous).
+
+    start_trainers runs `open` on rank 0 and `join` on every rank. helpers imports nothing of this project, so it
+    is handed this class."""
 
     open = staticmethod(open_tcp_rendezvous)
     join = staticmethod(join_tcp_rendezvous)
 
 
 def gloo_interface_env(node_ip: str) -> dict[str, str]:
-    """GLOO_SOCKET_IFNAME for a process that talks gloo to other nodes: the
-    network interface that holds this node's cluster address. Without it,
-    gloo binds the address the host's name resolves to, on many
-    distributions 127.0.1.1, which no other node reaches. A value the user
-    set wins."""
+    """Return GLOO_SOCKET_IFNAME for the network interface that holds this node's cluster address.
+
+    A process that talks gloo to other nodes needs it. Without it, gloo binds the address the host's name
+    resolves to, 127.0.1.1 on many distributions, which no other node reaches. A value the user set wins."""
     import psutil  # a Ray dependency
 
     if "GLOO_SOCKET_IFNAME" in os.environ:
@@ -107,15 +107,15 @@ def gloo_interface_env(node_ip: str) -> dict[str, str]:
 
 
 class NodeServer:
-    """A Ray actor that owns one node's headless `vllm serve` (the DP engines
-    of that node's GPUs; the API server runs on the first node). It lives in
-    the placement group's bundle of its node, so Ray starts it there and stops
-    it with the driver; and the server's watchdog stops the server when this
-    actor's process is gone, however it ended."""
+    """A Ray actor that owns one node's headless `vllm serve`, which runs the DP engines of that node's GPUs.
+
+    The API server runs on the first node. The actor lives in its node's bundle of the placement group, so Ray
+    starts it there and stops it with the driver. The server's watchdog stops the server once this actor's
+    process is gone, however it ended."""
 
     def __init__(self, node_index: int) -> None:
         self.node_index, self.server = node_index, None
-        self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # private (0700), like the first node's
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-node-"))  # 0700, private like the first node's
 
     def start(
         self,
@@ -126,13 +126,13 @@ class NodeServer:
         launcher=DEFAULT_LAUNCHER,
         resolve_model=None,
     ) -> str:
-        """Start `vllm serve <model's local path> <serve_flags>`; returns where
-        this node is, for messages. `model`: the directory the driver
-        resolved (it must be at that path on this node too), or what
+        """Start `vllm serve <model's local path> <serve_flags>` and return where this node is, for messages.
+
+        `model` is the directory the driver resolved, which must be at that path on this node too, or what
         `resolve_model(model, a private directory)` turns into one here."""
         try:
             model_path = resolve_model(model, self.workdir) if resolve_model else Path(model)
-        except SystemExit as e:  # its one-line error, for this node
+        except SystemExit as e:  # resolve_model's one-line error, naming this node
             raise ServerError(f"{self.where()}: {e}") from None
         env = {**env, **gloo_interface_env(ray.util.get_node_ip_address())}  # this node's, not the driver's
         self.server = start_server(
@@ -145,7 +145,7 @@ class NodeServer:
         return self.where()
 
     def pgid(self) -> int:
-        """The process group of this node's server (to tell its GPU memory from others')."""
+        """Return the process group of this node's server, to tell its GPU memory from others'."""
         return self.server.pgid
 
     def where(self) -> str:
@@ -153,7 +153,7 @@ class NodeServer:
         return f"node {self.node_index} ({ray.util.get_node_ip_address()}, Ray node {ray_node})"
 
     def failure(self) -> str | None:
-        """None while the server runs; else how it ended, with its log's end."""
+        """Return None while the server runs, else how it ended, with the end of its log."""
         if self.server is None or (code := self.server.proc.poll()) is None:
             return None
         return (
@@ -168,9 +168,9 @@ class NodeServer:
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on `host` now (for vLLM's DP handshake, which binds it itself)."""
-    # Not vLLM's get_open_port: it takes no host (it binds every interface, or VLLM_PORT's port
-    # upward), and the handshake binds node 0's cluster address, so that address is the one to ask.
+    """Return a TCP port free on `host` now, for vLLM's DP handshake, which binds it itself."""
+    # vLLM's get_open_port takes no host: it binds every interface, or tries ports upward from VLLM_PORT.
+    # The handshake binds node 0's cluster address, so that is the address to ask.
     with socket.create_server((host, 0)) as s:
         return s.getsockname()[1]
 
@@ -184,17 +184,14 @@ def start_node_servers(
     launcher=DEFAULT_LAUNCHER,
     resolve_model=None,
 ) -> list:
-    """Nodes 1, 2, ... of placement group `pg`: a NodeServer actor in each
-    node's bundle starts `vllm serve <model> <flags>` there, its log at
-    `log_path` made absolute, with `.node<k>` before the suffix (on that
-    node's disk). `model`: the model's directory as the driver resolved it,
-    absolute, at the same path on every node; or what each node makes a
-    directory of with `resolve_model(model, a private directory)` (the
-    script's presets: the driver's is private, so each node builds its
-    own). Not a model as the user gave it: a relative path would resolve
-    against each actor's working directory, and a Hugging Face id would be
-    downloaded again on every node. Returns the actors, each already
-    starting its server."""
+    """Start `vllm serve <model> <flags>` on nodes 1, 2, ... of `pg`, each under a NodeServer actor; return them.
+
+    Each server is already starting when this returns. Its log goes to `log_path` made absolute, with `.node<k>`
+    before the suffix, on that node's disk. `model` is the model's directory as the driver resolved it, absolute
+    and at the same path on every node, or what each node makes a directory of with `resolve_model(model, a
+    private directory)`. The script's presets take the second way: the driver's directory is private, so each
+    node builds its own. Do not pass the model as the user gave it: a relative path would resolve against each
+    actor's working directory, and a Hugging Face id would be downloaded again on every node."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor, log = ray.remote(NodeServer), Path(log_path).absolute()  # a Ray worker's cwd is not ours
@@ -225,10 +222,9 @@ class NodeServerFailed(ServerError):
 
 
 def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> None:
-    """Raise a ServerError naming every node whose server has exited (or
-    whose NodeServer actor is lost or does not answer), and how; `seen_as`:
-    the error that made us look (raised as it is if it names them already,
-    from an earlier look). Else return."""
+    """Raise NodeServerFailed naming every node whose server exited or whose actor is lost or silent; else return.
+
+    `seen_as` is the error that made us look. It is raised as it is if an earlier look already named the nodes."""
     if isinstance(seen_as, NodeServerFailed):
         raise seen_as
     asked = [server.failure.remote() for server in node_servers]
@@ -246,9 +242,9 @@ def raise_node_failure(node_servers: list, seen_as: Exception | None = None) -> 
 
 
 def stop_node_servers(node_servers: list) -> list:
-    """Stop every node's server and wait until its processes are gone; what
-    cannot be stopped this way (its node or actor lost) its watchdog stops.
-    Returns [] (nothing left to stop)."""
+    """Stop every node's server, wait until its processes are gone, and return [], as nothing is left to stop.
+
+    A server that cannot be stopped this way, because its node or actor is lost, is stopped by its watchdog."""
     stops = [server.stop.remote() for server in node_servers]
     for k, stop in enumerate(stops, start=1):
         try:
@@ -259,14 +255,13 @@ def stop_node_servers(node_servers: list) -> list:
 
 
 def job_env() -> dict[str, str]:
-    """The driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for
-    ray.init(runtime_env=...): Ray's workers get the environment of the Ray
-    node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
-    `HF_HUB_OFFLINE` exported where the script runs would not reach the other
-    nodes' trainers and servers. Not VLLM_HOST_IP (each node's own address),
-    nor secrets (`HF_TOKEN`, `VLLM_API_KEY`: Ray keeps a job's runtime env
-    where its dashboard and job list show it). Interface names
-    (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`) set here hold on every node."""
+    """Return the driver's settings for vLLM, NCCL, gloo, Hugging Face and torch, for ray.init(runtime_env=...).
+
+    Ray's workers get the environment of the Ray node they run on, not the driver's, so a `NCCL_SOCKET_IFNAME` or
+    `HF_HUB_OFFLINE` exported where the script runs would not reach the other nodes' trainers and servers.
+    VLLM_HOST_IP is left out, since it is each node's own address. So are secrets such as `HF_TOKEN` and
+    `VLLM_API_KEY`, since Ray shows a job's runtime env in its dashboard and job list. Interface names set here,
+    such as `NCCL_SOCKET_IFNAME` and `GLOO_SOCKET_IFNAME`, hold on every node."""
     prefixes, secret = ("VLLM_", "NCCL_", "GLOO_", "HF_", "TORCH_", "PYTORCH_"), ("TOKEN", "KEY", "SECRET", "PASSWORD")
     return {
         k: v

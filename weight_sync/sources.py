@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a trainer rank sends, beside helpers.py: its weights in checkpoint
-form (CheckpointForm, BF16Source: what vLLM's own loader reads, every family's
-names, persistent buffers included, gathered one FSDP module at a time) and the
-direct loader's trainer half (LocalExpertSource: each rank's own expert blocks
-without a gather, ExpertsInPlace: those blocks copied by the engine straight
-from the trainer's memory, DirectLoadClient: the chunks handed to the server's
-direct_load.py). A trainer rank builds its sender with them:
+"""Build what a trainer rank sends, for helpers.weight_sender.
+
+CheckpointForm and BF16Source produce the weights in checkpoint form, which is what vLLM's own loader reads:
+every family's checkpoint names, persistent buffers included, gathered one FSDP module at a time. The direct
+loader's trainer half is LocalExpertSource, which sends each rank's own expert blocks without a gather;
+ExpertsInPlace, which lets the engine copy those blocks straight from the trainer's memory; and
+DirectLoadClient, which hands the chunks to the server's direct_load.py. A rank builds its sender like this:
 
     source = weight_source(model, world_size, "direct")     # or "vllm": vLLM's own loader
     client = sync_client(sock, "direct", source, trainer_gpu_uuids)
@@ -30,21 +30,21 @@ from weight_sync.direct_load import TrainerSource, vllm_load_form
 
 
 def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct") -> TrainerSource:
-    """What vLLM receives from a rank of `model` (FSDP2 over `world_size`
-    ranks, or whole on one), in bf16 whatever the master dtype: for the
-    direct loader, each rank's own experts and the rest whole
-    (LocalExpertSource); for vLLM's loader, the checkpoint form (BF16Source)."""
+    """Return what vLLM receives from a rank of `model`, in bf16 whatever the master dtype.
+
+    `model` is sharded with FSDP2 over `world_size` ranks, or whole on one. The direct loader gets each rank's
+    own experts and the rest whole (LocalExpertSource); vLLM's loader gets the checkpoint form (BF16Source)."""
     return LocalExpertSource(model, world_size) if loader == "direct" else BF16Source(model)
 
 
 def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids: list[str]):
-    """Whom rank 0 tells about each chunk: the direct loader or vLLM's weight
-    routes. The direct loader's client, when weight_sender builds vLLM's
-    engine, first has every engine check that it holds the expert blocks
-    `source` will send and that a trainer rank is on its GPU."""
+    """Return the client rank 0 calls for each chunk: the direct loader's, or vLLM's weight routes.
+
+    When weight_sender builds vLLM's engine, the direct loader's client first has every engine check that it
+    holds the expert blocks `source` will send and that a trainer rank is on its GPU."""
     if loader == "direct":
         in_place = getattr(source, "experts_in_place", None)
-        skipped = set(in_place.names) if in_place is not None else set()  # (weight_sender sends them in place)
+        skipped = set(in_place.names) if in_place is not None else set()  # weight_sender sends these in place
         packed_bytes = metadata_bytes(m for m in source.metadata if m.name not in skipped)
         others = [
             [m.name, list(m.shape), str(m.dtype).removeprefix("torch.")]
@@ -56,15 +56,12 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
 
 
 class DirectLoadClient:
-    """The same calls as vLLM's HTTPVLLMWeightSyncClient, sent to the server's
-    direct loader (direct_load.py) through /collective_rpc instead of vLLM's
-    weight routes. `expert_blocks` ({name: shape} of the expert blocks each
-    rank will send) is checked against every engine when vLLM's IPC engine is
-    built, so a layout the server cannot take fails before any send.
-    The send's first chunk also starts the sync on the engines, and
-    `packed_bytes`, if given, is what a send's chunks carry in all: the chunk
-    that completes it also finishes the sync. A send of one chunk is one
-    round trip."""
+    """vLLM's HTTPVLLMWeightSyncClient calls, sent to the server's direct loader through /collective_rpc.
+
+    `expert_blocks` maps the name of each expert block a rank will send to its shape. It is checked against every
+    engine when vLLM's IPC engine is built, so a layout the server cannot take fails before any send. The send's
+    first chunk also starts the sync on the engines. `packed_bytes`, if given, is what a send's chunks carry in
+    all, so the chunk that completes it also finishes the sync, and a send of one chunk is one round trip."""
 
     def __init__(
         self,
@@ -82,12 +79,12 @@ class DirectLoadClient:
         self.sock = sock
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
-        self.experts_in_place = experts_in_place  # rank 0's: every rank's handles, gathered before each send
+        self.experts_in_place = experts_in_place  # on rank 0: every rank's handles, gathered before each send
         self.packed_bytes = packed_bytes
         self.other_tensors = other_tensors  # [name, shape, dtype] of the rest: the engines learn their layout
         self.learned: dict | None = None  # what the first DP engine learned, when the engine was built
         self._start: dict | None = None  # what the engines' direct_load_start takes, until a call carries it
-        self._left: int | None = None  # what this send's chunks have still to carry
+        self._left: int | None = None  # the bytes this send's chunks still have to carry
         self._finished: dict | None = None  # what the last chunk's finish reported
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -99,17 +96,18 @@ class DirectLoadClient:
             self.learned = collective_rpc(self.sock, "direct_load_learn", json.dumps(self.other_tensors))[0]
 
     def start_weight_update(self) -> dict:
-        """Start a send; the engines start with its first chunk (with
-        experts in place, each engine then copies its trainer rank's expert
-        blocks from the trainer's memory). Asks the server nothing."""
+        """Prepare a send without asking the server; the engines start with its first chunk.
+
+        With experts in place, each engine then copies its trainer rank's expert blocks from the trainer's memory."""
         self._left, self._finished = self.packed_bytes, None
         handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
         self._start = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles} if handles else {}
         return {}
 
     def update_weights(self, update_info: dict) -> dict:
-        """One chunk (the first one also starts the sync, the last one also
-        finishes it); returns what the first DP engine reports of it."""
+        """Send one chunk and return what the first DP engine reports of it.
+
+        The first chunk also starts the sync on the engines, and the last one also finishes it."""
         if self._left is not None:
             self._left -= sum(update_info["tensor_sizes"])
         update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids, "last": self._left == 0}
@@ -120,8 +118,7 @@ class DirectLoadClient:
         return result
 
     def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        """Process what the send wrote, unless its last chunk did; returns
-        what the first DP engine reports of it."""
+        """Finish the sync unless its last chunk did; return what the first DP engine reports of it."""
         finished, self._finished, self._left = self._finished, None, None
         if finished is not None:
             return finished
@@ -135,7 +132,7 @@ class DirectLoadClient:
 
 
 def _pickled(value) -> str:
-    """`value` as the direct loader takes it: pickled (CUDA IPC handles), in base64."""
+    """Return `value` pickled and base64-encoded, as the direct loader takes CUDA IPC handles."""
     import base64
     import pickle
 
@@ -146,25 +143,22 @@ def _pickled(value) -> str:
 # What a trainer rank sends: the tensors `save_pretrained` would write
 # ===========================================================================
 
-# vLLM's loaders are written against checkpoints on disk, and transformers 5
-# keeps many models in another form in memory (Mixtral's per-expert w1/w2/w3
-# files become one fused `mlp.experts.gate_up_proj`; DeepSeek-V3's router bias
-# is a buffer, which `named_parameters()` never yields). Rather than a table
-# per family, ask transformers: what `save_pretrained` writes is `state_dict()`
-# minus tied copies, through `revert_weight_conversion`. CheckpointForm does
-# the same one group of tensors at a time, each FSDP2 module gathered once.
-# The direct loader's fast path also needs the in-memory fused experts in
-# vLLM's layout (fused_expert_tensors, direct_loader_problem) and the vLLM
-# layer each belongs to (expert_block_names); tests/test_families.py checks
-# both against vLLM's own models.
+# vLLM's loaders are written against checkpoints on disk, but transformers keeps many models in another form
+# in memory. Mixtral's per-expert w1/w2/w3 tensors become one fused `mlp.experts.gate_up_proj`, and
+# DeepSeek-V3's router bias is a buffer, which `named_parameters()` never yields. Rather than keep a table per
+# family, ask transformers: `save_pretrained` writes `state_dict()` minus tied copies, through
+# `revert_weight_conversion`. CheckpointForm does the same one group of tensors at a time, gathering each FSDP2
+# module once. The direct loader's fast path also needs the in-memory fused experts in vLLM's layout, from
+# fused_expert_tensors and direct_loader_problem, and the vLLM layer each belongs to, from expert_block_names.
+# tests/test_families.py checks both against vLLM's own models.
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What `save_pretrained` starts from, without copying anything:
-    parameters and persistent buffers under their `state_dict()` names, each
-    tied weight once (the name `named_parameters()` keeps, which is the tie's
-    source, e.g. `model.embed_tokens.weight`), minus `_keys_to_ignore_on_save`.
-    Values are the live (possibly DTensor or meta) tensors."""
+    """Return what `save_pretrained` starts from, without copying anything.
+
+    That is the parameters and persistent buffers under their `state_dict()` names, minus
+    `_keys_to_ignore_on_save`. A tied weight appears once, under the name `named_parameters()` keeps, which is
+    the tie's source, e.g. `model.embed_tokens.weight`. Values are the live tensors, possibly DTensors or meta."""
     ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
     for prefix, module in model.named_modules():
@@ -176,10 +170,10 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _conversions(model: torch.nn.Module) -> None:
-    """Attach transformers' conversion list to `model` once, as
-    `from_pretrained` does (`revert_weight_conversion` would otherwise rebuild
-    it on every call: the same list, minus PrefixChange, which it drops for a
-    model not loaded from a checkpoint)."""
+    """Attach transformers' conversion list to `model` once, as `from_pretrained` does.
+
+    Otherwise `revert_weight_conversion` rebuilds it on every call. The list is the same, minus PrefixChange,
+    which transformers drops for a model not loaded from a checkpoint."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
 
@@ -200,16 +194,16 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 
 
 def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
-    """In-memory names grouped so that each group reverts on its own: every
-    name alone, except names whose reversal writes the same checkpoint name
-    (a checkpoint tensor that `from_pretrained` split into several, such as a
-    fused qkv). Computed on meta tensors: no data is touched."""
+    """Group the in-memory names so that each group reverts on its own.
+
+    Every name stands alone, except names whose reversal writes the same checkpoint name: a checkpoint tensor,
+    such as a fused qkv, that `from_pretrained` split into several. Computed on meta tensors, touching no data."""
     state = state_tensors(model)
     owners: dict[str, list[str]] = defaultdict(list)
     for name, t in state.items():
         for out in _revert(model, {name: _meta(t)}):
             owners[out].append(name)
-    # union the names that share an output (a tiny union-find over names)
+    # Union the names that share an output, with a tiny union-find.
     parent = {name: name for name in state}
 
     def root(n: str) -> str:
@@ -227,9 +221,10 @@ def conversion_groups(model: torch.nn.Module) -> list[list[str]]:
 
 
 def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype | None):
-    """`dtype` for floating tensors, except those transformers keeps in fp32
-    whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. the
-    routers' e_score_correction_bias), which vLLM also holds in fp32."""
+    """Return `dtype` for floating tensors, except fp32 for those transformers keeps in fp32 whatever the dtype.
+
+    Those are `_keep_in_fp32_modules_strict`, e.g. the routers' e_score_correction_bias, which vLLM also holds in
+    fp32."""
     if dtype is None or not tensor.is_floating_point():
         return tensor.dtype
     keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
@@ -239,24 +234,22 @@ def _cast_dtype(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: 
 
 
 class CheckpointForm:
-    """The checkpoint form of `model`, worked out once from its structure
-    (meta tensors: no data touched) and produced on demand, one conversion
-    group at a time; under FSDP2 one all-gather per FSDP module (its
-    `unshard()`), not one per parameter:
+    """The checkpoint form of `model`, worked out once and produced on demand, one conversion group at a time.
+
+    The form is worked out on meta tensors, touching no data. Under FSDP2 each FSDP module is gathered with one
+    all-gather, its `unshard()`, not one per parameter:
 
         form = CheckpointForm(model, torch.bfloat16)
         form.metadata                   # [(checkpoint name, shape, dtype)], in order
         for name, tensor in form: ...   # the same tensors, with their data
         form.origins                    # each one's (module, attribute), if it is that tensor cast
 
-    `dtype` casts floating tensors (see `_cast_dtype`); `exclude`: in-memory
-    names to leave out (a caller sending those its own way); `fresh`: every
-    tensor stays valid while the consumer keeps it (a copy of what FSDP
-    gathered, or the parameter itself where nothing is gathered); else,
-    where no cast is needed, what FSDP gathered, valid only until the next
-    tensor is taken (for a consumer that copies each at once). A group that
-    transformers' conversion leaves as it is (one tensor, same name and shape:
-    most of them) skips the conversion on every sync."""
+    `dtype` casts floating tensors as `_cast_dtype` says. `exclude` lists in-memory names to leave out, for a
+    caller that sends those its own way. With `fresh`, every tensor stays valid while the consumer keeps it: a
+    copy of what FSDP gathered, or the parameter itself where nothing is gathered. Without it, where no cast is
+    needed, a tensor is what FSDP gathered and is valid only until the next one is taken, which suits a consumer
+    that copies each at once. A group that transformers' conversion leaves as it is, one tensor with the same
+    name and shape, skips the conversion on every sync; most groups are like that."""
 
     def __init__(
         self, model: torch.nn.Module, dtype: torch.dtype | None = None, exclude=(), fresh: bool = True
@@ -280,16 +273,16 @@ class CheckpointForm:
             metadata = [(name, tuple(t.shape), _cast_dtype(model, name, t, dtype)) for name, t in out.items()]
             self._owners.append(_fsdp_owner(model, params, group, {d for *_, d in metadata}, dtype))
             self._group_metadata.append(metadata)
-        # Where each tensor lives (module, attribute), found once: FSDP2 swaps the attribute
-        # for the unsharded parameter while its module is unsharded, so it is read on every sync.
+        # Where each tensor lives, as (module, attribute), found once. FSDP2 swaps the attribute for the
+        # unsharded parameter while its module is unsharded, so the attribute is read on every sync.
         self._where = {
             n: (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
             for group in self._groups
             for n in group
         }
-        # Each tensor's origin where it is one model tensor, cast or renamed (its whole under FSDP2):
-        # (module, attribute); or one expert's piece of a fused expert tensor: (module, attribute,
-        # (expert, first row of dim 1, rows)); None where a conversion makes it from others.
+        # Each tensor's origin: (module, attribute) where it is one model tensor, cast or renamed, whole under
+        # FSDP2; (module, attribute, (expert, first row of dim 1, rows)) where it is one expert's piece of a
+        # fused expert tensor; None where a conversion makes it from several tensors.
         fused = fused_expert_tensors(model)
         origins = []
         for group, metadata, unchanged, only_renamed in zip(
@@ -328,17 +321,17 @@ class CheckpointForm:
                         f"param_dtype) must be {self._dtype} or float32 to send them in {self._dtype}"
                     )
                 for name, t in (gathered if unchanged else _revert(self._model, gathered)).items():
-                    # Fresh: a copy of what FSDP gathered, since reshard() frees its memory
-                    # and a consumer may keep what it was given (vLLM's unpacked send does).
+                    # Fresh: copy what FSDP gathered, since reshard() frees its memory and a consumer may keep
+                    # what it was given, as vLLM's unpacked send does.
                     yield name, t.to(dtypes[name], copy=self._fresh and owner is not None)
                 del gathered
-        finally:  # also when the consumer stops early: the module's own (sharded) parameters back
+        finally:  # also when the consumer stops early: put the module's sharded parameters back
             if unsharded is not None:
                 unsharded.reshard()
 
 
-# Which rows of a fused expert tensor ([E, 2I, H] gate rows then up rows; [E, H, I]) each expert's
-# tensor in checkpoint form is, by its name: what the conversion must have cut it from.
+# Which rows of a fused expert tensor each expert's checkpoint tensor must have been cut from, by its name.
+# gate_up_proj is [E, 2I, H] with the gate rows first; down_proj is [E, H, I].
 _EXPERT_PIECES = {
     "gate_up_proj": {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1},
     "down_proj": {"down_proj": None, "w2": None},
@@ -347,11 +340,11 @@ _ONE_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def _expert_origins(group: list[str], metadata: list[tuple], where: dict, fused: dict) -> list:
-    """The origins (CheckpointForm.origins) of the tensors a conversion makes
-    of `group`: each expert's tensor cut from a fused expert tensor in vLLM's
-    layout, its slice of it, found from its checkpoint name alone (expert id;
-    gate, up or down), not from what the conversion does, so that a
-    conversion that cuts the wrong slice fails the exact check; else None."""
+    """Return the CheckpointForm.origins of the tensors a conversion makes of `group`.
+
+    An expert's tensor cut from a fused expert tensor in vLLM's layout gets its slice, found from its checkpoint
+    name alone: the expert id, and gate, up or down. It does not come from what the conversion does, so a
+    conversion that cuts the wrong slice fails the exact check. Other tensors get None."""
     layout = fused.get(group[0]) if len(group) == 1 else None
     pieces = _EXPERT_PIECES.get(group[0].rpartition(".")[2])
     if layout is None or pieces is None or layout["transposed"] or not layout["concatenated"]:
@@ -371,10 +364,10 @@ def _expert_origins(group: list[str], metadata: list[tuple], where: dict, fused:
 
 
 def _gather_order(owners: list) -> list[int]:
-    """The groups in an order that gathers each FSDP module once per sync:
-    each module's groups together, where its first group was (the root's
-    embeddings and lm_head, a layer's experts and its norms are apart in the
-    model's own order); a group no module gathers keeps its place."""
+    """Order the groups so that a sync gathers each FSDP module once.
+
+    A module's groups go together, where its first group was; in the model's own order the root's embeddings
+    and lm_head, or a layer's experts and its norms, are apart. A group no module gathers keeps its place."""
 
     def module_of(i: int):
         return id(owners[i]) if owners[i] is not None else ("alone", i)
@@ -388,12 +381,12 @@ def _gather_order(owners: list) -> list[int]:
 def _fsdp_owner(
     model: torch.nn.Module, params: set[str], names: list[str], dtypes: set[torch.dtype], dtype: torch.dtype | None
 ):
-    """The FSDP2 module whose unshard() gathers the parameters `names`
-    (`params`: the model's parameter names), if one module does and all are
-    sent cast to `dtype` (FSDP's gather in its compute dtype then gives the
-    same bits as gathering and casting); else None: each is then gathered on
-    its own with full_tensor(). None also where FSDP2 shards over one rank:
-    its one shard is the whole parameter, nothing to gather (_full)."""
+    """Return the FSDP2 module whose unshard() gathers the parameters `names`, or None.
+
+    `params` holds the model's parameter names. A module is returned if it gathers them all and all are sent cast
+    to `dtype`: FSDP's gather in its compute dtype then gives the same bits as gathering and casting. Otherwise
+    each is gathered on its own with full_tensor(). Where FSDP2 shards over one rank, the one shard is the whole
+    parameter and there is nothing to gather, so None is returned too."""
     from torch.distributed.fsdp import FSDPModule
 
     owners = set()
@@ -414,29 +407,28 @@ def _fsdp_owner(
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole value: its FSDP2 shards gathered, or its one shard where it has one."""
+    """Return a parameter's whole value: its FSDP2 shards gathered, or its one shard where it has only one."""
     if not hasattr(t, "full_tensor"):
         return t
     return t.to_local() if _whole_shard(t) else t.full_tensor()
 
 
 def _whole_shard(t: torch.Tensor) -> bool:
-    """Whether `t` is a DTensor over one rank: its local shard is all of it."""
+    """Return whether `t` is a DTensor over one rank, whose local shard is all of it."""
     return hasattr(t, "device_mesh") and t.device_mesh.size() == 1
 
 
 # ---------------------------------------------------------------------------
-# The in-memory fused expert tensors (what the direct loader copies as they are)
+# The in-memory fused expert tensors, which the direct loader copies as they are
 # ---------------------------------------------------------------------------
 
 
 def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
-    """The in-memory parameters that hold all experts of a layer stacked on
-    dim 0 (name -> global shape and layout), i.e. those a rank holds a block
-    of experts of under FSDP2. Found through transformers' own marker: the
-    modules `use_experts_implementation` wraps carry `num_experts`,
-    `is_transposed` ([E, H, 2I] instead of [E, 2I, H]) and `is_concatenated`
-    (gate rows then up rows, rather than interleaved)."""
+    """Map each in-memory parameter that stacks all of a layer's experts on dim 0 to its global shape and layout.
+
+    Under FSDP2 a rank holds a block of experts of each. They are found through transformers' own marker: the
+    modules `use_experts_implementation` wraps carry `num_experts`, `is_transposed`, which means [E, H, 2I]
+    instead of [E, 2I, H], and `is_concatenated`, which means gate rows then up rows rather than interleaved."""
     out = {}
     for prefix, module in model.named_modules():
         if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
@@ -452,13 +444,13 @@ def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
 
 
 def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each fused expert tensor's in-memory name -> the name the direct loader
-    receives a rank's block of it under: its leaf name under the experts
-    module's CHECKPOINT name, which is the name vLLM gives its fused expert
-    layer. Mixtral: `model.layers.0.mlp.experts.gate_up_proj` ->
-    `model.layers.0.block_sparse_moe.experts.gate_up_proj` (the checkpoint has
-    `...block_sparse_moe.experts.<e>.w1.weight`, ...). The module's name is
-    the common prefix of its experts' checkpoint names, minus expert ids."""
+    """Map each fused expert tensor's in-memory name to the name the direct loader receives a rank's block under.
+
+    That name is its leaf name under the experts module's checkpoint name, which is the name vLLM gives its fused
+    expert layer. For Mixtral, `model.layers.0.mlp.experts.gate_up_proj` becomes
+    `model.layers.0.block_sparse_moe.experts.gate_up_proj`, since the checkpoint has
+    `...block_sparse_moe.experts.<e>.w1.weight`. The module's name is the common prefix of its experts'
+    checkpoint names, minus expert ids."""
     by_module: dict[str, list[str]] = defaultdict(list)
     for name in fused_expert_tensors(model):
         by_module[name.rpartition(".")[0]].append(name)
@@ -473,7 +465,7 @@ def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 class PackedPart(TrainerSource):
-    """The first `count` tensors of `source` (what goes through the packed buffer)."""
+    """The first `count` tensors of `source`: what goes through the packed buffer."""
 
     def __init__(self, source: TrainerSource, count: int) -> None:
         self._source, self._count = source, count
@@ -486,44 +478,47 @@ class PackedPart(TrainerSource):
         try:
             yield from itertools.islice(tensors, self._count)
         finally:
-            tensors.close()  # the rest is not produced (a CheckpointForm reshards what it gathered)
+            tensors.close()  # skip the rest, so that a CheckpointForm reshards what it gathered
 
 
 class ExpertsInPlace:
-    """A rank's own expert blocks (LocalExpertSource), for the engine on its
-    GPU to copy straight from the trainer's memory (one copy per expert
-    weight, none through the packed buffer): each block's CUDA IPC handle,
-    exported once while the block stays where it is (FSDP2 keeps a shard's
-    storage; the optimizer steps it in place), gathered to rank 0 for every
-    send once the rank's GPU is synchronized. Only for blocks held as vLLM
-    holds them (bf16, contiguous, on the GPU); fp32 masters go packed, cast."""
+    """A rank's own expert blocks, for the engine on its GPU to copy straight from the trainer's memory.
+
+    Each expert weight is copied once and nothing goes through the packed buffer. Each block's CUDA IPC handle
+    is exported once, while the block stays where it is: FSDP2 keeps a shard's storage and the optimizer steps
+    it in place. The handles are gathered to rank 0 for every send, once the rank's GPU is synchronized. This
+    works only for blocks held as vLLM holds them: bf16, contiguous, on the GPU. fp32 master weights go packed,
+    cast to bf16."""
 
     def __init__(self, blocks: dict[str, torch.nn.Parameter]) -> None:
         self.names = list(blocks)  # the names they are sent under, in send order
         self._params = list(blocks.values())
-        self._exported: tuple[list, list] | None = None  # (where the blocks were, their handles)
-        self.gathered: dict[str, list] | None = None  # every rank's handles by GPU (rank 0 uses them)
+        self._exported: tuple[list, list] | None = None  # where the blocks were, and their handles
+        self.gathered: dict[str, list] | None = None  # every rank's handles by GPU, used on rank 0
 
     @staticmethod
     def possible(blocks: dict[str, torch.nn.Parameter]) -> bool:
-        """Whether every rank holds its blocks as vLLM does (every rank at
-        once: each send's handshake must be the same on all of them)."""
+        """Return whether every rank holds its blocks as vLLM does.
+
+        Every rank calls it at once, since each send's handshake must be the same on all of them."""
         local = [_local(p) for p in blocks.values()]
         here = bool(local) and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in local)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            every = torch.tensor([int(here)])  # (on the CPU: the process group's gloo part)
+            every = torch.tensor([int(here)])  # on the CPU, for the process group's gloo backend
             dist.all_reduce(every, op=dist.ReduceOp.MIN)
             return bool(every.item())
         return here
 
     def packed_part(self, source: TrainerSource) -> PackedPart:
-        """What of `source` (these blocks the last it yields; a source wrapped
-        around it, too) goes through the packed buffer while they go in place."""
+        """Return the part of `source` that goes through the packed buffer while these blocks go in place.
+
+        `source` must yield these blocks last; a source wrapped around it works too."""
         return PackedPart(source, len(source.metadata) - len(self.names))
 
     def gather(self) -> None:
-        """Every rank at once: its GPU synchronized, its handles (exported
-        again only if a block moved) to every rank."""
+        """Synchronize this rank's GPU and share its handles with every rank; all ranks call it at once.
+
+        A block's handle is exported again only if the block moved."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         local = [_local(p) for p in self._params]
@@ -540,26 +535,25 @@ class ExpertsInPlace:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's own storage on this rank (its FSDP2 shard), detached."""
+    """Return a parameter's own storage on this rank, its FSDP2 shard, detached."""
     return (param.to_local() if hasattr(param, "to_local") else param).detach()
 
 
 class BF16Source(TrainerSource):
-    """What vLLM's own loader receives: every tensor as `save_pretrained`
-    would write it (CheckpointForm: each family's checkpoint
-    names, persistent buffers such as a router's correction bias included),
-    gathered one FSDP module at a time, in bf16 (fp32 where transformers keeps
-    a tensor in fp32). Names and shapes are worked out once, not per sync.
-    `fresh`: as CheckpointForm takes it."""
+    """What vLLM's own loader receives: every tensor as `save_pretrained` would write it, in bf16.
+
+    CheckpointForm gives each family's checkpoint names, persistent buffers such as a router's correction bias
+    included, gathered one FSDP module at a time. A tensor transformers keeps in fp32 stays fp32. Names and
+    shapes are worked out once, not per sync. `fresh` is passed to CheckpointForm."""
 
     def __init__(self, module: torch.nn.Module, exclude=(), fresh: bool = True) -> None:
         self._form = CheckpointForm(module, torch.bfloat16, exclude, fresh)
-        split = vllm_load_form(module, self._form.metadata)  # where this vLLM wants other names
+        split = vllm_load_form(module, self._form.metadata)  # where the installed vLLM wants other names
         self._metas = [ParamMeta(n, d, s) for meta in self._form.metadata for n, s, d in split.get(meta[0], [meta])]
         self._split = {name: [n for n, _, _ in parts] for name, parts in split.items()}
-        # Where each tensor comes from: (module, attribute, is a rank's own block) if it is that
-        # model tensor cast (its whole under FSDP2), and (expert, first row, rows) after them if it
-        # is one expert's slice of it; else None. Lets a check read the model instead.
+        # Where each tensor comes from, so that a check can read the model instead: (module, attribute, is a
+        # rank's own block) if it is that model tensor cast, whole under FSDP2, followed by (expert, first row,
+        # rows) if it is one expert's slice of it; else None.
         self.origins = [
             None
             if not origin or (meta[0] in split and len(origin) > 2)
@@ -582,17 +576,14 @@ class BF16Source(TrainerSource):
 
 
 class LocalExpertSource(BF16Source):
-    """What the direct loader receives from one rank: BF16Source's tensors,
-    except the fused expert tensors, of which each rank sends its own FSDP
-    shard without a gather, under the name of vLLM's expert layer
-    (expert_block_names). FSDP2 shards dim 0, so rank r holds
-    experts [r*E/N, (r+1)*E/N): the block vLLM's linear expert placement
-    gives the engine on rank r's GPU. Every rank yields the same names and
-    shapes, as vLLM's packed IPC producer requires; every rank builds its
-    source at once (they agree whether the blocks can go in place). Its
-    tensors are not fresh (CheckpointForm): the direct loader takes packed
-    sends only, whose producer copies each tensor into its buffer before it
-    takes the next."""
+    """What the direct loader receives from one rank: BF16Source's tensors, except the fused expert tensors.
+
+    Of those, each rank sends its own FSDP shard without a gather, under the name of vLLM's expert layer from
+    expert_block_names. FSDP2 shards dim 0, so rank r holds experts [r*E/N, (r+1)*E/N): the block that vLLM's
+    linear expert placement gives the engine on rank r's GPU. Every rank yields the same names and shapes, as
+    vLLM's packed IPC producer requires. Every rank builds its source at once, since the ranks agree whether
+    the blocks can go in place. Its tensors are not fresh, in CheckpointForm's sense: the direct loader takes
+    packed sends only, whose producer copies each tensor into its buffer before it takes the next."""
 
     def __init__(self, module: torch.nn.Module, world_size: int) -> None:
         if problem := direct_loader_problem(module, world_size):
@@ -613,18 +604,17 @@ class LocalExpertSource(BF16Source):
 
     def tensors(self):
         yield from super().tensors()
-        for name, sent in self._blocks.items():  # last (weight_sender sends them in place if it can)
+        for name, sent in self._blocks.items():  # last, so that weight_sender can send them in place
             yield sent, _local(self._params[name]).to(torch.bfloat16)
 
 
 def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
-    """Why the direct loader cannot sync this model over `world_size`
-    GPUs, or None. It sends what vLLM's loader gets (the checkpoint form),
-    except that each rank sends its own block of each fused expert tensor
-    (expert_block_names), which the server copies as it is into
-    its own experts. So each fused expert tensor must be one the server knows
-    (gate_up_proj, down_proj), in vLLM's layout [E, 2I, H] (gate rows then up
-    rows), with experts that split evenly over the GPUs."""
+    """Return why the direct loader cannot sync this model over `world_size` GPUs, or None.
+
+    It sends what vLLM's loader gets, the checkpoint form, except that each rank sends its own block of each
+    fused expert tensor, which the server copies as it is into its own experts. So each fused expert tensor
+    must be one the server knows, gate_up_proj or down_proj, in vLLM's layout [E, 2I, H] with the gate rows
+    first, and its experts must split evenly over the GPUs."""
     from weight_sync.direct_load import EXPERT_TENSORS, USE_VLLMS_LOADER
 
     fix = f"; {USE_VLLMS_LOADER}"
