@@ -201,14 +201,18 @@ def run_variant(
         if i == 1 and started_at is not None:
             time_to_first_sync_s = time.monotonic() - started_at
     rounds = proof.rounds
+    profiled = profile[0] if profile and loader == "direct" else None  # its times include the profiler's
     return {
         "weight_loader": loader,
         "sleep_level": sleep_level,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "experts_in_place": job.experts_in_place if loader == "direct" else None,
         "coverage": proof.coverage,
-        "rounds": [with_floor(r.to_json(), device_copy_gb_per_s) for r in rounds],
-        "median_cycle_s": statistics.median(r.cycle_s for r in rounds),
+        "rounds": [
+            {**with_floor(r.to_json(), device_copy_gb_per_s), "profiled": i == profiled}
+            for i, r in enumerate(rounds, 1)
+        ],
+        "median_cycle_s": statistics.median(r.cycle_s for i, r in enumerate(rounds, 1) if i != profiled),
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": report.memory_growth_gib(rounds),
