@@ -350,7 +350,8 @@ def test_the_every_case_block_holds_each_amax_and_element_and_tells_roundings_ap
     assert int((by_reciprocal != by_division).sum()) >= 30
 
 
-def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_does():
+@pytest.mark.parametrize("native", [False, True])
+def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_does(native):
     """On a GPU vLLM's per_block_cast_to_fp8 runs as TorchInductor compiles it:
     the scale amax times fp32(1/448) (Inductor turns a division by a constant
     into that product), then `1 / scale` as Triton's own division (PTX
@@ -358,7 +359,9 @@ def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_do
     TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING), then the elements times it.
     The kernel, compiled for an H100/H200 (sm_90) without a GPU, must do the
     same: one div.full.f32, the 1/448 constant, no IEEE division, no fused
-    multiply-add that would round the product otherwise."""
+    multiply-add that would round the product otherwise. With `native`, the
+    cast to e4m3 is the GPU's own conversion, rounding to nearest even and
+    saturating at 448, as PyTorch's cast does below 464."""
     import re
 
     import triton
@@ -383,14 +386,15 @@ def test_the_fp8_kernel_divides_on_a_gpu_as_inductors_code_for_vllms_function_do
     types = ["*bf16", "*u8", "*fp32"] + ["i32"] * 3 + ["i64"] * 7
     source = ASTSource(
         fp8_experts._fp8_blocks_kernel,
-        {**dict(zip(names, types, strict=True)), "BLOCK": "constexpr", "DIVIDE": "constexpr"},
-        {"BLOCK": 128, "DIVIDE": False},
+        {**dict(zip(names, types, strict=True)), "BLOCK": "constexpr", "DIVIDE": "constexpr", "NATIVE": "constexpr"},
+        {"BLOCK": 128, "DIVIDE": False, "NATIVE": native},
     )
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     float_ops = re.findall(r"\b((?:div|rcp|fma|mul|add|sub)\.[a-z.]*f32)\b", ptx)
     assert float_ops.count("div.full.f32") == 1 and "div.rn.f32" not in float_ops, float_ops
     assert not [op for op in float_ops if op.startswith(("fma", "rcp"))], float_ops
     assert "0f3B124925" in ptx  # fp32(1 / 448), the multiplier of amax
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == native
 
 
 def test_a_direct_sync_writes_the_scales_vllms_fp8_kernel_reads_also_after_vllms_loader_rebuilt_it():
