@@ -226,7 +226,7 @@ class Proof:
             prepare_exact_check(job)
         self.coverage = check_coverage(job, args.sleep_level) if args.check_coverage else None
 
-    # main()'s
+    # main()'s calls
 
     def before_rounds(self, greedy: list[helpers.Completion]) -> None:
         """Measure the gate's basis: the trainer's own kernel noise on these completions' tokens."""
