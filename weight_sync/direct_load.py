@@ -51,7 +51,7 @@ pauses scheduling and clears the prefix cache, whose entries were computed
 with the old weights.
 
 vllm_adapter.py holds everything that differs between the vLLM versions this
-example is tested on (0.32, 0.33, 0.34), including TrainerSource and
+example is tested on, 0.32, 0.33 and 0.34, including TrainerSource and
 vllm_load_form on the trainer's side.
 """
 
