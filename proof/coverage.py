@@ -10,16 +10,19 @@ from weight_sync import multinode
 
 
 def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict:
-    """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns
-    {key: sha256}, 'compare' checks against a baseline."""
+    """POST /weight_checker: 'reset' zeroes every parameter, 'checksum' returns {key: sha256}.
+
+    'compare' checks the parameters against `baseline`.
+    """
     body = {"action": action, **({"baseline": baseline} if baseline is not None else {})}
     return helpers.request(sock, "POST", "/weight_checker", json=body)
 
 
 def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
-    """The first half of a sync (sleep, wake the weights), then zero every
-    vLLM parameter on every DP rank; returns their checksums as zeros. What
-    the sync then fails to write stays zero."""
+    """Run the first half of a sync, then zero every vLLM parameter on every DP rank; return their checksums.
+
+    The first half is sleeping and waking the weights. Whatever the following sync fails to write stays zero.
+    """
     helpers.sleep_for_sync(sock, sleep_level)
     helpers.wake_weights(sock, sleep_level)
     weight_checker(sock, "reset")
@@ -27,7 +30,7 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
 
 
 def check_coverage(job, sleep_level: int) -> dict:
-    """A sync into zeroed vLLM weights: what it misses stays zero."""
+    """Sync into zeroed vLLM weights and report what the sync left zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
     helpers.send_all(
         job.trainers,
@@ -42,7 +45,9 @@ def check_coverage(job, sleep_level: int) -> dict:
 
 
 def coverage(sock: str, zeros: dict[str, str]) -> dict:
-    """After a sync that followed zero_vllm_weights: which parameters it left
-    zero (vLLM's /weight_checker: slow, it hashes every tensor)."""
+    """Return which parameters a sync after zero_vllm_weights left zero.
+
+    vLLM's /weight_checker is slow, because it hashes every tensor.
+    """
     written = set(weight_checker(sock, "compare", baseline=zeros)["mismatches"])
     return {"parameters": len(zeros), "unwritten": sorted(set(zeros) - written)}

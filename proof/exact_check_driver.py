@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The exact check, from the driver: every DP engine holds, bit for bit, what the trainer rank on its
-GPU sent. `prepare_exact_check` once per setup tells the engines what will be sent; after each sync
-`start_exact_check` runs both halves (rank_measurement.FingerprintedSource on the trainers,
-exact_check_engine.ExactCheckWorker on the engines) in a thread beside the gate, and `exact_check`
-takes the verdict."""
+"""Drive the exact check: every DP engine must hold, bit for bit, what the trainer rank on its GPU sent.
+
+`prepare_exact_check` tells the engines what will be sent, once per setup. After each sync,
+`start_exact_check` runs both halves in a thread beside the gate: rank_measurement.FingerprintedSource on the
+trainers and exact_check_engine.ExactCheckWorker on the engines. `exact_check` takes the verdict.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from proof.rank_measurement import measured, rank_fingerprints
 
 
 def prepare_exact_check(job) -> dict:
-    """Tell every engine what the trainers' current weight source sends, so
-    it learns which of its parameters each tensor is written into
-    (ExactCheckWorker.exact_check_prepare, exact_check_engine.py). After setting up
-    a loader's transfer, before a full sync: it leaves zeros where it probes."""
+    """Tell every engine what the trainers' current weight source sends.
+
+    Each engine learns which of its parameters each tensor is written into; see
+    ExactCheckWorker.exact_check_prepare in exact_check_engine.py. Call it after setting up a loader's transfer
+    and before a full sync, because it leaves zeros where it probes.
+    """
     sent = measured(job.trainers[:1], "sent_metadata")[0]
     answers = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))
     answer = answers[0]
-    # What vLLM holds in another dtype (JSON made the indices strings) is fingerprinted cast.
-    # Where each piece of a stacked parameter lands in it: the trainer fingerprints it at those rows.
+    # Tensors vLLM holds in another dtype are fingerprinted after the same cast; JSON made the indices strings.
+    # The trainer fingerprints each piece of a stacked parameter at the rows where it lands.
     rows = rows_on_every_engine(engines_rows(answers), [name for name, *_ in sent], job.dp_size)
     measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()}, rows)
     if answer.get("by_value"):
@@ -47,11 +50,12 @@ def prepare_exact_check(job) -> dict:
 
 
 def engines_rows(answers: list[dict]) -> dict[int, int]:
-    """The rows each piece of a stacked parameter lands at, from every DP
-    engine's exact_check_prepare answer: each engine places the pieces it
-    holds (vLLM's loader gives each its own experts' tensors), and the
-    trainer ranks, whose fingerprints of a tensor add up over them, need one
-    row per tensor, so two engines that place one differently are an error."""
+    """Collect the row each piece of a stacked parameter lands at from every DP engine's prepare answer.
+
+    Each engine places the pieces it holds, since vLLM's loader gives each engine its own experts' tensors.
+    The trainer ranks' fingerprints of a tensor add up over the ranks, so they need one row per tensor, and
+    two engines that place a tensor at different rows raise an error.
+    """
     rows: dict[int, int] = {}
     for dp_rank, answer in enumerate(answers):
         for index, row in answer.get("rows", {}).items():
@@ -63,17 +67,18 @@ def engines_rows(answers: list[dict]) -> dict[int, int]:
     return rows
 
 
-# One expert's tensor, as vLLM's own loader takes it (`<layer>.experts.<id>.<name>`).
+# One expert's tensor as vLLM's own loader takes it: `<layer>.experts.<id>.<name>`.
 _ONE_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
 
 
 def rows_on_every_engine(rows: dict[int, int], names: list[str], dp_size: int) -> dict[int, int]:
-    """`rows` (engines_rows) with the rows of the experts' tensors that DP
-    engines other than the first hold: /collective_rpc answers with the first
-    engine's prepare alone, which places only its own experts. Under vLLM's
-    linear expert placement engine k holds experts [k*E/D, (k+1)*E/D) in its
-    slots in order, so expert e's tensor lands where expert e mod E/D's does on
-    the first engine (E: the layer's experts, D: the DP engines)."""
+    """Extend `rows` from engines_rows with the rows of expert tensors held by DP engines other than the first.
+
+    /collective_rpc returns only the first engine's prepare answer, which places only its own experts. With
+    E experts in a layer and D DP engines, vLLM's linear expert placement gives engine k experts
+    [k*E/D, (k+1)*E/D) in its slots in order. So expert e's tensor lands where expert e mod E/D's does on the
+    first engine.
+    """
     if dp_size <= 1:
         return rows
     where = {name: index for index, name in enumerate(names)}
@@ -94,35 +99,39 @@ def rows_on_every_engine(rows: dict[int, int], names: list[str], dp_size: int) -
 
 @dataclass
 class ExactCheck:
-    """Whether every DP engine holds exactly what the trainer rank on its GPU
-    sent (ExactCheckWorker.exact_check, exact_check_engine.py), per vLLM parameter."""
+    """Hold whether every DP engine holds exactly what the trainer rank on its GPU sent, per vLLM parameter.
+
+    The engines' side is ExactCheckWorker.exact_check in exact_check_engine.py.
+    """
 
     passed: bool
-    seconds: float  # from the start to the verdict: both sides' fingerprints and the comparison (beside the gate)
-    parameters_per_engine: int | None  # checked on each engine (DP engine 0's count; all engines check all theirs)
+    # Start to verdict, run beside the gate: both sides' fingerprints and the comparison.
+    seconds: float
+    # Parameters checked per engine, as DP engine 0 counts them; every engine checks all of its own.
+    parameters_per_engine: int | None
     dp_engines: int
-    problem: str | None = None  # the first engine's words: which parameters differ
-    trainer_seconds: float | None = None  # of `seconds`: both sides started, the trainers' sums read back
-    engine_seconds: float | None = None  # DP engine 0's, inside its exact_check call (None if it failed)
-    wait_seconds: float | None = None  # what the check added to the round: its wait for the verdict after the gate
+    problem: str | None = None  # The first engine's message naming the parameters that differ.
+    trainer_seconds: float | None = None  # Part of `seconds`: both sides started and the trainers' sums read back.
+    engine_seconds: float | None = None  # DP engine 0's time inside its exact_check call; None if it failed.
+    wait_seconds: float | None = None  # Time the round waited for the verdict after the gate.
 
 
-_running_checks: set[concurrent.futures.Future] = set()  # started, verdict not yet in (settle_exact_checks)
+_running_checks: set[concurrent.futures.Future] = set()  # Started checks without a verdict yet.
 
 
 def start_exact_check(job) -> concurrent.futures.Future:
-    """After a sync: the exact check, in a thread of its own, beside what the
-    round does next (the gate's requests). Every trainer rank and every DP
-    engine start fingerprinting on CUDA streams of their own, then each engine
-    compares what it holds with what its trainer rank sent. exact_check(started)
-    waits for the verdict."""
+    """Start the exact check after a sync, in its own thread beside the gate's requests.
+
+    Every trainer rank and every DP engine start fingerprinting on their own CUDA streams, then each engine
+    compares what it holds with what its trainer rank sent. exact_check(started) waits for the verdict.
+    """
     verdict: concurrent.futures.Future = concurrent.futures.Future()
     _running_checks.add(verdict)
 
     def check() -> None:
         try:
             verdict.set_result(_exact_check(job))
-        except BaseException as e:  # re-raised in the round, by exact_check
+        except BaseException as e:  # exact_check re-raises it in the round.
             verdict.set_exception(e)
         finally:
             _running_checks.discard(verdict)
@@ -132,16 +141,16 @@ def start_exact_check(job) -> concurrent.futures.Future:
 
 
 def settle_exact_checks(timeout_s: float = 30) -> None:
-    """Wait, up to `timeout_s`, for exact checks still running beside a
-    round that failed (or was interrupted) before taking their verdict: they
-    call the trainers and the server, and must be done before the job leaves
-    Ray (a Ray call after ray.shutdown() would start a new local Ray)."""
+    """Wait up to `timeout_s` for exact checks left running by a round that failed or was interrupted.
+
+    They call the trainers and the server, so they must finish before the job leaves Ray: a Ray call after
+    ray.shutdown() would start a new local Ray.
+    """
     concurrent.futures.wait(list(_running_checks), timeout=timeout_s)
 
 
 def exact_check(started: concurrent.futures.Future) -> ExactCheck:
-    """The verdict of the exact check start_exact_check started;
-    `wait_seconds`: how long the round waited for it."""
+    """Wait for the verdict of the check start_exact_check started, recording the wait in `wait_seconds`."""
     waited = time.perf_counter()
     result = started.result()
     result.wait_seconds = time.perf_counter() - waited
@@ -149,9 +158,11 @@ def exact_check(started: concurrent.futures.Future) -> ExactCheck:
 
 
 def _exact_check(job) -> ExactCheck:
-    """Each trainer rank fingerprints what it sent (from its own model's
-    shards, where a tensor is one model tensor); each DP engine compares that
-    with what it holds, per parameter, on its GPU."""
+    """Run both halves: each trainer rank fingerprints what it sent, and each DP engine compares on its GPU.
+
+    Where a sent tensor is one model tensor, the trainer fingerprints it from its own model's shards. Each
+    engine compares per parameter.
+    """
     start = time.perf_counter()
     measured(job.trainers, "start_sent_fingerprints")
     helpers.collective_rpc(job.server.socket_path, "exact_check_start")
@@ -160,7 +171,7 @@ def _exact_check(job) -> ExactCheck:
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
         answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
-    except helpers.ServerError as e:  # the engine's own words, out of the HTTP error's JSON
+    except helpers.ServerError as e:  # Extract the engine's own message from the HTTP error's JSON.
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: ") :].split('"', 1)[0]

@@ -1,20 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The exact check's engine half, and its fingerprint: proof that every DP
-engine holds, bit for bit, what the trainer rank on its GPU sent.
+"""Prove on each engine that every DP engine holds, bit for bit, what the trainer rank on its GPU sent.
 
-`ExactCheckWorker` is the direct loader's worker extension (direct_load.py)
-with the exact check's calls added; rlhf_ipc_fsdp_ep.py starts the server with
-`--worker-extension-cls exact_check_engine.ExactCheckWorker`. Its calls, through
-`/collective_rpc`, on every engine:
+This is the engine's half of the exact check, and its fingerprint. `ExactCheckWorker` is the direct
+loader's worker extension from direct_load.py with the exact check's calls added. rlhf_ipc_fsdp_ep.py
+starts the server with `--worker-extension-cls exact_check_engine.ExactCheckWorker`. Its calls, made
+through `/collective_rpc` on every engine, are:
 
     exact_check_prepare(sent)   once: which parameters each sent tensor is written into, at which rows
     exact_check_start()         after a sync: fingerprint what the engine holds, beside serving
     exact_check(expected)       compare with the trainer's fingerprints; raise naming what differs
-    direct_load_fingerprint(a)  'store' / 'compare' every parameter (benchmark.py's loaders_agree)
+    direct_load_fingerprint(a)  'store' / 'compare' every parameter, for benchmark.py's loaders_agree
 
-The trainer's half (checks.FingerprintedSource) fingerprints what each rank
-sent with the same function (`exact_fingerprint`), so the two sums meet
-exactly: integer arithmetic, the same on a GPU and a CPU.
+The trainer's half, rank_measurement.FingerprintedSource, fingerprints what each rank sent with the same
+function, `exact_fingerprint`. It uses integer arithmetic that gives the same result on a GPU and a CPU,
+so the two sides' sums match exactly.
 """
 
 from __future__ import annotations
@@ -39,20 +38,20 @@ from weight_sync.direct_load import (
 from weight_sync.fp8_experts import fp8_reference, fp8_shards
 from weight_sync.vllm_adapter import internal
 
-try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything
+try:  # vLLM's GPU builds depend on Triton; without it, the torch code fingerprints everything.
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
 
-_ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor in checkpoint form: its id
+_ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # Captures the expert id of one expert's checkpoint tensor.
 
 
 class ExactCheckWorker(DirectLoadWorker):
-    """DirectLoadWorker with the exact check's calls; every method runs on every engine."""
+    """Add the exact check's calls to DirectLoadWorker; every method runs on every engine."""
 
     def direct_load_start(self, in_place: str | dict = "") -> dict:
-        self._exact_started = None  # fingerprints of what the engine held before this sync: no longer of use
+        self._exact_started = None  # Fingerprints of the weights held before this sync are now stale.
         if getattr(self, "_profile_path", None) and getattr(self, "_profiler", None) is None:
             import cProfile
 
@@ -61,8 +60,11 @@ class ExactCheckWorker(DirectLoadWorker):
         return super().direct_load_start(in_place)
 
     def profile_next_sync(self, path: str) -> dict:
-        """Profile this engine's part of the next direct sync (Python, with cProfile); its top functions by
-        cumulative time go to `path` with the engine's DP rank appended, once the sync is finished."""
+        """Profile this engine's Python in the next direct sync with cProfile.
+
+        When the sync finishes, its top functions by cumulative time are written to `path` with the engine's
+        DP rank appended.
+        """
         self._profile_path = f"{path}.engine{self.vllm_config.parallel_config.data_parallel_rank}.txt"
         return {"path": self._profile_path}
 
@@ -76,9 +78,10 @@ class ExactCheckWorker(DirectLoadWorker):
                 self._profiler = self._profile_path = None
 
     def direct_load_fingerprint(self, action: str) -> dict:
-        """'store': remember a fingerprint of every parameter. 'compare':
-        fingerprint again and raise, naming them, if any parameter differs
-        from the stored one (so a mismatch on any DP engine fails the call)."""
+        """Store a fingerprint of every parameter, or compare every parameter with the stored one.
+
+        With 'compare', raise naming the parameters that differ, so a mismatch on any DP engine fails the call.
+        """
         model = self.model_runner.get_model()
         prints = {name: _fingerprint(p) for name, p in model.named_parameters()}
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
@@ -99,24 +102,24 @@ class ExactCheckWorker(DirectLoadWorker):
         return {"dp_rank": dp_rank, "parameters": len(reference), "differ": differ}
 
     def exact_check_prepare(self, sent: str) -> dict:
-        """Learn which of this engine's parameters each tensor the trainer
-        sends is written into (`exact_targets`; `sent`: JSON [[name, dtype,
-        shape, is_expert_block], ...], the source's metadata in send order).
-        Also where each piece of a parameter written from several tensors
-        lands in it (`piece_rows`: "rows", what the trainer fingerprints each
-        piece at). Before a full sync: it leaves every parameter it probes
-        zero, until the sync overwrites it."""
+        """Learn which of this engine's parameters each tensor the trainer sends is written into.
+
+        `sent` is JSON [[name, dtype, shape, is_expert_block], ...], the source's metadata in send order; see
+        exact_targets. Also learn where each piece of a parameter written from several tensors lands in it,
+        returned as "rows" from piece_rows, for the trainer to fingerprint each piece at. Call it before a
+        full sync, because it leaves every parameter it probes zeroed until the sync overwrites it.
+        """
         model, sent = self.model_runner.get_model(), json.loads(sent)
         self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
         rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only)
-        self._exact_whole = sorted(set(whole) | set(placed))  # every element compared in its place
-        with torch.no_grad():  # the probes' constants (up to 3e38) would overflow what it serves before the sync
+        self._exact_whole = sorted(set(whole) | set(placed))  # Every element is compared in its place.
+        with torch.no_grad():  # Zero the probes' constants, up to 3e38, which would overflow what it serves.
             params = dict(model.named_parameters())
             for name in probed_parameters(sent, self._exact_targets):
                 params[name].zero_()
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
-        exact_fingerprints(p for _, p in model.named_parameters())  # Triton compiles its kernels now, not in a sync
+        exact_fingerprints(p for _, p in model.named_parameters())  # Let Triton compile its kernels now, not in a sync.
         return {
             "tensors": len(self._exact_targets),
             "casts": casts,
@@ -128,9 +131,11 @@ class ExactCheckWorker(DirectLoadWorker):
         }
 
     def exact_check_start(self) -> dict:
-        """Start fingerprinting what this engine holds, after a sync, on a CUDA
-        stream of its own, beside whatever it serves next; exact_check waits
-        for it (or, if this was not called, fingerprints then)."""
+        """Start fingerprinting what this engine holds after a sync, on its own CUDA stream.
+
+        It runs beside whatever the engine serves next. exact_check waits for it, or fingerprints then if
+        this was not called.
+        """
         targets = self._exact_targets_or_raise()
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
@@ -139,12 +144,13 @@ class ExactCheckWorker(DirectLoadWorker):
         return {"parameters": len(names)}
 
     def exact_check(self, expected: str) -> dict:
-        """Prove that this engine holds exactly what the trainer rank on its
-        GPU sent (`exact_problems`; `expected`: JSON {gpu_uuid: [[plain,
-        by_column, by_position], ...]} in the order exact_check_prepare was given). Raise,
-        naming this DP engine and the parameters that differ, if any does."""
+        """Prove that this engine holds exactly what the trainer rank on its GPU sent.
+
+        `expected` is JSON {gpu_uuid: [[plain, by_column, by_position], ...]} in the order exact_check_prepare
+        was given; see exact_problems. Raise, naming this DP engine and the parameters that differ, if any do.
+        """
         start = time.perf_counter()
-        started, self._exact_started = getattr(self, "_exact_started", None), None  # used once, or not at all
+        started, self._exact_started = getattr(self, "_exact_started", None), None  # Use it at most once.
         targets = self._exact_targets_or_raise()
         model = self.model_runner.get_model()
         uuid = _gpu_uuid(next(model.parameters()).device)
@@ -152,7 +158,7 @@ class ExactCheckWorker(DirectLoadWorker):
         sent = per_rank[uuid] if uuid in per_rank else _no_trainer_rank(uuid, list(per_rank))
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
 
-        def fingerprints(tensors):  # those exact_check_start launched, of the same parameters; else now
+        def fingerprints(tensors):  # Those exact_check_start launched for the same parameters, else new ones.
             return started() if started is not None else self._held_fingerprints(tensors)
 
         checked, problems = exact_problems(
@@ -167,7 +173,8 @@ class ExactCheckWorker(DirectLoadWorker):
         if problems:
             fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
-                fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False  # from the next sync on
+                # Quantize through vLLM's own function from the next sync on.
+                fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False
             raise RuntimeError(
                 f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
                 f"differ: " + "; ".join(problems[:4])
@@ -181,11 +188,11 @@ class ExactCheckWorker(DirectLoadWorker):
         return targets
 
 
-_FINGERPRINT_CHUNK = 1 << 24  # elements per step: bounds the temporary memory
+_FINGERPRINT_CHUNK = 1 << 24  # Elements per step, to bound the temporary memory.
 
 
 def _write_profile(profiler, path: str) -> None:
-    """The profile's 60 functions of most cumulative time, as text."""
+    """Write the profile's 60 functions with the most cumulative time to `path` as text."""
     import io
     import pstats
 
@@ -196,35 +203,37 @@ def _write_profile(profiler, path: str) -> None:
 
 
 def _fingerprint(tensor: torch.Tensor) -> str:
-    """A checksum of a tensor's shape, dtype and every element in its place
-    (exact_fingerprint), computed on its device: for comparing an engine's
-    parameters with themselves (direct_load_fingerprint)."""
+    """Return a checksum of a tensor's shape, dtype and every element in its place, computed on its device.
+
+    direct_load_fingerprint uses it to compare an engine's parameters with themselves.
+    """
     return f"{tuple(tensor.shape)}:{tensor.dtype}:{':'.join(map(str, exact_fingerprint(tensor)))}"
 
 
 def exact_targets(
     model: torch.nn.Module, sent: list, vllm_config
 ) -> tuple[list[list[str]], dict[int, str], list[str], list[str]]:
-    """For each tensor the trainer sends ([name, dtype, shape, is an expert
-    block of the direct loader], in send order), the parameters of `model` it
-    is written into: found by loading it once, as a constant of its own
-    (_probe, which piece_rows then reads back), through the model's own
-    `load_weights` (whatever the family stacks or renames), or, for an
-    expert block, its layer's fused parameter. One expert's tensor of an
-    expert another engine holds is written nowhere here. Also {index: dtype}
-    of the tensors vLLM holds in another dtype than they are sent in (e.g. a router kept in
-    fp32): the trainer fingerprints those cast, as vLLM's loader casts them;
-    the parameters to compare by value alone (_relaid_out); and those written
-    whole from one tensor of their shape, compared element by element."""
+    """Find the parameters of `model` that each sent tensor is written into, and how to compare them.
+
+    `sent` lists [name, dtype, shape, is a direct-loader expert block] in send order. Each tensor is loaded
+    once as its own constant through the model's own `load_weights`, so whatever the model family stacks or
+    renames is followed; piece_rows then reads the constants back. An expert block maps to its layer's fused
+    parameter. A tensor of an expert that another engine holds is written nowhere here.
+
+    Return four things: the targets per sent tensor; {index: dtype} of the tensors vLLM holds in another
+    dtype than they are sent in, such as a router kept in fp32, which the trainer fingerprints after the same
+    cast vLLM's loader makes; the parameters to compare by value alone, from _relaid_out; and the parameters
+    written whole from one tensor of their shape, compared element by element.
+    """
     set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
 
     device = next(model.parameters()).device
-    layers = _expert_layers(model)  # by vLLM's layer name
-    where = {id(module): prefix for prefix, module in model.named_modules()}  # the parameters' prefix
+    layers = _expert_layers(model)  # By vLLM's layer name.
+    where = {id(module): prefix for prefix, module in model.named_modules()}  # Each module's parameter prefix.
     by_prefix = {where[id(layer)]: layer for layer in layers.values()}
     targets, quantized = [], {}
-    # (vLLM names an expert layer as the checkpoint does, e.g. model.layers.0.mlp.experts; its
-    # parameters may sit deeper, e.g. model.layers.0.mlp.experts.routed_experts.w13_weight)
+    # vLLM names an expert layer as the checkpoint does, e.g. model.layers.0.mlp.experts, but its
+    # parameters may sit deeper, e.g. model.layers.0.mlp.experts.routed_experts.w13_weight.
     unchecked_layers = tuple(f"{layer.layer_name}." for _, layer in _fp8_layers_by_vllms_loader(model, sent))
     with torch.no_grad(), set_current_vllm_config(vllm_config):
         for index, (name, dtype, shape, block) in enumerate(sent):
@@ -232,14 +241,14 @@ def exact_targets(
                 layer_name, _, tensor_name = name.rpartition(".")
                 layer, param_name = layers[layer_name], EXPERT_TENSORS[tensor_name]
                 targets.append([f"{where[id(layer)]}.{param_name}"])
-                if fp8_scales(layer, param_name) is not None:  # FP8: its weight and its scales, each whole
+                if fp8_scales(layer, param_name) is not None:  # FP8 writes its weight and its scales, each whole.
                     targets[-1].append(f"{targets[-1][0]}_scale_inv")
                     quantized[index] = f"{FP8_BLOCKS}{fp8_shards(layer, param_name)}"
                 continue
-            if unchecked_layers and name.startswith(unchecked_layers):  # an FP8 expert layer's: not probed
+            if unchecked_layers and name.startswith(unchecked_layers):  # FP8 expert layers are not probed.
                 targets.append([])
                 continue
-            # (its own constant, not zeros: piece_rows reads back where each piece landed)
+            # Use a distinct constant, not zeros, so piece_rows can read back where each piece landed.
             loaded = sorted(model.load_weights([(name, _probe(index, shape, dtype, device))]) or ())
             targets.append([t for t in loaded if not _held_elsewhere(name, by_prefix.get(t.rpartition(".")[0]))])
     params = dict(model.named_parameters())
@@ -263,28 +272,29 @@ def exact_targets(
 
 
 def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[str]:
-    """The fused-expert parameters vLLM's own loader fills from a FUSED
-    checkpoint tensor, or from GPT-OSS's per-expert tensors: it lays those
-    out its own way (GPT-OSS: [E, H, 2I] transposed), so only their values
-    can be compared. The direct loader's blocks it copies as they are, and
-    other families' per-expert tensors it stacks: those are compared whole."""
+    """Return the fused-expert parameters that can only be compared by their values.
+
+    vLLM's own loader lays out its own way what it fills from a fused checkpoint tensor or from GPT-OSS's
+    per-expert tensors; GPT-OSS's become [E, H, 2I], transposed. The direct loader's blocks are copied
+    unchanged and other families' per-expert tensors are stacked, so those are compared whole.
+    """
     out = set()
     for (name, _, _, block), names in zip(sent, targets, strict=True):
-        gpt_oss_expert = re.search(r"\.experts\.\d+\.w(13|2)_(weight|bias)$", name)  # vLLM transposes those
+        gpt_oss_expert = re.search(r"\.experts\.\d+\.w(13|2)_(weight|bias)$", name)  # vLLM transposes these.
         if block or (_ONE_EXPERT.search(name) and not gpt_oss_expert):
             continue
         out |= {t for t in names if t.rpartition(".")[0] in by_prefix}
     return sorted(out)
 
 
-# The probe piece_rows loads in place of each piece: every element the same
-# bf16 value, its own (0x3F81 + k: 1.0078125 and up, finite, exact in fp32),
-# so each row of the parameter tells which piece wrote it.
+# The probe loaded in place of each piece has every element equal to a bf16 value of its own,
+# 0x3F81 + k, which is 1.0078125 and up, finite and exact in fp32. So each row of the parameter
+# tells piece_rows which piece wrote it.
 _PROBE_BITS, _PROBES = 0x3F81, 0x7F7F - 0x3F81
 
 
 def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
-    if not getattr(torch, dtype).is_floating_point:  # (no stacked parameter is written from those)
+    if not getattr(torch, dtype).is_floating_point:  # No stacked parameter is written from these.
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
     value = torch.tensor(_PROBE_BITS + index % _PROBES, dtype=torch.int16).view(torch.bfloat16).item()
     return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)
@@ -293,18 +303,18 @@ def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
 def piece_rows(
     model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(), values_only=()
 ) -> tuple[dict[int, int], list[str], list[str]]:
-    """Where each piece of a parameter written from several sent tensors
-    (q/k/v into qkv_proj, gate/up, each expert's tensors into a fused w13/w2)
-    lands in it, read back right after exact_targets (its arguments and
-    answer) loaded each piece through the model's own `load_weights` as its
-    own constant (_probe): which rows of the parameter (seen as the
-    fingerprint sees it: [rows, last dim]) hold that constant. Returns
-    ({sent index: the row of the piece's dim 0 it starts at, for
-    _fingerprint_sums' row_offset},
-    the parameters every piece of which was placed so, compared element by
-    element in their place like a `whole` one; those compared by their values
-    alone: `values_only` and any whose pieces do not land on whole rows of it,
-    in one block each)."""
+    """Find where each piece of a parameter written from several sent tensors lands in it.
+
+    Examples are q/k/v into qkv_proj, gate and up, and each expert's tensors into a fused w13 or w2. Call it
+    right after exact_targets, with that function's arguments and answer: exact_targets loaded each piece
+    through the model's own `load_weights` as its own constant, and this reads back which rows of the
+    parameter hold that constant, seeing the parameter as the fingerprint does, [rows, last dim].
+
+    Return three things: {sent index: the dim-0 row the piece starts at}, for _fingerprint_sums' row_offset;
+    the parameters whose pieces were all placed, compared element by element in their place like a `whole`
+    one; and the parameters compared by their values alone, which are `values_only` and any whose pieces do
+    not each land on one block of whole rows.
+    """
     params = dict(model.named_parameters())
     pieces: dict[str, list[int]] = {}
     for index, names in enumerate(targets):
@@ -314,7 +324,7 @@ def piece_rows(
     stacked = {
         n: idx for n, idx in pieces.items() if n in params and n not in skip and not any(sent[i][3] for i in idx)
     }
-    at_start = {i for n in whole for i in pieces.get(n, ())}  # a piece also written whole into another: row 0
+    at_start = {i for n in whole for i in pieces.get(n, ())}  # Also written whole into another, so at row 0.
     rows: dict[int, int] = {}
     placed, by_value = [], set(values_only) & params.keys()
     for name, idx in stacked.items():
@@ -329,9 +339,11 @@ def piece_rows(
 
 @torch.no_grad()
 def _rows_of_pieces(param: torch.Tensor, indices: list[int], sent: list) -> dict[int, int] | None:
-    """{sent index: its dim-0 row offset} for the pieces `indices` of `param`,
-    each found as one block of whole rows holding its probe, in order; None
-    if any piece is not (a piece with another last dim, one vLLM re-lays out)."""
+    """Return {sent index: its dim-0 row offset} for the pieces `indices` of `param`, or None.
+
+    Each piece must be found as one block of whole rows holding its probe. Return None if any piece is not,
+    such as a piece with another last dim or one that vLLM lays out again.
+    """
     columns = _columns(param)
     view = param.detach().reshape(-1, columns)
     codes = torch.full((view.shape[0],), -1, dtype=torch.int64)
@@ -360,39 +372,45 @@ def _rows_of_pieces(param: torch.Tensor, indices: list[int], sent: list) -> dict
 
 
 def probed_parameters(sent: list, targets: list[list[str]]) -> list[str]:
-    """The parameters exact_targets loaded a probe into: those any sent tensor
-    but a direct-loader block (copied, not probed) is written into."""
+    """Return the parameters exact_targets loaded a probe into.
+
+    Those are the parameters written by any sent tensor except a direct-loader block, which is copied, not
+    probed.
+    """
     return sorted({n for (_, _, _, block), names in zip(sent, targets, strict=True) if not block for n in names})
 
 
 def sent_fingerprints(tensors, casts: dict, rows: dict | None = None) -> list:
-    """The trainer's half, for tensors in send order (name, tensor): each one's
-    held_fingerprint_sums, at the row piece_rows placed it at in its parameter."""
+    """Fingerprint (name, tensor) pairs in send order as the trainer's half does.
+
+    Each gets its held_fingerprint_sums at the row piece_rows placed it at in its parameter.
+    """
     rows = rows or {}
     return [held_fingerprint_sums(t, casts.get(i), rows.get(i, 0)).tolist() for i, (_, t) in enumerate(tensors)]
 
 
 def as_held(tensors, casts: dict):
-    """The tensors the trainer sends, each cast to the dtype vLLM holds it in
-    where that differs (`casts`, from exact_targets): what to fingerprint."""
+    """Yield the tensors the trainer sends, each cast to the dtype vLLM holds it in, per exact_targets' `casts`."""
     for index, (_, tensor) in enumerate(tensors):
         yield held_as(tensor, casts.get(index))
 
 
 def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
-    """`tensor` in the dtype vLLM holds it in (`dtype`, a torch dtype's name; None: its own)."""
+    """Cast `tensor` to `dtype`, the name of the torch dtype vLLM holds it in; None keeps its own."""
     return tensor.to(getattr(torch, dtype)) if dtype else tensor
 
 
-# The cast of an expert block vLLM holds in FP8: "fp8_blocks:<shards>" (exact_targets' casts).
+# exact_targets' cast for an expert block that vLLM holds in FP8: "fp8_blocks:<shards>".
 FP8_BLOCKS = "fp8_blocks:"
 
 
 def held_fingerprint_sums(tensor: torch.Tensor, held: str | None, row_offset: int = 0) -> torch.Tensor:
-    """The fingerprint sums of what vLLM holds of a sent tensor (`held`, exact_targets' cast):
-    of the tensor in that dtype, an int64 tensor of 3; of an expert block vLLM holds in FP8,
-    vLLM's own quantization of it (fp8_experts.fp8_reference), [[weight's], [scales']].
-    `row_offset`: the row of the parameter it lands at (piece_rows)."""
+    """Return the fingerprint sums of what vLLM holds of a sent tensor, given exact_targets' cast `held`.
+
+    For a plain cast, that is the tensor in that dtype, as an int64 tensor of 3. For an expert block that
+    vLLM holds in FP8, it is vLLM's own quantization of it from fp8_experts.fp8_reference, as
+    [[weight's], [scales']]. `row_offset` is the row of the parameter it lands at, from piece_rows.
+    """
     if held and held.startswith(FP8_BLOCKS):
         quantized = fp8_reference(tensor.to(torch.bfloat16), int(held.removeprefix(FP8_BLOCKS)))
         return torch.stack(exact_fingerprint_sums(quantized))
@@ -400,32 +418,33 @@ def held_fingerprint_sums(tensor: torch.Tensor, held: str | None, row_offset: in
 
 
 def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
-    """The FP8 expert layers' parameters (weights and scales, by name) that vLLM's
-    own loader writes from what is sent (not the direct loader's blocks): it
-    quantizes each expert from its pieces, so they are not compared with the
-    trainer's (benchmark.py's loaders_agree compares them with the direct
-    loader's, which the exact check proves)."""
+    """Return the names of FP8 expert layers' weights and scales that vLLM's own loader writes from what is sent.
+
+    These exclude the direct loader's blocks. vLLM's loader quantizes each expert from its pieces, so these
+    are not compared with the trainer's. benchmark.py's loaders_agree instead compares them with the direct
+    loader's, which the exact check proves.
+    """
     return _parameter_names(_fp8_layers_by_vllms_loader(model, sent))
 
 
 def fp8_parameter_names(model: torch.nn.Module) -> set[str]:
-    """The parameters (by name) of every expert layer vLLM serves in FP8: its weights and scales."""
+    """Return the names of the weights and scales of every expert layer vLLM serves in FP8."""
     return set(_parameter_names(_fp8_layers(model)))
 
 
 def _fp8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(module prefix, layer) of each expert layer vLLM serves in FP8."""
+    """Return (module prefix, layer) of each expert layer vLLM serves in FP8."""
     return [(prefix, m) for prefix, m in model.named_modules() if fp8_scales(m, "w13_weight") is not None]
 
 
 def _fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:
-    """(module prefix, layer) of each FP8 expert layer that no direct-loader block is sent to."""
+    """Return (module prefix, layer) of each FP8 expert layer that no direct-loader block is sent to."""
     blocks = {name.rpartition(".")[0] for name, _, _, block in sent if block}
     return [(prefix, layer) for prefix, layer in _fp8_layers(model) if layer.layer_name not in blocks]
 
 
 def _parameter_names(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:
-    """The full names of the layers' own parameters (vLLM's may sit a module or two below the layer's name)."""
+    """Return the full names of the layers' own parameters, which may sit a module or two below the layer's name."""
     return [f"{prefix}.{n}" for prefix, layer in layers for n, _ in layer.named_parameters(recurse=False)]
 
 
@@ -438,22 +457,22 @@ def exact_problems(
     fingerprints=None,
     unchecked=(),
 ) -> tuple[int, list[str]]:
-    """(parameters checked, what is wrong with them): each parameter's
-    fingerprint against the sum of those of the tensors written into it
-    (`sent`: the trainer's exact_fingerprint of each, in `targets`' order);
-    for those in `values_only` (exact_targets), their values alone; for
-    those in `whole` (written whole from one tensor, or from pieces the
-    trainer fingerprinted at their rows: piece_rows), every element in its
-    place. `fingerprints` takes the parameters' (exact_fingerprints, or a
-    HeldFingerprints). A sent tensor
-    vLLM holds as several parameters (an FP8 expert block: weight, scales)
-    comes with one fingerprint per target; `unchecked` are skipped."""
+    """Compare each parameter's fingerprint with the sum of those of the tensors written into it.
+
+    `sent` holds the trainer's exact_fingerprint of each tensor, in `targets`' order. Parameters in
+    `values_only`, from exact_targets, are compared by their values alone. Parameters in `whole`, written
+    whole from one tensor or from pieces the trainer fingerprinted at their rows per piece_rows, are compared
+    element by element in place. `fingerprints` computes the parameters' fingerprints; it is
+    exact_fingerprints or a HeldFingerprints. A sent tensor that vLLM holds as several parameters, such as an
+    FP8 expert block's weight and scales, comes with one fingerprint per target. Parameters in `unchecked`
+    are skipped. Return (parameters checked, a list of problems).
+    """
     if len(sent) != len(targets):
         raise ValueError(f"{len(sent)} fingerprints for the {len(targets)} tensors exact_check_prepare was given")
     want: dict[str, list[int]] = {}
     for sums, names in zip(sent, targets, strict=True):
         per_target = sums if sums and isinstance(sums[0], list) else [sums] * len(names)
-        for name, target_sums in zip(names, per_target, strict=True):  # a stacked parameter's: its pieces' summed
+        for name, target_sums in zip(names, per_target, strict=True):  # Sum the pieces of a stacked parameter.
             total = want.setdefault(name, [0, 0, 0])
             want[name] = [(a + b) % FINGERPRINT_MODULUS for a, b in zip(total, target_sums, strict=True)]
     params = dict(model.named_parameters())
@@ -482,18 +501,21 @@ def exact_problems(
 
 
 def checked_parameters(model: torch.nn.Module, targets: list[list[str]]) -> list[str]:
-    """The parameters exact_problems fingerprints: those a sent tensor is
-    written into (one that none is, it names without a fingerprint)."""
+    """Return the parameters exact_problems fingerprints, those some sent tensor is written into.
+
+    exact_problems reports any other parameter without fingerprinting it.
+    """
     written = {n for names in targets for n in names}
     return [n for n, _ in model.named_parameters() if n in written]
 
 
 def derived_parameters(model: torch.nn.Module) -> list[str]:
-    """Parameters no sent tensor writes, which vLLM computes from others after
-    loading: those of attention layers that process their weights after the
-    load (MLA's absorbed W_UK_T and W_UV, from kv_b_proj; direct_load_finish
-    runs that processing, as vLLM's loader does). The exact check proves
-    their sources; the logprob gate, their use."""
+    """Return the parameters no sent tensor writes, which vLLM computes from others after loading.
+
+    These belong to attention layers that process their weights after the load, such as MLA's absorbed
+    W_UK_T and W_UV derived from kv_b_proj. direct_load_finish runs that processing, as vLLM's loader does.
+    The exact check proves their sources, and the logprob gate proves their use.
+    """
     is_deferred_attention_layer = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
 
     return [
@@ -505,27 +527,29 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
 
 
 def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
-    """Whether `sent_name`, written into a parameter of the fused expert
-    layer `experts` (None: of no expert layer), is one expert's tensor
-    (checkpoint form, `...experts.<id>....`) of an expert another engine
-    holds: vLLM's loader skips those, so they add nothing here."""
+    """Return whether `sent_name` is the checkpoint tensor of an expert that another engine holds.
+
+    `experts` is the fused expert layer `sent_name` is written into, or None if it is not an expert layer.
+    Checkpoint names look like `...experts.<id>....`. vLLM's loader skips such tensors, so they add nothing
+    here.
+    """
     found = _ONE_EXPERT.search(sent_name)
     return experts is not None and found is not None and int(found.group(1)) not in local_expert_ids(experts)
 
 
-# The exact check's fingerprint (exact_fingerprint says what it is and what it
-# guarantees). Three sums of each element's mixed bits: `plain`, which does not
-# depend on where an element sits; `by_column`, weighted by its column; and
-# `by_position`, weighted by its column and its row. Integer arithmetic, exact
-# in int64: the trainer's GPU, an engine's GPU and a CPU give the same sums.
+# The exact check's fingerprint; exact_fingerprint says what it is and what it guarantees.
+# It is three sums of each element's mixed bits: `plain`, which does not depend on where an
+# element sits; `by_column`, weighted by its column; and `by_position`, weighted by its column
+# and its row. The arithmetic is exact in int64, so the trainer's GPU, an engine's GPU and a
+# CPU give the same sums.
 FINGERPRINT_MODULUS = 1 << 62
-_INDEX_LIMIT = 1 << 30  # every row and every column index below it has a weight of its own
+_INDEX_LIMIT = 1 << 30  # Every row and column index below this has a weight of its own.
 _MASK30, _MASK31, _MASK32, _MASK62 = _INDEX_LIMIT - 1, (1 << 31) - 1, (1 << 32) - 1, FINGERPRINT_MODULUS - 1
 _COLUMN_SEED, _ROW_SEED = 0x9E3779B9, 0x27D4EB2F
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of int64 values below 2**32 (products wrap; the low 32 bits are exact): a bijection of them."""
+    """Apply lowbias32, a bijection, to int64 values below 2**32; products wrap, but the low 32 bits are exact."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
@@ -534,8 +558,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mix30(x: torch.Tensor) -> torch.Tensor:
-    """A bijection of the int64 values below 2**30: each step is invertible
-    (an xor with the value shifted right; a product by an odd number modulo 2**30)."""
+    """Mix int64 values below 2**30 with a bijection.
+
+    Each step is invertible: an xor with the value shifted right, or a product by an odd number modulo 2**30.
+    """
     x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & _MASK30
     x = x ^ (x >> 12)
@@ -544,59 +570,63 @@ def _mix30(x: torch.Tensor) -> torch.Tensor:
 
 
 def _weights(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """The weight of each row (or column) `index` (int64, below 2**30):
-    2 * mix30((index + seed) mod 2**30) + 1, odd, below 2**31, and a
-    different one for every index (index -> (index + seed) mod 2**30 and
-    mix30 are bijections of the integers below 2**30)."""
+    """Return the weight of each row or column `index`, int64 below 2**30.
+
+    The weight is 2 * mix30((index + seed) mod 2**30) + 1: odd, below 2**31, and different for every index,
+    because index -> (index + seed) mod 2**30 and mix30 are both bijections of the integers below 2**30.
+    """
     return _mix30((index.to(torch.int64) + seed) & _MASK30) * 2 + 1
 
 
 def _times62(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a * w modulo 2**62 for int64 a below 2**62 and w below 2**31, exact:
-    a split at bit 31, each partial product below 2**62, their sum below 2**63."""
+    """Return a * w modulo 2**62 exactly, for int64 a below 2**62 and w below 2**31.
+
+    `a` is split at bit 31, so each partial product is below 2**62 and their sum below 2**63.
+    """
     return (((((a >> 31) * w) & _MASK31) << 31) + (a & _MASK31) * w) & _MASK62
 
 
 def _sum62(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The sum of `a` (int64, each below 2**63, at most 2**31 of them along
-    `dim`; None: all) modulo 2**62, exact: the bits above 31 and those below
-    summed apart, each sum below 2**63."""
+    """Return the sum of `a` along `dim`, or over all of it if None, modulo 2**62 exactly.
+
+    Each value is int64 below 2**63, with at most 2**31 of them summed. The bits above 31 and those below are
+    summed apart, so each sum stays below 2**63.
+    """
     high, low = (a >> 31).sum(dim), (a & _MASK31).sum(dim)
     return (((high & _MASK31) << 31) + (low & _MASK62)) & _MASK62
 
 
 def exact_fingerprints(tensors) -> list[list[int]]:
-    """exact_fingerprint of each tensor, waiting for the device once."""
+    """Return exact_fingerprint of each tensor, waiting for the device once."""
     sums = exact_fingerprint_sums(tensors)
     return torch.stack(sums).cpu().tolist() if sums else []
 
 
 class HeldFingerprints:
-    """exact_fingerprints of tensors that stay where they are between syncs
-    (an engine's parameters; a trainer's), from a CUDA graph that replays
-    every kernel launch at once: a model of hundreds of tensors spends more
-    time launching the few small kernels each one needs than the GPU spends
-    in them. The graph reads the tensors where they were when it was
-    captured: it is captured once the same tensors, at the same addresses,
-    come twice in a row (a loader that allocates new ones is fingerprinted
-    eagerly), and captured again once moved tensors come twice in a row.
-    Each tensor may be cast first (`casts`: dtypes to cast it through, in
-    order) and be a shard starting at a row of a larger tensor
-    (`row_offsets`, _fingerprint_sums); a call with a tensor that needs a
-    cast or a contiguous copy runs eagerly, since a graph would keep those
-    copies' memory for as long as it lives. `start` runs them on a
-    CUDA stream of their own, beside whatever the process does next, and
-    returns what waits for them."""
+    """Compute exact_fingerprints of tensors that stay in place between syncs, from one CUDA graph.
+
+    The tensors are an engine's or a trainer's parameters. A model of hundreds of tensors spends more time
+    launching the few small kernels each one needs than the GPU spends in them, so a graph replays every
+    launch at once. The graph reads the tensors where they were when it was captured. It is captured once the
+    same tensors at the same addresses come twice in a row, and captured again once moved tensors come twice
+    in a row; a loader that allocates new tensors each time is fingerprinted eagerly.
+
+    Each tensor may be cast first, through the dtypes in `casts` in order, and may be a shard starting at a
+    row of a larger tensor, per `row_offsets`; see _fingerprint_sums. A call with a tensor that needs a cast
+    or a contiguous copy runs eagerly, because a graph would keep those copies' memory for as long as it
+    lives. `start` runs the kernels on their own CUDA stream, beside whatever the process does next, and
+    returns a function that waits for them.
+    """
 
     def __init__(self) -> None:
-        self._last = None  # the previous call's tensors: (address, shape, stride, dtype, offset) each
+        self._last = None  # The previous call's tensors, as (address, shape, stride, dtype, offset) each.
         self._graph = self._sums = self._stream = None
 
     def __call__(self, tensors, row_offsets=None, casts=None) -> list[list[int]]:
         return self.start(tensors, row_offsets, casts)()
 
     def start(self, tensors, row_offsets=None, casts=None):
-        """Launch the fingerprints; returns a function that waits for them and reads them back."""
+        """Launch the fingerprints; return a function that waits for them and reads them back."""
         tensors = list(tensors)
         row_offsets = list(row_offsets or [0] * len(tensors))
         casts = [tuple(c) for c in (casts or [()] * len(tensors))]
@@ -619,14 +649,14 @@ class HeldFingerprints:
             else None
         )
         self._stream = self._stream or torch.cuda.Stream(tensors[0].device)
-        if key is None or key != self._last:  # new tensors (or ones a graph should not hold): eagerly
+        if key is None or key != self._last:  # New tensors, or ones a graph should not hold: run eagerly.
             self._last, self._graph, self._sums = key, None, None
-        elif self._graph is None:  # the same tensors a second time: capture
+        elif self._graph is None:  # The same tensors a second time: capture.
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # Not torch.cuda.graph(): it empties PyTorch's cache first, and the
             # trainer would allocate its 4 GiB send buffer again next sync.
-            # ("thread_local": vLLM's own threads may use CUDA meanwhile.)
+            # "thread_local" because vLLM's own threads may use CUDA meanwhile.
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
@@ -634,7 +664,7 @@ class HeldFingerprints:
                 finally:
                     graph.capture_end()
             self._graph, self._sums = graph, captured
-        self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # what wrote them first
+        self._stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # Wait for what wrote them.
         with torch.cuda.stream(self._stream):
             if self._graph is not None:
                 self._graph.replay()
@@ -652,80 +682,69 @@ class HeldFingerprints:
 
 
 def exact_fingerprint_sums(tensors) -> list[torch.Tensor]:
-    """exact_fingerprint of each tensor as an int64 tensor of 3 on its device, not waited for."""
+    """Return exact_fingerprint of each tensor as an int64 tensor of 3 on its device, without waiting."""
     return [_fingerprint_sums(t) for t in tensors]
 
 
 def exact_fingerprint(tensor: torch.Tensor) -> list[int]:
-    """[plain, by_column, by_position] of a tensor's elements, each modulo
-    FINGERPRINT_MODULUS (2**62).
+    """Return [plain, by_column, by_position] of a tensor's elements, each modulo FINGERPRINT_MODULUS, 2**62.
 
-    The tensor is seen as [rows, columns]: its columns are its last dim (one
-    for a 1-D tensor), its rows all the dims before, counted from the first
-    row of the whole tensor that a shard or a piece is part of (`row_offset`
-    of _fingerprint_sums). Each element's bits (those of an 8-byte element
-    folded to 32) go through lowbias32, a bijection of 32-bit integers:
-    m = mix32(bits ^ 0x5BD1E995), below 2**32, different for different bits.
-    Then, modulo 2**62:
+    The tensor is seen as [rows, columns]. Its columns are its last dim, or one column for a 1-D tensor, and
+    its rows are all the dims before. Rows are counted from the first row of the whole tensor that a shard or
+    a piece is part of; see `row_offset` of _fingerprint_sums. Each element's bits go through lowbias32, a
+    bijection of 32-bit integers; an 8-byte element's bits are first folded to 32. So
+    m = mix32(bits ^ 0x5BD1E995) is below 2**32 and different for different bits. Then, modulo 2**62:
 
         plain       = sum of m
         by_column   = sum of m * cw(column)
         by_position = sum of m * cw(column) * rw(row)
 
-    with cw and rw from _weights (a seed each; cw = 1 for a tensor of one
-    column): w(i) = 2 * mix30((i + seed) mod 2**30) + 1, mix30 a bijection
-    of the integers below 2**30, so every row index and every column index
-    below 2**30 has an odd weight below 2**31 of its own (a tensor with more
-    rows or columns is refused). Every intermediate stays below 2**63
-    (m * cw; _times62; _sum62 for the sums), so the arithmetic is exact on
-    any device, with no overflow.
+    cw and rw come from _weights, each with its own seed, and cw = 1 for a tensor of one column. The weight
+    is w(i) = 2 * mix30((i + seed) mod 2**30) + 1, where mix30 is a bijection of the integers below 2**30,
+    so every row index and every column index below 2**30 has an odd weight below 2**31 of its own. A tensor
+    with more rows or columns is refused. Every intermediate stays below 2**63, through m * cw, _times62 and
+    _sum62, so the arithmetic is exact on any device, with no overflow.
 
     What it guarantees:
 
-    - Sums add up. An element's three terms depend on its bits, its column
-      and its row in the whole alone, so the sums of shards (rows of dim 0,
-      each at its row_offset) and of pieces stacked on dim 0 (each at the
-      rows it lands at) add up, modulo 2**62, to the whole's, all three;
-      plain and by_column do not depend on the row, so the pieces' add up to
-      the stack's wherever they land.
+    - Sums add up. An element's three terms depend only on its bits, its column and its row in the whole.
+      So the sums of shards, each a block of dim-0 rows at its row_offset, and of pieces stacked on dim 0,
+      each at the rows it lands at, add up modulo 2**62 to the whole's, for all three sums. plain and
+      by_column do not depend on the row, so the pieces' sums add up to the stack's wherever they land.
 
-    - Two elements with different bits, exchanged, change a sum, always.
-      Say u sits at (i, a) and v at (j, b), m(u) != m(v). For a != b,
-      by_column changes by (cw(a) - cw(b)) * (m(v) - m(u)): cw(a) - cw(b)
-      is twice the difference of two distinct mix30 values below 2**30, so
-      nonzero with at most 1 + 29 factors of 2; m(v) - m(u) is nonzero and
-      smaller than 2**32 in size, so at most 31. The product has at most 61:
-      it is no multiple of 2**62. For a == b (so i != j), by_position changes
-      by cw(a) * (rw(i) - rw(j)) * (m(v) - m(u)), cw(a) odd: the same. So do
-      two rows (by_position) or two columns (by_column) exchanged that differ
-      in one element.
+    - Exchanging two elements with different bits always changes a sum. Say u sits at (i, a) and v at
+      (j, b), with m(u) != m(v). For a != b, by_column changes by (cw(a) - cw(b)) * (m(v) - m(u)).
+      cw(a) - cw(b) is twice the difference of two distinct mix30 values below 2**30, so it is nonzero with
+      at most 1 + 29 factors of 2. m(v) - m(u) is nonzero and smaller than 2**32 in size, so it has at most
+      31. The product has at most 61, so it is no multiple of 2**62. For a == b, so i != j, by_position
+      changes by cw(a) * (rw(i) - rw(j)) * (m(v) - m(u)) with cw(a) odd, and the same argument holds.
+      Likewise, exchanging two rows that differ in one element changes by_position, and exchanging two
+      columns that differ in one element changes by_column.
 
-    - Other rearrangements (two rows or columns exchanged that differ in
-      several elements, blocks of rows exchanged, a transpose) change a sum
-      by many such products added up, and those can cancel modulo 2**62.
-      With fixed constants this is a checksum, not a cryptographic hash:
-      data made against them can cancel. For data that is not, take the
-      mixes of different bit patterns as independent uniform 32-bit values.
-      The change is a sum over the bit patterns of A * m(pattern), A the
-      pattern's weights where it is now less its weights where it was; if
-      some A is not a multiple of 2**62, say with t factors of 2, then, the
-      other mixes given, at most max(1, 2**(t - 30)) of the 2**32 values of
-      that pattern's mix make the change vanish: a chance of at most
-      2**-min(32, 62 - t). (A pattern one row holds once and the other not
-      at all has t <= 30.)
+    - Other rearrangements can go unseen, with small probability. Exchanging two rows or columns that differ
+      in several elements, exchanging blocks of rows, or transposing changes a sum by many such products
+      added up, and those can cancel modulo 2**62. With fixed constants this is a checksum, not a
+      cryptographic hash: data crafted against them can cancel. For other data, take the mixes of different
+      bit patterns as independent uniform 32-bit values. The change is a sum over the bit patterns of
+      A * m(pattern), where A is the pattern's weights where it is now minus its weights where it was. If
+      some A is not a multiple of 2**62, say it has t factors of 2, then given the other mixes, at most
+      max(1, 2**(t - 30)) of the 2**32 values of that pattern's mix make the change vanish. That is a chance
+      of at most 2**-min(32, 62 - t). A pattern that one row holds once and the other not at all has t <= 30.
 
-    - It compares bits: +0.0 and -0.0, or two NaNs with other payloads,
-      differ; two 8-byte elements whose bits fold to the same 32 do not."""
+    - It compares bits. +0.0 and -0.0 differ, as do two NaNs with different payloads. Two 8-byte elements
+      whose bits fold to the same 32 bits do not differ.
+    """
     return _fingerprint_sums(tensor).tolist()
 
 
 @torch.no_grad()
 def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
-    """exact_fingerprint as an int64 tensor of 3 on the tensor's device: on a
-    GPU, for 1-, 2- and 4-byte elements, in one pass of one kernel
-    (_fingerprint_kernel); else with torch, in pieces of bounded size.
-    `row_offset`: where the tensor's first row sits in a tensor it is a
-    shard of (dim 0), so that the shards' sums add up to the whole's."""
+    """Return exact_fingerprint as an int64 tensor of 3 on the tensor's device.
+
+    On a GPU, 1-, 2- and 4-byte elements take one pass of one kernel, _fingerprint_kernel; otherwise torch
+    computes it in pieces of bounded size. `row_offset` is the dim-0 row where this tensor starts in the
+    tensor it is a shard of, so that the shards' sums add up to the whole's.
+    """
     if triton is not None and tensor.is_cuda and tensor.element_size() in (1, 2, 4) and tensor.numel():
         return fingerprint_sums_triton(tensor, row_offset=row_offset)
     flat = tensor.detach()
@@ -739,13 +758,13 @@ def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor
     step = max(1, _FINGERPRINT_CHUNK // columns)
     for start in range(0, rows.shape[0], step):
         bits = rows[start : start + step].view(bits_dtype).to(torch.int64) & unsigned
-        if rows.element_size() == 8:  # fold 64-bit patterns into 32
+        if rows.element_size() == 8:  # Fold 64-bit patterns into 32.
             bits = (bits ^ (bits >> 32)) & _MASK32
-        plain = _mix32(bits ^ 0x5BD1E995)  # (the constant: so that zeros count too)
-        by_column = plain * column_weight  # below 2**32 * 2**31
+        plain = _mix32(bits ^ 0x5BD1E995)  # The constant makes zeros count too.
+        by_column = plain * column_weight  # Below 2**32 * 2**31.
         first = first_row + start
         row_weight = _weights(torch.arange(first, first + bits.shape[0], device=rows.device), _ROW_SEED)
-        row_sums = _sum62(by_column, 1)  # each row's by_column; its by_position is that times its row's weight
+        row_sums = _sum62(by_column, 1)  # Each row's by_column; its by_position is that times the row's weight.
         sums[0] = (sums[0] + plain.sum()) & _MASK62
         sums[1] = (sums[1] + _sum62(row_sums)) & _MASK62
         sums[2] = (sums[2] + _sum62(_times62(row_sums, row_weight))) & _MASK62
@@ -753,9 +772,11 @@ def _fingerprint_sums(tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor
 
 
 def _first_row(tensor: torch.Tensor, row_offset: int, rows: int | None = None) -> int:
-    """The fingerprint's row (the tensor seen as [rows, columns]) of the first
-    element of a shard that starts at `row_offset` on dim 0 of the whole.
-    With the shard's `rows`: raises if a row or a column has no weight of its own."""
+    """Return the fingerprint row of the first element of a shard that starts at `row_offset` on dim 0.
+
+    The fingerprint sees the tensor as [rows, columns]. If the shard's `rows` is given, raise if a row or a
+    column would have no weight of its own.
+    """
     first = row_offset * math.prod(tensor.shape[1:-1]) if tensor.dim() >= 2 else row_offset
     if rows is not None and not (0 <= first and first + rows <= _INDEX_LIMIT and _columns(tensor) <= _INDEX_LIMIT):
         raise ValueError(
@@ -766,18 +787,18 @@ def _first_row(tensor: torch.Tensor, row_offset: int, rows: int | None = None) -
 
 
 def _columns(tensor: torch.Tensor) -> int:
-    """The fingerprint's columns: the last dim's size (1 for a 1-D or empty-last-dim tensor)."""
+    """Return the fingerprint's column count: the last dim's size, or 1 for a 1-D or empty-last-dim tensor."""
     return tensor.shape[-1] if tensor.dim() >= 2 and tensor.shape[-1] > 0 else 1
 
 
 def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset: int = 0) -> torch.Tensor:
-    """_fingerprint_sums in one pass of a Triton kernel: each program mixes a
-    tile of `block` elements (rows by columns of the tensor seen as [rows,
-    columns]; `block` a power of 2) the way the torch code does, with the
-    same arithmetic, and writes its three partial sums (each below 2**62);
-    a second kernel adds those up. Reads the tensor once. A 2-D grid gives
-    each element its row and column without a division. (On CPU only under
-    TRITON_INTERPRET=1, as the tests run it against the torch code.)"""
+    """Compute _fingerprint_sums in one pass of a Triton kernel, reading the tensor once.
+
+    Each program mixes a tile of `block` elements, a power of 2, of the tensor seen as [rows, columns], with
+    the torch code's arithmetic, and writes its three partial sums, each below 2**62. A second kernel adds
+    those up. A 2-D grid gives each element its row and column without a division. On CPU it runs only under
+    TRITON_INTERPRET=1, which is how the tests check it against the torch code.
+    """
     flat = tensor.detach().contiguous().reshape(-1)
     columns = _columns(tensor)
     rows = flat.numel() // columns
@@ -805,12 +826,12 @@ def fingerprint_sums_triton(tensor: torch.Tensor, block: int = 8192, row_offset:
 
 # The kernel's arithmetic is the torch code's, step for step: _mix32, _mix30,
 # _weights, _times62 and _sum62 each have a twin here that computes the same
-# values (in uint32 where the torch code masks to 32 or 30 bits, which wrapping
-# modulo 2**32 does the same to; in int64 where it does not).
+# values. The twins use uint32 where the torch code masks to 32 or 30 bits,
+# because wrapping modulo 2**32 gives the same low bits, and int64 elsewhere.
 if triton is not None:
 
     @triton.jit
-    def _mix32_triton(x):  # _mix32 on uint32 (its products wrap, as `& _MASK32` does in _mix32)
+    def _mix32_triton(x):  # _mix32 on uint32; its products wrap as `& _MASK32` does in _mix32.
         x = x ^ (x >> 16)
         x = x * 0x7FEB352D
         x = x ^ (x >> 15)
@@ -818,7 +839,7 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _mix30_triton(x):  # _mix30 on uint32 below 2**30 (a product modulo 2**32, then masked to 30 bits)
+    def _mix30_triton(x):  # _mix30 on uint32 below 2**30: a product modulo 2**32, then masked to 30 bits.
         x = x ^ (x >> 15)
         x = (x * 0x2C1B3C6D) & 0x3FFFFFFF
         x = x ^ (x >> 12)
@@ -826,7 +847,7 @@ if triton is not None:
         return x ^ (x >> 15)
 
     @triton.jit
-    def _weights_triton(index, seed):  # _weights, as uint32 (below 2**31)
+    def _weights_triton(index, seed):  # _weights as uint32, below 2**31.
         return _mix30_triton((index.to(tl.uint32) + seed) & 0x3FFFFFFF) * 2 + 1
 
     @triton.jit
@@ -869,7 +890,7 @@ if triton is not None:
         zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
         by_column = tl.where(inside, plain.to(tl.int64) * column_weight.to(tl.int64)[None, :], zero)
         row_weight = _weights_triton(row + first_row, 0x27D4EB2F).to(tl.int64)
-        row_sums = _sum62_triton(by_column, 1)  # this tile's part of each row's by_column
+        row_sums = _sum62_triton(by_column, 1)  # This tile's part of each row's by_column.
         at = partial_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 3
         tl.store(at + 0, tl.sum(tl.sum(tl.where(inside, plain.to(tl.int64), zero), axis=1), axis=0))
         tl.store(at + 1, _sum62_triton(row_sums, 0))
@@ -877,10 +898,12 @@ if triton is not None:
 
     @triton.jit
     def _sum_partials_kernel(partial_ptr, sums_ptr, tiles, BLOCK: tl.constexpr):
-        """Program k: the sum of column k of `partial` ([tiles, 3], each below
-        2**62) modulo 2**62, as the torch code adds up its chunks' sums."""
+        """Sum column k of `partial`, [tiles, 3] with each value below 2**62, modulo 2**62 in program k.
+
+        This adds up the tiles as the torch code adds up its chunks' sums.
+        """
         k = tl.program_id(0)
-        total = tl.zeros([BLOCK], dtype=tl.int64)  # each lane's share, below 2**62
+        total = tl.zeros([BLOCK], dtype=tl.int64)  # Each lane's share, below 2**62.
         for start in range(0, tiles, BLOCK):
             tile = start + tl.arange(0, BLOCK)
             total = (total + tl.load(partial_ptr + tile * 3 + k, mask=tile < tiles, other=0)) & 0x3FFFFFFFFFFFFFFF

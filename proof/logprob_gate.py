@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The logprob gate: vLLM's prompt log-probabilities on every DP engine against the trainer's, on the
-same tokens (LogprobGap), within tolerances that widen only to the trainer's own kernel noise
-(KernelNoise, measured before the first sync: its model through two attention implementations, and
-with --rollout-dtype fp8 its experts as vLLM serves them), and whether vLLM followed a training step
-(ChangeTest, reported)."""
+"""Gate a sync on vLLM's prompt log-probabilities matching the trainer's on the same tokens.
+
+LogprobGap compares every DP engine with the trainer. The tolerances widen only to the trainer's own kernel
+noise, KernelNoise, measured before the first sync by running the trainer's model through two attention
+implementations, and with --rollout-dtype fp8 also with its experts as vLLM serves them. ChangeTest reports,
+without gating, whether vLLM followed a training step.
+"""
 
 from __future__ import annotations
 
@@ -17,35 +19,39 @@ from weight_sync import fp8_experts, sources
 
 
 def _worst(values: list[float]) -> float:
-    """The largest value, NaN if any is NaN (max() alone may skip a NaN)."""
+    """Return the largest value, or NaN if any value is NaN; max() alone may skip a NaN."""
     return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | None = None) -> list[float]:
-    """vLLM's log-probability of each prompt token given the ones before it
-    (len(token_ids) - 1 values). `dp_rank` pins the request to one DP engine."""
+    """Return vLLM's log-probability of each prompt token after the first, given the ones before it.
+
+    `dp_rank` pins the request to one DP engine.
+    """
     out = helpers.post_completions(
         sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
     )
     per_position = out.choices[0].prompt_logprobs
-    # Position 0 has no context (None); each later entry maps token id -> info
+    # Position 0 has no context and is None. Each later entry maps token id -> info
     # and always holds the prompt's own token.
     return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], per_position[1:], strict=True)]
 
 
 @dataclass
 class LogprobGap:
-    """|trainer - vLLM| prompt log-probabilities on the same tokens, per DP
-    engine (each holds different experts, so each is asked)."""
+    """Hold |trainer - vLLM| prompt log-probabilities on the same tokens, per DP engine.
+
+    Every engine is asked, because each holds different experts.
+    """
 
     mean_per_dp_rank: list[float]
     max_per_dp_rank: list[float]
-    server: list[list[list[float]]]  # per DP rank, per sequence, per token
-    trainer: list[list[float]] | None = None  # per sequence, per token
-    quantile_per_dp_rank: list[float] | None = None  # the QUANTILE of |dlogp| per DP rank
+    server: list[list[list[float]]]  # Per DP rank, per sequence, per token.
+    trainer: list[list[float]] | None = None  # Per sequence, per token.
+    quantile_per_dp_rank: list[float] | None = None  # The QUANTILE of |dlogp| per DP rank.
 
     @property
-    def mean(self) -> float:  # the worst engine's
+    def mean(self) -> float:  # The worst engine's.
         return _worst(self.mean_per_dp_rank)
 
     @property
@@ -57,18 +63,21 @@ class LogprobGap:
         return _worst(self.quantile_per_dp_rank or self.max_per_dp_rank)
 
 
-QUANTILE = 0.95  # of |dlogp| over the tokens: the max grows with the token count, and bf16 kernels differ
+# Quantile of |dlogp| over the tokens; the max grows with the token count, and bf16 kernels differ.
+QUANTILE = 0.95
 
 
 def dlogp_stats(reference: list[list[float]], other: list[list[float]]) -> tuple[float, float]:
-    """(max, mean) |a - b| over every token of every sequence; NaN anywhere
-    makes both NaN, which fails any `<= tolerance` gate."""
+    """Return (max, mean) of |a - b| over every token of every sequence.
+
+    A NaN anywhere makes both NaN, which fails any `<= tolerance` gate.
+    """
     diffs = _abs_diffs(reference, other)
     return _worst(diffs), sum(diffs) / len(diffs)
 
 
 def dlogp_quantile(reference: list[list[float]], other: list[list[float]], q: float = QUANTILE) -> float:
-    """The q-quantile of |a - b| over every token (nearest rank); NaN if any is NaN."""
+    """Return the nearest-rank q-quantile of |a - b| over every token, or NaN if any is NaN."""
     diffs = _abs_diffs(reference, other)
     if any(math.isnan(d) for d in diffs):
         return math.nan
@@ -80,7 +89,7 @@ def _abs_diffs(reference: list[list[float]], other: list[list[float]]) -> list[f
 
 
 def _diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
-    """a - b token by token, over every sequence, flattened."""
+    """Return a - b token by token over every sequence, flattened."""
     diffs: list[float] = []
     for x, y in zip(a, b, strict=True):
         if len(x) != len(y):
@@ -94,8 +103,7 @@ def _diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
 def logprob_gap(
     sock: str, model: str, trainer_lps: list[list[float]], sequences: list[list[int]], dp_size: int
 ) -> LogprobGap:
-    """Ask every DP engine for its prompt log-probabilities of `sequences`
-    and compare them with the trainer's."""
+    """Ask every DP engine for its prompt log-probabilities of `sequences` and compare them with the trainer's."""
     server = [[prompt_logprobs(sock, model, seq, dp_rank=dp_rank) for seq in sequences] for dp_rank in range(dp_size)]
     stats = [dlogp_stats(trainer_lps, lps) for lps in server]
     quantiles = [dlogp_quantile(trainer_lps, lps) for lps in server]
@@ -103,12 +111,12 @@ def logprob_gap(
 
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
-    """The trainer's log-probabilities of `sequences` (every rank runs the forward)."""
+    """Return the trainer's log-probabilities of `sequences`; every rank runs the forward."""
     return helpers.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
 def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
-    """logprob_gap between a colocated job's trainers and every one of its DP engines."""
+    """Run logprob_gap between a colocated job's trainers and every one of its DP engines."""
     return logprob_gap(
         job.server.socket_path, job.served_name, trainer_logprobs(job.trainers, sequences), sequences, job.dp_size
     )
@@ -116,23 +124,25 @@ def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
 
 @dataclass
 class KernelNoise:
-    """How far two correct bf16 forwards of the trainer's own model drift
-    apart: |dlogp| between its attention through SDPA and through the eager
-    code, same weights, same tokens. Small on a shallow model; on a deep one
-    with random weights (the Moonlight shape) as large as the gap between the
-    trainer and vLLM, which then says nothing against the sync."""
+    """Hold how far two correct bf16 forwards of the trainer's own model drift apart.
+
+    It is |dlogp| between its attention through SDPA and through the eager code, on the same weights and
+    tokens. It is small on a shallow model. On a deep model with random weights, such as the Moonlight
+    shape, it is as large as the gap between the trainer and vLLM, so that gap then says nothing against
+    the sync.
+    """
 
     mean: float
-    quantile: float  # the QUANTILE of |dlogp|
-    attention: str  # which two implementations, e.g. "sdpa vs eager"
-    # --rollout-dtype fp8: the same between the trainer's model and itself with its experts
-    # quantized as vLLM holds them (fp8_experts_logprobs): what FP8 alone moves
+    quantile: float  # The QUANTILE of |dlogp|.
+    attention: str  # Which two implementations, e.g. "sdpa vs eager".
+    # With --rollout-dtype fp8: the same between the trainer's model and itself with its experts
+    # quantized as vLLM holds them, from fp8_experts_logprobs. This is what FP8 alone moves.
     fp8_mean: float | None = None
     fp8_quantile: float | None = None
 
     @property
     def bound_mean(self) -> float:
-        """The gap a correct sync may show: the kernels' noise, plus FP8's where vLLM serves FP8."""
+        """Return the gap a correct sync may show: the kernels' noise, plus FP8's if vLLM serves FP8."""
         return self.mean + (self.fp8_mean or 0.0)
 
     @property
@@ -141,10 +151,12 @@ class KernelNoise:
 
 
 def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) -> KernelNoise | None:
-    """KernelNoise on `sequences` (one extra forward, through the other
-    attention implementation; with `fp8`, one more with the experts
-    as vLLM serves them in FP8), printed; None where the model has only one
-    attention implementation."""
+    """Measure and print KernelNoise on `sequences`.
+
+    This takes one extra forward through the other attention implementation, and with `fp8` one more with
+    the experts as vLLM serves them in FP8. Return None if the model has only one attention implementation
+    and `fp8` is off.
+    """
     reference = trainer_logprobs(trainers, sequences)
     refs = [t.__ray_call__.remote(other_attention_logprobs, sequences) for t in trainers]
     other = helpers.ray_get_all(refs)[0]
@@ -174,9 +186,11 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) 
 
 
 def other_attention_logprobs(trainer, sequences: list[list[int]]) -> tuple[str, list[list[float]]] | None:
-    """In a rank: token_logprobs through the other attention implementation
-    (eager for SDPA or flash, SDPA for eager): a second correct bf16 forward
-    of the same weights, for KernelNoise. None if the model refuses it."""
+    """Run token_logprobs in a rank through the other attention implementation, for KernelNoise.
+
+    The other implementation is eager for SDPA or flash, and SDPA for eager; it gives a second correct bf16
+    forward of the same weights. Return None if the model refuses to switch.
+    """
     current = trainer.model.config._attn_implementation
     other = "sdpa" if current == "eager" else "eager"
     try:
@@ -190,13 +204,13 @@ def other_attention_logprobs(trainer, sequences: list[list[int]]) -> tuple[str, 
 
 
 def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float]]:
-    """In a rank: token_logprobs with the routed experts computing as vLLM's
-    block-FP8 MoE kernel does: every fused expert tensor as vLLM serves it
-    (this rank's block of experts quantized through vLLM's own function and
-    back, in place) and the experts' activations quantized as that kernel
-    quantizes them (fp8_experts_forward); then the weights put back from a
-    copy in host memory and the experts' own forward back: what FP8 alone
-    does to the trainer's log-probabilities."""
+    """Run token_logprobs in a rank with the routed experts computing as vLLM's block-FP8 MoE kernel does.
+
+    This measures what FP8 alone does to the trainer's log-probabilities. Each fused expert tensor of this
+    rank is quantized through vLLM's own function and back, in place, and fp8_experts_forward quantizes the
+    experts' activations as that kernel does. Afterwards the weights are restored from a copy in host memory
+    and the experts' own forward is restored.
+    """
     params, saved = dict(trainer.model.named_parameters()), {}
     fused = sources.fused_expert_tensors(trainer.model)
     experts = {trainer.model.get_submodule(name.rpartition(".")[0]) for name in fused}
@@ -207,12 +221,12 @@ def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float
                 saved[name] = (local, local.detach().to("cpu", copy=True))
                 local.copy_(fp8_dequantized(local.to(torch.bfloat16), 2 if name.endswith("gate_up_proj") else 1))
         for module in experts:
-            module.forward = fp8_experts_forward(module)  # (an attribute of the object: over its class's forward)
+            module.forward = fp8_experts_forward(module)  # An instance attribute overrides the class's forward.
         return trainer.token_logprobs(sequences)
     finally:
         for module in experts:
             module.__dict__.pop("forward", None)
-        if hasattr(trainer.model, "reshard"):  # (a forward that failed part way may leave modules gathered)
+        if hasattr(trainer.model, "reshard"):  # A forward that failed part way may leave modules gathered.
             trainer.model.reshard()
         with torch.no_grad():
             for local, original in saved.values():
@@ -220,18 +234,19 @@ def fp8_experts_logprobs(trainer, sequences: list[list[int]]) -> list[list[float
 
 
 def fp8_experts_forward(experts: torch.nn.Module, activations=None):
-    """A forward for a transformers fused experts module (gate_up_proj
-    [experts, 2 x intermediate, hidden], down_proj [experts, hidden,
-    intermediate], act_fn) that reads its input and the intermediate as
-    vLLM's block-FP8 Triton MoE kernel does: through `activations`
-    (default fp8_activations). The same arithmetic as the module's own loop
-    otherwise."""
+    """Return a forward for a transformers fused experts module that quantizes activations as vLLM does.
+
+    The module has gate_up_proj [experts, 2 x intermediate, hidden], down_proj [experts, hidden,
+    intermediate] and act_fn. The forward passes its input and the intermediate through `activations`,
+    fp8_activations by default, as vLLM's block-FP8 Triton MoE kernel reads them. Otherwise it does the same
+    arithmetic as the module's own loop.
+    """
     quantized = fp8_activations if activations is None else activations
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
-            if expert >= experts.num_experts:  # (the index an expert-parallel model gives experts held elsewhere)
+            if expert >= experts.num_experts:  # An expert-parallel model gives this index to experts held elsewhere.
                 continue
             token, slot = torch.where(top_k_index == expert)
             gate, up = torch.nn.functional.linear(quantized(hidden_states[token]), experts.gate_up_proj[expert]).chunk(
@@ -245,10 +260,11 @@ def fp8_experts_forward(experts: torch.nn.Module, activations=None):
 
 
 def fp8_activations(x: torch.Tensor) -> torch.Tensor:
-    """`x` as vLLM's block-FP8 MoE kernel reads an activation: each row's
-    values in groups of 128 columns (the last one padded with zeros), each
-    group quantized to e4m3 with the scale its largest magnitude / 448 (at
-    least 1e-10 / 448, as per_token_group_quant_fp8), and back."""
+    """Quantize `x` to FP8 and back as vLLM's block-FP8 MoE kernel reads an activation.
+
+    Each row is split into groups of 128 columns, the last padded with zeros. Each group is quantized to e4m3
+    with scale equal to its largest magnitude / 448, at least 1e-10 / 448, as per_token_group_quant_fp8 does.
+    """
     columns = x.shape[-1]
     padded = -(-columns // fp8_experts.FP8_BLOCK) * fp8_experts.FP8_BLOCK
     groups = torch.nn.functional.pad(x.float(), (0, padded - columns)).unflatten(-1, (-1, fp8_experts.FP8_BLOCK))
@@ -258,9 +274,10 @@ def fp8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:
-    """An expert block ([experts, shards x rows, columns]) as vLLM serves it in
-    FP8, back in float32: fp8_experts.fp8_reference's weight times its block
-    scales, without the padding."""
+    """Return an expert block [experts, shards x rows, columns] as vLLM serves it in FP8, back in float32.
+
+    That is fp8_experts.fp8_reference's weight times its block scales, without the padding.
+    """
     weight, scales = fp8_experts.fp8_reference(block, shards)
     block_size = fp8_experts.FP8_BLOCK
     values = weight.float() * scales.repeat_interleave(block_size, 1).repeat_interleave(block_size, 2)
@@ -270,11 +287,11 @@ def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:
 
 @dataclass
 class Tolerances:
-    mean: float  # the gate: wrong weights move every token
-    quantile: float = 1.0  # the QUANTILE of |dlogp|: a guard against a few tokens grossly off
-    max: float | None = None  # the single worst token, if asked for
+    mean: float  # The main gate, because wrong weights move every token.
+    quantile: float = 1.0  # The QUANTILE of |dlogp|, a guard against a few tokens grossly off.
+    max: float | None = None  # The single worst token, if asked for.
     noise_multiple: float = 2.0
-    kernel_noise: KernelNoise | None = None  # measured once, before the first sync
+    kernel_noise: KernelNoise | None = None  # Measured once, before the first sync.
 
     @classmethod
     def from_args(cls, args, kernel_noise: KernelNoise | None = None) -> Tolerances:
@@ -287,39 +304,44 @@ class Tolerances:
         )
 
     def given(self, noise: LogprobGap | None = None) -> tuple[float, float]:
-        """(mean, quantile) tolerances: the absolute ones, or `noise_multiple`
-        times the trainer's own kernel noise (its bound: with FP8's) where
-        that is larger. The basis is measured only where the weights are
-        identical by construction, without vLLM: the trainer against itself.
-        `noise`, a trainer-vs-vLLM gap (a round's `before`), is not a basis:
-        it is what the gate judges, and the exact check that would vouch for
-        it may itself be wrong, so a large gap in one round must not widen
-        the next round's tolerance (it is taken, and ignored, so that a
-        caller's round reads the same). Never tightened either."""
+        """Return the (mean, quantile) tolerances.
+
+        Each is the absolute tolerance, or `noise_multiple` times the trainer's own kernel noise bound,
+        FP8's included, if that is larger; it is never tightened. The basis is measured only where the weights
+        are identical by construction, without vLLM: the trainer against itself. `noise`, a trainer-vs-vLLM
+        gap such as a round's `before`, is not a basis. It is what the gate judges, and the exact check that
+        would vouch for it may itself be wrong, so a large gap in one round must not widen the next round's
+        tolerance. `noise` is accepted and ignored so that callers read the same.
+        """
         del noise
         k = self.kernel_noise
         return (self._floor(self.mean, k and k.bound_mean), self._floor(self.quantile, k and k.bound_quantile))
 
     def _floor(self, absolute: float, kernel: float | None) -> float:
-        """One of given()'s tolerances, from its absolute value and the kernel noise (None: not measured)."""
+        """Return one of given()'s tolerances from its absolute value and the kernel noise, None if unmeasured."""
         return absolute if kernel is None else max(absolute, self.noise_multiple * kernel)
 
 
 @dataclass
 class ChangeTest:
-    """Did vLLM's log-probabilities follow the trainer's step? Per token, the
-    trainer's change (after - before) against vLLM's, on the worst engine."""
+    """Hold whether vLLM's log-probabilities followed the trainer's step.
+
+    Per token, the trainer's change, after - before, is compared with vLLM's on the worst engine.
+    """
 
     trainer_change_rms: float
-    noise_rms: float  # |trainer - vLLM| with identical weights
-    residual_rms: float  # vLLM's change minus the trainer's
-    verdict: str  # "followed", "did not follow", or "too small to see" (below the noise); reported, not gated
+    noise_rms: float  # |trainer - vLLM| with identical weights.
+    residual_rms: float  # vLLM's change minus the trainer's.
+    # "followed", "did not follow", or "too small to see" when below the noise; reported, not gated.
+    verdict: str
 
 
 def change_test(before: LogprobGap, after: LogprobGap) -> ChangeTest | None:
-    """After a step (before: vLLM held the previous sync, the trainer had not
-    stepped; after: both should hold the stepped weights). None without the
-    trainer's numbers."""
+    """Run the change test after a training step; return None without the trainer's numbers.
+
+    In `before`, vLLM held the previous sync and the trainer had not stepped; in `after`, both should hold
+    the stepped weights.
+    """
     if before.trainer is None or after.trainer is None:
         return None
     t_change = _diffs(after.trainer, before.trainer)
@@ -344,7 +366,7 @@ def _rms(values: list[float]) -> float:
 class Gate:
     passed: bool
     changed_per_dp_rank: list[bool]
-    mean_tolerance: float | None = None  # as applied this round (given the trainer's kernel noise)
+    mean_tolerance: float | None = None  # As applied this round, given the trainer's kernel noise.
     quantile_tolerance: float | None = None
     change: ChangeTest | None = None
 
@@ -357,16 +379,17 @@ def gate(
     noise: LogprobGap | None = None,
     stepped: bool = False,
 ) -> Gate:
-    """A round passes when EVERY engine is within the tolerances after the
-    sync (Tolerances.given: from the trainer's own kernel noise, never from
-    a trainer-vs-vLLM gap; `noise`, the gap before the sync on weights the
-    previous exact check proved, is the change test's reference only); if
-    the weights were updated, EVERY engine's log-probabilities changed (a sync that silently did nothing on one engine leaves its
-    numbers exactly as they were: vLLM's outputs repeat bit for bit on the
-    same weights, while the trainer's HF MoE forward need not); and, after a
-    training step (`stepped`), the change test is reported (not gated: MoE
-    routing near ties makes it too noisy to fail a round on; the exact check
-    proves the bytes). `<=` is False for NaN."""
+    """Judge a round: it passes when every engine is within the tolerances after the sync.
+
+    The tolerances come from Tolerances.given, based on the trainer's own kernel noise, never on a
+    trainer-vs-vLLM gap. `noise`, the gap before the sync on weights the previous exact check proved, is
+    only the change test's reference. If the weights were updated, every engine's log-probabilities must
+    also have changed: a sync that silently did nothing on one engine leaves its numbers exactly as they
+    were, because vLLM's outputs repeat bit for bit on the same weights, while the trainer's HF MoE forward
+    need not. After a training step, `stepped`, the change test is reported but not gated, because MoE
+    routing near ties makes it too noisy to fail a round on; the exact check proves the bytes. A NaN fails
+    every `<=` comparison.
+    """
     changed = [b != a for b, a in zip(before.server, after.server, strict=True)]
     mean_tol, quantile_tol = tolerances.given(noise)
     change = change_test(before, after) if stepped and noise is not None else None

@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Each GPU's memory after a sync: the trainer rank's (PyTorch's counters) and the vLLM server's
-processes' there (NVML, told apart by the server's process group)."""
+"""Measure each GPU's memory after a sync, for the trainer rank and for the vLLM server's processes.
+
+The trainer's comes from PyTorch's counters. The server's comes from NVML, told apart from other processes by
+the server's process group.
+"""
 
 from __future__ import annotations
 
@@ -18,32 +21,38 @@ GiB = 1024**3
 
 @dataclass
 class GPUMemory:
-    """One GPU after a sync, GiB."""
+    """Hold one GPU's memory after a sync, in GiB."""
 
-    trainer_peak_allocated: float  # the trainer's peak since the previous reading (this round)
+    trainer_peak_allocated: float  # The trainer's peak since the previous reading, which covers this round.
     trainer_reserved: float
-    server_used: float  # the vLLM server's processes on this GPU (NVML; every other process if its group is unknown); NaN if unknown
-    device_used: float  # all processes, this job's and any other's
-    job_used: float = math.nan  # this trainer rank's process and the server's on this GPU (NVML); NaN if unknown
+    # The vLLM server's processes on this GPU, from NVML. Every other process counts if the server's
+    # process group is unknown; NaN if NVML cannot tell.
+    server_used: float
+    device_used: float  # All processes, this job's and any other's.
+    job_used: float = math.nan  # This trainer rank's process and the server's on this GPU; NaN if unknown.
 
 
 def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: int) -> list[int]:
-    """For each rank, the process group of the vLLM server on its node (ranks
-    go in node order), as `memory` takes them."""
+    """Return, for each rank, the process group of the vLLM server on its node, as `memory` takes them.
+
+    Ranks go in node order.
+    """
     per_node = [server.pgid, *helpers.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 
 def memory(trainers: list, server_pgids: list | None = None) -> list[GPUMemory]:
-    """Each rank's GPU (`server_pgids`: per rank, its node's server's process group)."""
+    """Measure each rank's GPU; `server_pgids` gives, per rank, its node's server's process group."""
     return ray.get(
         [t.__ray_call__.remote(memory_gib, server_pgids[r] if server_pgids else None) for r, t in enumerate(trainers)]
     )
 
 
 def memory_gib(trainer, server_pgid: int | None = None) -> GPUMemory:
-    """In a rank: its GPU now, and the trainer's peak since the last reading;
-    `server_pgid`: the process group of the vLLM server on this node."""
+    """Measure, in a rank, its GPU now and the trainer's peak since the last reading.
+
+    `server_pgid` is the process group of the vLLM server on this node.
+    """
     device = trainer.device
     free, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -59,9 +68,11 @@ def memory_gib(trainer, server_pgid: int | None = None) -> GPUMemory:
 
 
 def nvml_gpu_memory(gpu_uuid: str, server_pgid: int | None = None) -> tuple[float, float]:
-    """(bytes this process uses on the GPU with this UUID, bytes the server's
-    processes use there: those of process group `server_pgid`, or every other
-    process if None), from NVML; NaN where NVML cannot tell."""
+    """Return, from NVML, the bytes this process and the server's processes use on the GPU with this UUID.
+
+    The server's processes are those in process group `server_pgid`, or every other process if it is None.
+    Each value is NaN if NVML cannot tell.
+    """
     try:
         import pynvml
 
@@ -72,22 +83,22 @@ def nvml_gpu_memory(gpu_uuid: str, server_pgid: int | None = None) -> tuple[floa
             procs = [(p.pid, p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # no NVML, no permission
+    except Exception:  # No NVML, or no permission.
         return math.nan, math.nan
     return split_gpu_memory(procs, os.getpid(), server_pgid)
 
 
 def split_gpu_memory(procs: list[tuple[int, int]], me: int, server_pgid: int | None, getpgid=os.getpgid):
-    """nvml_gpu_memory's (mine, the server's) from NVML's (pid, bytes) list."""
+    """Split NVML's (pid, bytes) list into nvml_gpu_memory's (mine, the server's)."""
     if me not in {pid for pid, _ in procs}:
-        return math.nan, math.nan  # NVML sees another PID namespace: it cannot tell us apart
+        return math.nan, math.nan  # NVML sees another PID namespace, so it cannot tell processes apart.
 
     def servers(pid: int) -> bool:
         if server_pgid is None:
             return True
         try:
             return getpgid(pid) == server_pgid
-        except OSError:  # gone, or on another node
+        except OSError:  # The process is gone, or on another node.
             return False
 
     mine = float(sum(used for pid, used in procs if pid == me))

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The proof's flags, and what the script refuses before any GPU work: flags that do not fit
-together, paths it could not write, a model the sync cannot move as asked (a parameter larger than the
-packed buffer, a misaligned packed tensor, experts the direct loader cannot split or FP8 cannot
-quantize, a machine without FP8's kernels), two trainer ranks on one GPU."""
+"""Define the proof's flags, and refuse a run before any GPU work when it cannot succeed.
+
+The script refuses flags that do not fit together, paths it cannot write, two trainer ranks on one GPU, and a
+model the sync cannot move as asked. A model is refused when a parameter is larger than the packed buffer, a
+packed tensor would be misaligned, the direct loader cannot split its experts, FP8 cannot quantize them, or the
+machine lacks FP8's kernels.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from weight_sync import models, sources
 
 
 def add_arguments(parser) -> None:
-    """The checks' flags."""
+    """Add the checks' flags to `parser`."""
     add = parser.add_argument
     add(
         "--logprob-mean-tolerance",
@@ -32,7 +35,7 @@ def add_arguments(parser) -> None:
         type=float,
         default=1.0,
         help=f"the same for the {QUANTILE * 100:.0f}%% quantile of |trainer - vLLM| over the tokens",
-    )  # (%% is argparse's "%")
+    )  # %% is argparse's escape for "%".
     add(
         "--logprob-max-tolerance",
         type=float,
@@ -62,7 +65,7 @@ def add_arguments(parser) -> None:
 
 
 def flag_problem(args) -> str | None:
-    """Why the script's flags cannot work together, or None."""
+    """Say why the script's flags cannot work together, or return None."""
     problems = [
         (args.num_gpus < 1, "--num-gpus must be at least 1"),
         (
@@ -108,8 +111,11 @@ def flag_problem(args) -> str | None:
 
 
 def unwritable(flag: str, path: str | None) -> str | None:
-    """Why the run could not write `path` (a file it writes at the end, or from
-    its start), or None: asked before any GPU work, not after the whole run."""
+    """Say why the run could not write `path`, or return None.
+
+    The run writes such a file from its start or at its end; checking first fails before any GPU work rather
+    than after the whole run.
+    """
     if not path:
         return None
     target = Path(path)
@@ -124,7 +130,7 @@ def unwritable(flag: str, path: str | None) -> str | None:
 
 
 def loader_flag_problem(args, loader: str) -> str | None:
-    """Why `loader` cannot run with these flags, or None."""
+    """Say why `loader` cannot run with these flags, or return None."""
     if loader == "direct" and not args.packed:
         return "--weight-loader direct reads packed buffers: drop --no-packed or pass --weight-loader vllm"
     if loader == "direct" and args.tensor_parallel_size != 1:
@@ -135,9 +141,12 @@ def loader_flag_problem(args, loader: str) -> str | None:
 
 
 def before_gpu_work(args, model_path, loaders: list[str]) -> None:
-    """Exit with one line if the model cannot be synced as asked: a checkpoint
-    without safetensors files (what the trainer ranks read), a parameter
-    larger than the packed buffer, or experts the direct loader cannot split."""
+    """Exit with one line if the model cannot be synced as asked.
+
+    That is a checkpoint without the safetensors files the trainer ranks read, a parameter larger than the
+    packed buffer, a packed tensor that would be misaligned, experts the direct loader cannot split, or an FP8
+    run that cannot work.
+    """
     if args.model not in models.PRESETS and not models.checkpoint_files(Path(model_path)):
         raise SystemExit(
             f"error: {model_path} has no safetensors files (model.safetensors, or an index of them): "
@@ -160,10 +169,11 @@ def before_gpu_work(args, model_path, loaders: list[str]) -> None:
 
 
 def fp8_problem(model: torch.nn.Module) -> str | None:
-    """Why --rollout-dtype fp8 cannot serve this model (a meta model will do),
-    or None: it quantizes the routed experts, so a model without fused experts
-    would be served as it is; experts with biases are not quantized here
-    (vLLM's online FP8 refuses them when it pads the experts to 128)."""
+    """Say why --rollout-dtype fp8 cannot serve this model, or return None; a meta model is enough.
+
+    FP8 quantizes only the routed experts, so a model without fused experts would be served unchanged. Experts
+    with biases are refused because vLLM's online FP8 refuses them when it pads the experts to 128.
+    """
     experts = sources.fused_expert_tensors(model)
     if not experts:
         return "--rollout-dtype fp8 serves the routed experts in FP8, and this model has none; drop it"
@@ -182,10 +192,12 @@ def fp8_problem(model: torch.nn.Module) -> str | None:
 
 
 def fp8_backend_problem(capabilities: dict[int, tuple[int, int]]) -> str | None:
-    """Why this machine cannot run the FP8 experts, or None: vLLM's FP8 MoE
-    kernel (--moe-backend triton) and the direct loader's quantizer are Triton
-    kernels, for GPUs with FP8 arithmetic (compute capability 8.9 or later;
-    `capabilities`: GPU index -> (major, minor), none where there are none)."""
+    """Say why this machine cannot run the FP8 experts, or return None.
+
+    vLLM's FP8 MoE kernel with --moe-backend triton and the direct loader's quantizer are Triton kernels, and
+    they need GPUs with FP8 arithmetic, compute capability 8.9 or later. `capabilities` maps GPU index to
+    (major, minor), and is empty on a machine without GPUs.
+    """
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -202,8 +214,10 @@ def fp8_backend_problem(capabilities: dict[int, tuple[int, int]]) -> str | None:
 
 
 def gpu_capabilities() -> dict[int, tuple[int, int]]:
-    """Each GPU's compute capability, read as vLLM reads it (NVML on NVIDIA:
-    no CUDA context, so no GPU memory taken); empty on other platforms."""
+    """Return each GPU's compute capability, read as vLLM reads it; empty on other platforms.
+
+    On NVIDIA vLLM reads it through NVML, which creates no CUDA context and so takes no GPU memory.
+    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
@@ -213,9 +227,11 @@ def gpu_capabilities() -> dict[int, tuple[int, int]]:
 
 
 def placement_problem(placements: list[dict]) -> str | None:
-    """Why the trainer ranks Ray placed cannot sync, or None: two ranks on
-    one GPU (one engine per GPU reads the IPC buffer of "the" rank on its GPU,
-    and vLLM keeps one handle per GPU, so one rank's weights would be lost)."""
+    """Say why the trainer ranks Ray placed cannot sync, or return None.
+
+    Two ranks must not share a GPU: vLLM keeps one IPC handle per GPU and each engine reads the buffer of the
+    one rank on its GPU, so the other rank's weights would be lost.
+    """
     uuids = [p.get("gpu_uuid") for p in placements]
     shared = sorted({u for u in uuids if u and uuids.count(u) > 1})
     if shared:
@@ -225,10 +241,12 @@ def placement_problem(placements: list[dict]) -> str | None:
 
 
 def packing_problem(metadata: list[tuple[str, tuple, torch.dtype]]) -> str | None:
-    """vLLM's packed IPC buffer holds the tensors back to back, unpadded, and
-    views each at its offset: after a tensor whose size is not a multiple of
-    the widest element (e.g. an odd-length bf16 tensor before a router's fp32
-    bias) the view fails mid-send. None if every size is a multiple of it."""
+    """Say why vLLM's packed IPC buffer cannot hold these tensors, or return None.
+
+    The buffer holds the tensors back to back, unpadded, and views each at its offset. After a tensor whose
+    size is not a multiple of the widest element, such as an odd-length bf16 tensor before a router's fp32
+    bias, the next view fails in the middle of a send.
+    """
     widest = max(dtype.itemsize for _, _, dtype in metadata)
     for name, shape, dtype in metadata:
         if (size := math.prod(shape) * dtype.itemsize) % widest:

@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a run records and prints: each round's record (RoundRecord, the JSON's keys) and its lines,
-the trainers' layout, the run's JSON (run_result), its table (format_summary), the failed checks and
-the exit code (report)."""
+"""Record and print a run's results.
+
+RoundRecord is each round's record, whose field names are the JSON's keys, and print_round prints its lines.
+show_layout prints the trainers' layout. run_result builds the run's JSON, format_summary its table, and
+report names the failed checks and returns the exit code.
+"""
 
 from __future__ import annotations
 
@@ -24,39 +27,39 @@ SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
 
 @dataclass
 class RoundRecord:
-    """One round, as it goes into the JSON (the field names are the keys)."""
+    """Hold one round as it goes into the JSON; the field names are the keys."""
 
     phases_s: dict[str, float]
-    send_breakdown_s: list[dict]  # per rank: RankMeasurement.send_breakdown
-    cycle_s: float  # the sync phases, without a train step
-    bytes_sent: int  # the model's bf16 size, whichever loader moves it
+    send_breakdown_s: list[dict]  # Per rank, from RankMeasurement.send_breakdown.
+    cycle_s: float  # The sync phases, without a train step.
+    bytes_sent: int  # The model's bf16 size, whichever loader moves it.
     send_gb_per_s: float  # bytes_sent / send
-    bytes_per_gpu: int  # what each GPU's engine received (the direct loader: its own experts only)
+    bytes_per_gpu: int  # What each GPU's engine received; with the direct loader, only its own experts.
     gpu_receive_gb_per_s: float  # bytes_per_gpu / send
     max_abs_dlogp_before: float
     mean_abs_dlogp_before: float
     max_abs_dlogp_after: float
-    mean_abs_dlogp_after: float  # the worst DP engine's mean, the gated number
+    mean_abs_dlogp_after: float  # The worst DP engine's mean, which is the gated number.
     max_abs_dlogp_after_per_dp_rank: list[float]
     mean_abs_dlogp_after_per_dp_rank: list[float]
     weights_updated: bool
-    logprobs_changed: bool  # on every DP engine
+    logprobs_changed: bool  # On every DP engine.
     logprobs_changed_per_dp_rank: list[bool]
     gate_passed: bool
     mem_reserved_gib: list[float]
     memory_gib_per_rank: list[dict]
-    send_retries: int = 0  # sends the server failed part way and that were sent again
-    quantile_abs_dlogp_before: float | None = None  # the QUANTILE of |dlogp| over the tokens, worst engine
+    send_retries: int = 0  # Sends the server failed part way through and that were repeated.
+    quantile_abs_dlogp_before: float | None = None  # The QUANTILE of |dlogp| over the tokens, worst engine.
     quantile_abs_dlogp_after: float | None = None
     quantile_abs_dlogp_after_per_dp_rank: list[float] | None = None
-    gate_tolerances: dict | None = None  # as applied: mean, quantile, max, and whether the noise set them
-    change_test: dict | None = None  # after a step: did vLLM follow the trainer's change (ChangeTest)
-    exact_check: dict | None = None  # ExactCheck: every engine holds, bit for bit, what was sent
+    gate_tolerances: dict | None = None  # As applied: mean, quantile, max, and whether the noise set them.
+    change_test: dict | None = None  # After a step, whether vLLM followed the trainer's change; see ChangeTest.
+    exact_check: dict | None = None  # ExactCheck: whether every engine holds, bit for bit, what was sent.
     # With --train only:
     reward_mean: float | None = None
     loss: float | None = None
-    step_skipped: str | None = None  # why no step was taken
-    unchanged_by_step: list[str] | None = None  # trainer parameters the step left as they were
+    step_skipped: str | None = None  # Why no step was taken.
+    unchanged_by_step: list[str] | None = None  # Trainer parameters the step left as they were.
 
     def to_json(self) -> dict:
         optional = ("reward_mean", "loss", "step_skipped", "unchanged_by_step")
@@ -150,8 +153,10 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
 
 
 def show_layout(placements: list[dict], num_nodes: int) -> None:
-    """Print which node and GPUs each node's trainer ranks have (ranks in
-    node order, as many on each node)."""
+    """Print which node and GPUs each node's trainer ranks have.
+
+    Ranks go in node order, with the same number on each node.
+    """
     per_node = len(placements) // num_nodes
     for k in range(num_nodes):
         ranks = placements[k * per_node : (k + 1) * per_node]
@@ -164,14 +169,16 @@ def show_layout(placements: list[dict], num_nodes: int) -> None:
 
 
 def memory_growth_gib(rounds: list[RoundRecord]) -> float:
-    """Largest growth, on any GPU, of the memory this job's processes use
-    after a sync (all processes', where NVML cannot tell), from round 2 to the last round. Round 1 is left out: it allocates
-    what every later round reuses (optimizer state, IPC buffer, NCCL buffers)."""
+    """Return the largest growth on any GPU, from round 2 to the last, of the memory this job uses after a sync.
+
+    Where NVML cannot tell this job's processes apart, all processes count. Round 1 is left out because it
+    allocates what every later round reuses: optimizer state, the IPC buffer and NCCL buffers.
+    """
     if len(rounds) < 3:
         return 0.0
     first, last = rounds[1].memory_gib_per_rank, rounds[-1].memory_gib_per_rank
 
-    def used(m: dict) -> float:  # this job's processes where NVML tells them apart: other jobs may share the GPU
+    def used(m: dict) -> float:  # Prefer this job's processes, because other jobs may share the GPU.
         return m["job_used"] if math.isfinite(m.get("job_used", math.nan)) else m["device_used"]
 
     return max(used(b) - used(a) for a, b in zip(first, last, strict=True))
@@ -208,7 +215,7 @@ def run_result(
     time_to_first_sync_s: float,
     kernel_noise: KernelNoise | None = None,
 ) -> dict:
-    """The run's JSON: how it was run, then what it measured (`kernel_noise`: the gate's basis)."""
+    """Build the run's JSON: how it was run, then what it measured; `kernel_noise` is the gate's basis."""
     return {
         **run_facts(args, job),
         "train": args.train,
@@ -223,8 +230,7 @@ def run_result(
 
 
 def report(args, result: dict) -> int:
-    """Print the summary, write the JSON (--json), name every failed check;
-    the exit code: 1 if any failed."""
+    """Print the summary, write the JSON for --json, and name every failed check; return 1 if any failed."""
     print(format_summary(result))
     if args.json:
         write_json(args.json, result)
@@ -236,14 +242,14 @@ def report(args, result: dict) -> int:
 
 
 def run_facts(args, job) -> dict:
-    """What a reader needs to reproduce a result: hardware, versions, command, settings."""
+    """Return what a reader needs to reproduce a result: hardware, versions, command and settings."""
     import vllm
 
     return {
         "gpu_name": job.gpu_name,
         "num_gpus": args.num_gpus,
         "num_nodes": args.num_nodes,
-        "rank_nodes": job.rank_nodes,  # each trainer rank's Ray node id
+        "rank_nodes": job.rank_nodes,  # Each trainer rank's Ray node id.
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": job.dp_size,
         "model": args.model,
@@ -253,18 +259,19 @@ def run_facts(args, job) -> dict:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
         "weight_loader": args.weight_loader,
-        "weight_loader_reason": getattr(args, "weight_loader_reason", None),  # the default, or why not
-        "rollout_dtype": args.rollout_dtype,  # what vLLM serves the routed experts in
+        "weight_loader_reason": getattr(args, "weight_loader_reason", None),  # The default, or why not.
+        "rollout_dtype": args.rollout_dtype,  # The dtype vLLM serves the routed experts in.
         "packed": args.packed,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "sleep_level": args.sleep_level,
-        "free_kv_cache": args.free_kv_cache,  # as given: None is "with --train"
+        "free_kv_cache": args.free_kv_cache,  # As given; None means "with --train".
         "server_start_s": job.server.healthy_after_s,
-        "weights_in_after_s": job.weights_in_after_s,  # seconds into the server's start (they overlap)
+        "weights_in_after_s": job.weights_in_after_s,  # Seconds into the server's start, which it overlaps.
         "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
-        "experts_in_place": job.experts_in_place,  # direct loader: the engines copied them from the trainers' memory
-        # How vLLM's own loader reloads (vLLM >= 0.34 reads this from the server's environment;
-        # "direct": in place; earlier versions reload layer by layer only).
+        # With the direct loader: whether the engines copied the experts from the trainers' memory.
+        "experts_in_place": job.experts_in_place,
+        # How vLLM's own loader reloads. vLLM 0.34 and later read VLLM_RELOAD_MODE from the server's
+        # environment, where "direct" reloads in place; earlier versions always reload layer by layer.
         "vllm_reload_mode": os.environ.get("VLLM_RELOAD_MODE", "layerwise"),
     }
 
@@ -280,12 +287,12 @@ def _nan_to_null(value):
 
 
 def write_json(path: str | os.PathLike, result: dict) -> None:
-    """Strict JSON: NaN (a number nobody could measure) is written as null."""
+    """Write strict JSON, with NaN, a number that could not be measured, written as null."""
     Path(path).write_text(json.dumps(_nan_to_null(result), indent=2, allow_nan=False) + "\n")
 
 
 def format_summary(result: dict) -> str:
-    """A plain-text table of a run's JSON result."""
+    """Format a run's JSON result as a plain-text table."""
     train, nodes = result.get("train", False), result.get("num_nodes", 1)
     gpus = f"{result['num_gpus']} x {result['gpu_name']}" + (f" on {nodes} nodes" if nodes > 1 else "")
     lines = [

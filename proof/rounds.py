@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The proof around the job, from outside its steps: `Proof`, the one object the script's main() and
-colocated_job call (hooks at named points of the job, then before_rounds, round and report), and
-`RoundProof`, which one round calls at its named steps and which judges the round once it is through
-(the exact check beside the gate: judged_round)."""
+"""Wrap the job with its proof and measurement, without touching the job's own steps.
+
+`Proof` is the one object the script's main() and colocated_job call: hooks at named points of the job, then
+before_rounds, round and report. `RoundProof` is called by one round at its named steps, and judges the round
+once it is through by running the exact check beside the logprob gate in judged_round.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from proof.report import RoundRecord, print_round, report, round_record, run_res
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase: `with timer.phase("sleep"): ...`."""
+    """Time named phases in wall-clock seconds: `with timer.phase("sleep"): ...`."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -57,14 +59,14 @@ def judged_round(
     server_pgids: list | None = None,
     kernel_noise: KernelNoise | None = None,
 ) -> RoundRecord:
-    """A round as the JSON records it, with the checks' verdicts (printed):
-    `phases` as measured, each rank's send_breakdown, the logprob gaps before and
-    after the sync (`noise`: the gap on identical weights, if this round
-    measured it: its `before`), the exact check, and with --train `training`
-    = {"reward_mean", "loss"} (loss None when no step was taken);
-    `server_pgids` as `memory` takes them; `kernel_noise` as measured before
-    the first sync. The round
-    passes only if the gate and the exact check both pass (failed_checks)."""
+    """Build and print a round's record as the JSON stores it, with the checks' verdicts.
+
+    The record holds `phases` as measured, each rank's send_breakdown, the logprob gaps before and after the
+    sync, and the exact check. `noise` is the gap on identical weights, which is this round's `before` when the
+    previous sync was proven exact. With --train, `training` is {"reward_mean", "loss"}, with loss None when no
+    step was taken. `server_pgids` is as `memory` takes it, and `kernel_noise` is as measured before the first
+    sync. The round passes only if both the gate and the exact check pass; see failed_checks.
+    """
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
     verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
@@ -94,13 +96,14 @@ def judged_round(
 
 
 class RoundProof:
-    """One round's proof and measurement, from outside the round: the round
-    calls it at its named steps (`generated` with the batch both sides score,
-    `step` around each phase, `trained` after the step), and `verdict()`,
-    once the round is done, runs the exact check beside the gate and returns
-    the round's record. `first_sync`: vLLM still holds its dummy weights;
-    `previous`: the previous round's record, if any ([] or [record]);
-    `kernel_noise`: the gate's basis; `server_pgids`: as `memory` takes them."""
+    """Prove and measure one round from outside it.
+
+    The round calls `generated` with the batch both sides score, `step` around each phase and `trained`
+    after the training step. Once the round is done, `verdict()` runs the exact check beside the gate and
+    returns the round's record. `first_sync` means vLLM still holds its dummy weights. `previous` is [] or
+    the previous round's record in a list. `kernel_noise` is the gate's basis, and `server_pgids` is as
+    `memory` takes it.
+    """
 
     def __init__(
         self,
@@ -113,34 +116,36 @@ class RoundProof:
     ) -> None:
         self.job, self.args, self.first_sync = job, args, first_sync
         self.kernel_noise, self.server_pgids = kernel_noise, server_pgids
-        # Did the previous sync pass the exact check? Then vLLM held the trainer's weights bit for bit.
+        # If the previous sync passed the exact check, vLLM held the trainer's weights bit for bit.
         self.proven = any(r.exact_check and r.exact_check["passed"] for r in previous)
         self.timer = PhaseTimer()
         self.sequences: list[list[int]] = []
         self.before: LogprobGap | None = None
         self.training: dict | None = None
-        self.send_retries = 0  # what send_all returned: sends the server failed part way and that were sent again
+        self.send_retries = 0  # From send_all: sends the server failed part way through and that were repeated.
 
     def generated(self, batch: list[helpers.Completion]) -> None:
-        """The tokens the trainer and every DP engine score, before and after the sync."""
+        """Record the tokens the trainer and every DP engine score, and measure their gap before the sync."""
         self.sequences = [c.prompt_token_ids + c.token_ids for c in batch]
         self.before = job_logprob_gap(self.job, self.sequences)
 
     def step(self, name: str):
-        """`with proof.step("send"): ...`: the phase timed (PhaseTimer)."""
+        """Time a phase with PhaseTimer: `with proof.step("send"): ...`."""
         return self.timer.phase(name)
 
     def trained(self, reward_mean: float, loss: float | None) -> None:
-        """With --train: the batch's mean reward and the step's loss (None: no step was taken)."""
+        """Record, with --train, the batch's mean reward and the step's loss, which is None if no step was taken."""
         self.training = {"reward_mean": reward_mean, "loss": loss}
 
     def verdict(self) -> RoundRecord:
-        """The exact check (in a thread of its own, beside the gate; with TP
-        each engine holds shards, not checked) and the gate: vLLM now scores
-        the batch as the trainer does. If the previous sync was proven exact,
-        vLLM held the trainer's weights bit for bit when `before` was
-        measured: the change test's reference (never the gate's tolerance,
-        which only the trainer's own noise widens)."""
+        """Run the exact check and the gate, and return the round's record.
+
+        The exact check runs in its own thread beside the gate. It is skipped with tensor parallelism,
+        because each engine then holds shards. The gate checks that vLLM now scores the batch as the trainer
+        does. If the previous sync was proven exact, vLLM held the trainer's weights bit for bit when `before`
+        was measured, so `before` is the change test's reference. It never widens the gate's tolerance; only
+        the trainer's own noise does.
+        """
         job, args = self.job, self.args
         started = start_exact_check(job) if args.tensor_parallel_size == 1 else None
         after = job_logprob_gap(job, self.sequences)
@@ -163,26 +168,28 @@ class RoundProof:
 
 
 class Proof:
-    """The script's proof and measurement, around the job from outside its steps. colocated_job and
-    setup_weight_transfer_on_every_rank call its hooks at named points (before_gpu_work,
-    trainers_placed, job_started, job_ending; transfer_ready); main() calls three methods:
-    before_rounds (the gate's basis), round (each round's proof, judged on the way out) and report.
-    `started_at`: time.monotonic() at the program's start, which time_to_first_sync_s counts from."""
+    """Prove and measure the script's job from outside its steps.
+
+    colocated_job calls the hooks before_gpu_work, trainers_placed, job_started and job_ending, and
+    setup_weight_transfer_on_every_rank calls transfer_ready. main() calls before_rounds to measure the gate's
+    basis, round for each round's proof, judged when the round exits, and report. `started_at` is
+    time.monotonic() at the program's start; time_to_first_sync_s counts from it.
+    """
 
     def __init__(self, args, started_at: float | None = None) -> None:
         self.args = args
         self.started_at = time.monotonic() if started_at is None else started_at
         self.job = None
-        self.server_pgids: list | None = None  # per rank, the process group of its node's vLLM server
-        self.kernel_noise: KernelNoise | None = None  # the gate's basis, measured before the first sync
-        self.coverage: dict | None = None  # --check-coverage's result, for the transfer set up last
-        self.rounds: list[RoundRecord] = []  # the records of the rounds through the transfer set up last
+        self.server_pgids: list | None = None  # Per rank, the process group of its node's vLLM server.
+        self.kernel_noise: KernelNoise | None = None  # The gate's basis, measured before the first sync.
+        self.coverage: dict | None = None  # --check-coverage's result for the most recent transfer.
+        self.rounds: list[RoundRecord] = []  # Records of the rounds run through the most recent transfer.
         self.time_to_first_sync_s: float | None = None
 
     # colocated_job's hooks
 
     def before_gpu_work(self, model_path, loaders: list[str]) -> None:
-        """Exit with one line if the model cannot be synced as asked (preflight.before_gpu_work)."""
+        """Exit with one line if the model cannot be synced as asked; see preflight.before_gpu_work."""
         preflight.before_gpu_work(self.args, model_path, loaders)
 
     def trainers_placed(self, placements: list[dict]) -> None:
@@ -192,40 +199,47 @@ class Proof:
             raise SystemExit(f"error: {problem}")
 
     def job_started(self, job) -> None:
-        """The server is up and the trainers' weights are in: the job to watch, and the process group
-        of each rank's node's server (to tell its GPU memory from other processes')."""
+        """Record the job once the server is up and the trainers' weights are loaded.
+
+        Also find the process group of each rank's node's server, to tell its GPU memory from other processes'.
+        """
         self.job = job
         self.server_pgids = server_pgids_per_rank(job.server, job.node_servers, self.args.num_gpus, self.args.num_nodes)
 
     def job_ending(self) -> None:
-        """Before the job leaves Ray: a round's exact check, if the round ended before its verdict."""
+        """Settle a round's exact check that is still running, before the job leaves Ray."""
         settle_exact_checks()
 
     # setup_weight_transfer_on_every_rank's hook
 
     def transfer_ready(self, job, args) -> None:
-        """Every rank's sender is built, with `args`: from now on every send is timed and fingerprinted
-        and every step watched; the engines learn what will be sent (the exact check; TP shards each
-        parameter: not checked), which leaves zeros where they probe; with --check-coverage, the
-        coverage sync. The rounds that follow are this transfer's."""
+        """Start measuring once every rank's sender is built with `args`.
+
+        From now on every send is timed and fingerprinted and every step is watched. Without tensor
+        parallelism, the engines learn what will be sent for the exact check, which leaves zeros where they
+        probe; with tensor parallelism each parameter is sharded and not checked. With --check-coverage, the
+        coverage sync runs here. The rounds that follow belong to this transfer.
+        """
         self.args, self.rounds = args, []
         measure(job.trainers)
         if args.tensor_parallel_size == 1:
             prepare_exact_check(job)
         self.coverage = check_coverage(job, args.sleep_level) if args.check_coverage else None
 
-    # main()'s
+    # main()'s calls
 
     def before_rounds(self, greedy: list[helpers.Completion]) -> None:
-        """The gate's basis: the trainer's own kernel noise on these completions' tokens."""
+        """Measure the gate's basis: the trainer's own kernel noise on these completions' tokens."""
         sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
         self.kernel_noise = kernel_noise(self.job.trainers, sequences, fp8=self.args.rollout_dtype == "fp8")
 
     @contextmanager
     def round(self, i: int):
-        """`with proof.round(i) as round_proof:` the round's RoundProof; once the round is through,
-        step 7, the exact check and the gate (the record goes into `rounds`). Round 1's sync replaces
-        vLLM's dummy weights, unless the coverage check's did."""
+        """Yield the round's RoundProof: `with proof.round(i) as round_proof: ...`.
+
+        When the round is through, step 7 runs the exact check and the gate, and the record goes into
+        `rounds`. Round 1's sync replaces vLLM's dummy weights, unless the coverage check's sync already did.
+        """
         round_proof = RoundProof(
             self.job,
             self.args,
@@ -240,7 +254,7 @@ class Proof:
             self.time_to_first_sync_s = time.monotonic() - self.started_at
 
     def report(self) -> int:
-        """Print the table, write the JSON (--json), name every failed check; the exit code."""
+        """Print the table, write the JSON for --json, name every failed check, and return the exit code."""
         result = run_result(
             self.args, self.job, self.rounds, self.coverage, self.time_to_first_sync_s, self.kernel_noise
         )

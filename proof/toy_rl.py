@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The RL part of rlhf_ipc_fsdp_ep.py: a toy task and one REINFORCE step.
-Your own reward, batch and loss replace these; the weight sync does not
-depend on anything here. The script mixes PolicyGradientStep into its trainer
-(`RLTrainer`), which supplies the model, the optimizer and the forward
-pass (`FSDPTrainer._token_logprobs`)."""
+"""Provide the RL part of rlhf_ipc_fsdp_ep.py: a toy task and one REINFORCE step.
+
+Replace these with your own reward, batch and loss; the weight sync does not depend on anything here. The
+script mixes PolicyGradientStep into its trainer, `RLTrainer`, which supplies the model, the optimizer and
+the forward pass, `FSDPTrainer._token_logprobs`.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import helpers
 
 
 def add_arguments(parser) -> None:
-    """The RL loop's flags."""
+    """Add the RL loop's flags to `parser`."""
     add = parser.add_argument
     add(
         "--train",
@@ -28,18 +29,20 @@ def add_arguments(parser) -> None:
 
 
 class PolicyGradientStep:
-    """The training step of an FSDPTrainer rank (a mixin)."""
+    """Mix a training step into an FSDPTrainer rank."""
 
     def train_step(self, samples: list[dict]) -> float:
-        """One REINFORCE step, loss = -mean_i(advantage_i * mean log p(completion_i)),
-        on samples {"prompt_ids", "completion_ids", "advantage"}. Every rank
-        takes its share; FSDP averages the gradients. Returns the loss."""
+        """Take one REINFORCE step and return the loss.
+
+        The loss is -mean_i(advantage_i * mean log p(completion_i)) over samples with keys "prompt_ids",
+        "completion_ids" and "advantage". Every rank takes its share, and FSDP averages the gradients.
+        """
         if self.optimizer is None:
             raise RuntimeError("build the model for training first: build_model(..., lr=...), then init_weights()")
         self.model.train()
         mine = samples[self.rank :: self.world_size]
-        # Every rank must run the same number of forward passes (each one
-        # all-gathers every layer): pad the short ranks with weight-0 samples.
+        # Every rank must run the same number of forward passes, because each one all-gathers
+        # every layer, so pad the short ranks with weight-0 samples.
         padding = -(-len(samples) // self.world_size) - len(mine)
         weights = [1.0] * len(mine) + [0.0] * padding
         loss = torch.zeros((), device=self.device)
@@ -56,15 +59,19 @@ class PolicyGradientStep:
 
 
 def reward(text: str) -> float:
-    """The toy task: write plain words. The share of characters that are a-z
-    or a space (0 for an empty completion). Replace with your own."""
+    """Score the toy task, writing plain words: the share of characters that are a-z or a space.
+
+    An empty completion scores 0. Replace this with your own reward.
+    """
     return sum(("a" <= c <= "z") or c == " " for c in text) / len(text) if text else 0.0
 
 
 def policy_gradient_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float]:
-    """Samples for PolicyGradientStep.train_step with advantage = reward - batch mean
-    (REINFORCE with a mean baseline), and the mean reward. No samples if every
-    advantage is zero: a step would change nothing."""
+    """Return samples for PolicyGradientStep.train_step, and the batch's mean reward.
+
+    Each advantage is reward - batch mean, which is REINFORCE with a mean baseline. Return no samples if every
+    advantage is zero, because a step would change nothing.
+    """
     rewards = [reward(c.text) for c in batch]
     mean = sum(rewards) / len(rewards)
     samples = [

@@ -1,56 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The direct weight loader: the server side of rlhf_ipc_fsdp_ep.py's fast sync.
+"""Load weights sent over CUDA IPC straight into a vLLM engine's parameters.
 
-vLLM's own receive path (/update_weights) hands every tensor to the model's
-`load_weights`, which loads a fused expert tensor one expert at a time through
-vLLM's layer-wise reload wrappers: 48 layers x 128 experts x 3 projections of
-Python calls per engine per sync on Qwen3-30B-A3B, non-local experts included.
+This is the server side of rlhf_ipc_fsdp_ep.py's fast sync. vLLM's own receive
+path, /update_weights, hands every tensor to the model's `load_weights`, which
+loads a fused expert tensor one expert at a time through vLLM's layer-wise
+reload wrappers. On Qwen3-30B-A3B that is 48 layers x 128 experts x 3
+projections of Python calls per engine per sync, non-local experts included.
 On 2 H200 the server spends 26 of a sync's 27 s receiving; the same weights
-through this loader take 0.75 s, so the time goes to those calls, not to the
-copying (docs/BENCHMARKS.md).
+take 0.75 s through this loader, so the time goes to those calls, not to the
+copying. docs/BENCHMARKS.md has the numbers.
 
-This loader is a vLLM worker extension, loaded by the server with
-`--worker-extension-cls direct_load.DirectLoadWorker` and driven through
+This loader is a vLLM worker extension. Start the server with
+`--worker-extension-cls direct_load.DirectLoadWorker` and drive it through
 `/collective_rpc`. It reads the same packed CUDA IPC buffer as vLLM's IPC
-engine, but:
-  * each engine receives only ITS experts: the trainer rank on the same GPU
-    sends its own FSDP shard of each fused expert tensor, which under vLLM's
-    linear expert placement is exactly the block of experts that engine holds
-    (checked before the first send by `direct_load_check`, and again on
-    every chunk; a mismatch is an error, never a silent mis-load);
-  * a fused expert block arrives under `<vLLM expert layer>.gate_up_proj` or
-    `.down_proj` (the trainer names it after the checkpoint's expert module,
-    which is the name vLLM gives the layer, whatever the family) and is one
-    copy into `w13_weight` / `w2_weight`; from a trainer that holds its
-    experts in bf16, straight from the trainer's own memory (a CUDA IPC
-    handle per block, opened once: `direct_load_start`), not through the
-    packed buffer, so each expert weight is copied once per sync;
-  * every other tensor arrives in checkpoint form (names, persistent buffers
-    such as a router's correction bias) and goes through the model's own
-    `load_weights` (which stacks q/k/v and so on) into the live parameters:
-    on the first sync that sends it, random tensors of its shape go through
-    that loader alone first, to learn whether it writes the tensor as it is
-    into a block of rows of one parameter (the whole parameter, or its slice
-    of a stacked q/k/v or gate/up) and nothing else; if so, the direct
-    loader copies it there itself, on that sync and after, all such copies
-    launched at once, since the loader's Python per tensor costs more than
-    the copy;
-  * at the end, vLLM's own post-load function runs over the model
-    (`process_weights_after_loading` of vLLM's model loader), as after a load.
+engine, with these differences:
+  * Each engine receives only its own experts. The trainer rank on the same
+    GPU sends its FSDP shard of each fused expert tensor, which under vLLM's
+    linear expert placement is exactly the block of experts that engine
+    holds. `direct_load_check` checks this before the first send, and every
+    chunk checks it again; a mismatch raises rather than loading the wrong
+    experts.
+  * A fused expert block arrives as `<vLLM expert layer>.gate_up_proj` or
+    `.down_proj` and is copied once into `w13_weight` or `w2_weight`. The
+    trainer names it after the checkpoint's expert module, which is the name
+    vLLM gives the layer in every model family. If the trainer holds its
+    experts in bf16, the block is copied straight from the trainer's memory
+    through a CUDA IPC handle per block, opened once in `direct_load_start`,
+    so each expert weight is copied once per sync.
+  * Every other tensor arrives in checkpoint form, persistent buffers such
+    as a router's correction bias included, and goes through the model's own
+    `load_weights`, which stacks q/k/v and so on. The first time a name is
+    sent, random tensors of its shape go through that loader alone to learn
+    whether it writes the tensor unchanged into a block of rows of one
+    parameter and nothing else. If it does, this loader copies the tensor
+    there itself from then on, launching all such copies at once, because
+    the loader's Python per tensor costs more than the copy.
+  * At the end, vLLM's own post-load function,
+    `process_weights_after_loading` of vLLM's model loader, runs over the
+    model as it does after a load.
 
-It is written for bf16 models, and for routed experts that vLLM serves in
-block-wise FP8 (`--quantization-config '{"moe": "fp8_per_block"}'`): then each
-expert block is quantized into vLLM's FP8 weight and scales as it is written
-(fp8_experts.py, beside this file when it is so). exact_check_engine.py adds the proof on the
-engine's side (every parameter against what the trainer sent, bit for bit;
-every parameter against vLLM's own loader's result).
+It supports bf16 models, and routed experts that vLLM serves in block-wise
+FP8 with `--quantization-config '{"moe": "fp8_per_block"}'`. In that case
+each expert block is quantized into vLLM's FP8 weight and scales as it is
+written, which needs fp8_experts.py beside this file. exact_check_engine.py
+adds the engine side of the proof: every parameter is compared bit for bit
+with what the trainer sent and with what vLLM's own loader produces.
 
-Call it between /sleep and /wake_up, as rlhf_ipc_fsdp_ep.py does: sleeping
-pauses scheduling and clears the prefix cache, whose entries the old weights
-computed.
+Call it between /sleep and /wake_up, as rlhf_ipc_fsdp_ep.py does. Sleeping
+pauses scheduling and clears the prefix cache, whose entries were computed
+with the old weights.
 
-The end of this file is where the vLLM versions this example is tested on
-(0.32, 0.33, 0.34) differ, on the trainer's side too (TrainerSource, vllm_load_form).
+vllm_adapter.py holds everything that differs between the vLLM versions this
+example is tested on, 0.32, 0.33 and 0.34, including TrainerSource and
+vllm_load_form on the trainer's side.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_sync.vllm_adapter import (  # noqa: F401  (TrainerSource, untested_vllm_warning: importers take them here)
+from weight_sync.vllm_adapter import (  # noqa: F401  TrainerSource and untested_vllm_warning are re-exported
     TESTED_VLLM_VERSIONS,
     TrainerSource,
     internal,
@@ -76,30 +78,32 @@ from weight_sync.vllm_adapter import (  # noqa: F401  (TrainerSource, untested_v
 )
 
 EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
-# What the direct loader's refusals advise: vLLM's own loader takes any layout.
+# Every refusal suggests vLLM's own loader, which handles any layout.
 USE_VLLMS_LOADER = 'sync through vLLM\'s loader instead (loader "vllm"; the script: --weight-loader vllm)'
 
 
 @dataclass
 class _Layout:
-    """Where everything is in an engine's model, found once (its parameters
-    stay where they are across syncs), and what the direct loader learned
-    there: what vLLM's loader writes as it is (`plain`: sent name ->
-    (parameter name, first row), a block of whole rows of one parameter,
-    which the direct loader then copies itself) and what it does not
-    (`through_loader`). Learned on the first sync that sends each name."""
+    """Hold where everything is in an engine's model, and what was learned about each sent name.
+
+    It is found once because the parameters stay where they are across syncs.
+    `plain` maps a sent name that vLLM's loader writes unchanged into a block
+    of whole rows of one parameter to that parameter's name and first row;
+    the direct loader copies those itself. `through_loader` holds the other
+    names. Each name is learned on the first sync that sends it.
+    """
 
     model: torch.nn.Module
     expert_layers: dict[str, torch.nn.Module]  # vLLM layer name -> RoutedExperts
-    held_experts: dict[str, list[int]]  # vLLM layer name -> its local experts' global ids (fixed: no EPLB)
+    held_experts: dict[str, list[int]]  # vLLM layer name -> its local experts' global ids, fixed without EPLB
     param_owner: dict[str, torch.nn.Module]  # parameter name -> module holding it
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
     through_loader: set[str] = field(default_factory=set)
     processed: bool = False  # vLLM's post-load function has run over this model once, after a direct sync
-    # The rows each `plain` name is copied into, kept while the parameter's storage stays
-    # as it was: (parameter, its data_ptr, shape and strides, the rows). Slicing a vLLM
-    # parameter costs more than the copy. (A kept view holds its storage until the next
-    # sync replaces it, should vLLM give the parameter other storage meanwhile.)
+    # name -> (parameter, its data_ptr, shape and strides, the rows a `plain` name is copied into).
+    # Kept while the parameter's storage is unchanged, because slicing a vLLM parameter costs
+    # more than the copy. If vLLM gives the parameter new storage, the kept view holds the old
+    # storage alive until the next sync replaces it.
     views: dict[str, tuple] = field(default_factory=dict)
 
 
@@ -130,25 +134,27 @@ class DirectLoadWorker:
     """Mixed into vLLM's worker class; every method runs on every engine."""
 
     def direct_load_start(self, in_place: str | dict = "") -> dict:
-        """Start a sync (the send's first chunk does, unless called first). `in_place` (optional;
-        base64 pickle over /collective_rpc, the dict itself in a chunk): {"trainer_gpu_uuids": [...],
-        "blocks": {GPU uuid: [(expert block name, CUDA IPC handle), ...]}}, handles of the trainer
-        ranks' own storage of their expert blocks (ExpertsInPlace on the trainer, which has
-        synchronized its GPU): this engine copies the block of the rank on its GPU straight from
-        there, one copy each. The storage stays where it is between syncs, so each handle is opened
-        once and kept."""
+        """Start a sync; the send's first chunk calls this if the caller has not.
+
+        `in_place` is optional: {"trainer_gpu_uuids": [...], "blocks": {GPU uuid: [(expert block
+        name, CUDA IPC handle), ...]}}, as a base64 pickle over /collective_rpc or as the dict
+        itself inside a chunk. The handles point at the trainer ranks' own storage of their expert
+        blocks, sent by ExpertsInPlace after the trainer has synchronized its GPU. This engine
+        copies the block of the rank on its GPU straight from there, one copy per block. That
+        storage stays where it is between syncs, so each handle is opened once and kept.
+        """
         PackedBufferImporter = internal("vllm.distributed.weight_transfer.packed_tensor", "PackedBufferImporter")
         start = time.perf_counter()
         if getattr(self, "_weight_update_active", False):
             raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
         if (unfinished := getattr(self, "_direct_session", None)) is not None:
-            unfinished.importer.close()  # a send that failed part way: start afresh
+            unfinished.importer.close()  # A send failed part way; start afresh.
         model = self.model_runner.get_model()
-        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:  # found once
+        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:
             self._direct_layout = _layout(model)
         session = self._direct_session = _session(self._direct_layout, PackedBufferImporter())
         if not in_place:
-            self._opened_storage = {}  # a trainer's storage opened for an earlier sync: released
+            self._opened_storage = {}  # Release trainer storage opened for an earlier sync.
             return {"tensors": 0, "bytes": 0}
         update = _unpickle(in_place) if isinstance(in_place, str) else in_place
         blocks = update["blocks"].get(session.gpu_uuid) or _no_trainer_rank(session.gpu_uuid, list(update["blocks"]))
@@ -156,21 +162,23 @@ class DirectLoadWorker:
         _load(session, tensors, update["trainer_gpu_uuids"].index(session.gpu_uuid), self.vllm_config)
         session.tensors += len(tensors)
         session.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-        seconds = {"experts_in_place": time.perf_counter() - start}  # (the copies are launched; finish waits)
+        seconds = {"experts_in_place": time.perf_counter() - start}  # Copies are launched; finish waits for them.
         session.seconds.update(seconds)
         return {"tensors": len(tensors), "bytes": session.bytes, "seconds": seconds}
 
     def _trainer_storage(self, blocks: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """The trainer's tensors behind `blocks`' CUDA IPC handles, each opened
-        once and kept while the trainer sends the same handle (a handle the
-        trainer no longer sends is closed: its tensor moved)."""
+        """Open the trainer tensors behind `blocks`' CUDA IPC handles.
+
+        Each handle is opened once and kept while the trainer keeps sending it. A handle the trainer
+        no longer sends is closed, because its tensor has moved.
+        """
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         opened, kept = getattr(self, "_opened_storage", {}), {}
         out = []
         for name, handle in blocks:
             args = list(handle)
-            args[6] = device.index  # the device index as this process numbers it
+            args[6] = device.index  # This process may number the GPU differently from the trainer.
             key = tuple(args)
             kept[key] = opened[key] if key in opened else rebuild_cuda_tensor(*args)
             out.append((name, kept[key]))
@@ -178,11 +186,12 @@ class DirectLoadWorker:
         return out
 
     def direct_load_check(self, expected: str) -> dict:
-        """Before any send: raise, naming the cause, unless this engine holds,
-        for every expert block the trainer will send (`expected`: JSON of
-        {"blocks": {name: [shape]}, "trainer_gpu_uuids": [...]}), a fused
-        expert layer of that name whose local experts are exactly the block
-        of the trainer rank on this engine's GPU, in that shape."""
+        """Check, before any send, that this engine can take every expert block the trainer will send.
+
+        `expected` is JSON of {"blocks": {name: [shape]}, "trainer_gpu_uuids": [...], "dtype": ...}.
+        Raise, naming the cause, unless each block has a fused expert layer of that name whose
+        local experts are exactly the block of the trainer rank on this engine's GPU, in that shape.
+        """
         import json
 
         expected = json.loads(expected)
@@ -211,12 +220,12 @@ class DirectLoadWorker:
         return {"expert_blocks": len(expected["blocks"]), "trainer_rank": trainer_rank}
 
     def direct_load_learn(self, sent: str) -> dict:
-        """Learn, before the first sync, how vLLM's loader writes each tensor the trainer will send outside
-        the expert blocks (`sent`: JSON of [[name, shape, dtype], ...]), as the first sync would.
+        """Learn how vLLM's loader writes each non-expert tensor the trainer will send.
 
-        Random probes of each shape go through the model's `load_weights` (_learn): the first sync then
-        copies at full speed. Call it before the first sync only (the probes overwrite the weights), as
-        DirectLoadClient does when vLLM's IPC trainer engine is built.
+        `sent` is JSON of [[name, shape, dtype], ...]. Random probes of each shape go through the
+        model's `load_weights`, as `_learn` does on a first sync, so the first sync copies at full
+        speed. Call it only before the first sync, because the probes overwrite the weights;
+        DirectLoadClient calls it when vLLM's IPC trainer engine is built.
         """
         import json
 
@@ -232,7 +241,7 @@ class DirectLoadWorker:
                     continue
                 try:
                     learned = _learn(layout, name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
-                except Exception as e:  # the first sync probes it again, and raises there if it must
+                except Exception as e:  # The first sync probes it again and raises there if it must.
                     failed[name] = f"{type(e).__name__}: {e}"
                     continue
                 if learned is None:
@@ -242,18 +251,20 @@ class DirectLoadWorker:
         return {
             "plain": len(layout.plain),
             "through_loader": len(layout.through_loader),
-            "not_learned": dict(list(failed.items())[:4]),  # the first four; the first sync probes each again
+            "not_learned": dict(list(failed.items())[:4]),  # The first sync probes each of these again.
             "seconds": time.perf_counter() - start,
         }
 
     def direct_load_chunk(self, payload: str) -> dict:
-        """Load one packed chunk. `payload`: base64 pickle of vLLM's IPC update
-        info (names, dtype_names, shapes, tensor_sizes, ipc_handles) plus
-        `trainer_gpu_uuids`, the GPU of each trainer rank in rank order;
-        `start` (the send's first chunk): what direct_load_start takes, which
-        this call runs first; `last`: the send's last chunk, after which this
-        call also finishes the sync (direct_load_finish; its answer under
-        "finished"). A one-chunk send is one round trip."""
+        """Load one packed chunk.
+
+        `payload` is a base64 pickle of vLLM's IPC update info (names, dtype_names, shapes,
+        tensor_sizes, ipc_handles) plus `trainer_gpu_uuids`, the GPU of each trainer rank in rank
+        order. The send's first chunk also carries `start`, the argument of direct_load_start,
+        which this call runs first. The last chunk carries `last`: this call then also runs
+        direct_load_finish and returns its answer under "finished". So a one-chunk send is one
+        round trip.
+        """
         unpack_tensor = internal("vllm.distributed.weight_transfer.packed_tensor", "unpack_tensor")
         update = _unpickle(payload)
         started = self.direct_load_start(update["start"]).get("seconds", {}) if "start" in update else {}
@@ -264,23 +275,22 @@ class DirectLoadWorker:
             _no_trainer_rank(session.gpu_uuid, list(handles))
         trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
         sizes, tensors = update["tensor_sizes"], []
-        if sizes:  # (a chunk without tensors has no buffer to open)
+        if sizes:  # A chunk without tensors has no buffer to open.
             args = list(handles[session.gpu_uuid])
-            args[6] = session.device.index  # the device index as this process numbers it
+            args[6] = session.device.index  # This process may number the GPU differently from the trainer.
             buffer = session.importer.rebuild(args)[: sum(sizes)]
             dtypes = [getattr(torch, name) for name in update["dtype_names"]]
             tensors = unpack_tensor(buffer, update["names"], update["shapes"], dtypes, sizes)
 
         experts_done, load_done = _load(session, tensors, trainer_rank, self.vllm_config)
-        # The trainer refills this buffer as soon as we return: finish reading it
-        # (the finish after the last chunk waits for every copy).
+        # The trainer refills this buffer as soon as this returns, so finish reading it now.
+        # After the last chunk, direct_load_finish waits for every copy instead.
         if session.device.type == "cuda" and not update.get("last"):
             torch.cuda.synchronize(session.device)
         session.tensors += len(tensors)
         session.bytes += sum(sizes)
-        # Where this engine's time went (the caller's clock also counts HTTP and
-        # the RPC to every engine): the expert copies are launched before
-        # load_weights and may finish in `sync_s`.
+        # This engine's own time; the caller's clock also counts HTTP and the RPC to every engine.
+        # The expert copies are launched before load_weights and may finish during "sync".
         seconds = {
             "unpack_and_experts": experts_done - start,
             "load_weights": load_done - experts_done,
@@ -288,7 +298,7 @@ class DirectLoadWorker:
         }
         for part, value in seconds.items():
             session.seconds[part] = session.seconds.get(part, 0.0) + value
-        seconds = {**started, **seconds}  # (direct_load_start kept its own in session.seconds)
+        seconds = {**started, **seconds}  # direct_load_start already added its own to session.seconds.
         if not update.get("last"):
             return {"tensors": len(tensors), "bytes": sum(sizes), "seconds": seconds}
         finished = self.direct_load_finish()
@@ -300,19 +310,21 @@ class DirectLoadWorker:
         }
 
     def direct_load_finish(self) -> dict:
-        """Process what the send wrote (`_finish`) and release the IPC buffer;
-        the session ends even if the processing fails (a retry starts anew)."""
+        """Run post-load processing on what the send wrote and release the IPC buffer.
+
+        The session ends even if the processing fails, so a retry starts afresh.
+        """
         session = self._direct_session_or_raise()
         try:
             seconds = _finish(session, self.vllm_config)
         finally:
             launched = time.perf_counter()
             if session.device.type == "cuda":
-                torch.cuda.synchronize(session.device)  # done reading the trainer's memory, whatever happened
+                torch.cuda.synchronize(session.device)  # Stop reading the trainer's memory, even on error.
             session.importer.close()
             self._direct_session = None
         seconds["copies_done"] = time.perf_counter() - launched
-        # /collective_rpc returns DP rank 0's answer only: every engine says its own in the server log.
+        # /collective_rpc returns only DP rank 0's answer, so every engine logs its own.
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         print(
             f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
@@ -328,8 +340,7 @@ class DirectLoadWorker:
         }
 
     def direct_load_layout(self) -> dict:
-        """What the loader assumes about this engine: its fused expert layers,
-        their shapes and the global ids of the experts it holds."""
+        """Return this engine's fused expert layers, their shapes and the global ids of its experts."""
         model = self.model_runner.get_model()
         layers = {}
         for name, experts in _expert_layers(model).items():
@@ -350,14 +361,13 @@ class DirectLoadWorker:
 
 
 def _session(layout: _Layout, importer) -> _Session:
-    """A direct load's state on one engine: its model's layout (found once,
-    with what was learned there) and the IPC importer its chunks are read through."""
+    """Create a direct load's state on one engine, around its model's layout and an IPC importer."""
     device = next(layout.model.parameters()).device
     return _Session(layout=layout, importer=importer, device=device, gpu_uuid=_gpu_uuid(device))
 
 
 def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Each parameter's name -> the module that holds it."""
+    """Map each parameter's name to the module that holds it."""
     return {
         f"{prefix}.{name}" if prefix else name: module
         for prefix, module in model.named_modules()
@@ -366,15 +376,18 @@ def _param_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _finish(session: _Session, vllm_config) -> dict[str, float]:
-    """Post-load processing of what the send wrote; returns the seconds of each part (launched: the
-    GPU's share is in direct_load_finish's wait).
+    """Run post-load processing on what the send wrote; return the seconds of each part.
 
-    The first sync into a model runs vLLM's own post-load function over all of it, as vLLM's loader does after
-    a load. A later sync rewrote the same weights in the same places, so it runs only what must see them again:
-    the quantization method of each layer it wrote, where vllm_adapter.post_load_needed_again says so, then
-    every module's own hook, as vLLM's function does (MLA attention derives W_UK_T and W_UV from kv_b_proj,
-    the MoE runner refills its fused gate). An FP8 expert layer was quantized as its blocks were written: its
-    one-shot guard keeps vLLM's method from quantizing it again, and its kernel is pointed at the new scales.
+    The GPU work is only launched here; direct_load_finish waits for it.
+
+    The first sync into a model runs vLLM's own post-load function over the whole model, as vLLM's
+    loader does after a load. A later sync rewrote the same weights in the same places, so it runs
+    only what must see them again: the quantization method of each written layer for which
+    vllm_adapter.post_load_needed_again says so, then every module's own hook, as vLLM's function
+    does. For example, MLA attention derives W_UK_T and W_UV from kv_b_proj, and the MoE runner
+    refills its fused gate. An FP8 expert layer was already quantized as its blocks were written:
+    its one-shot guard keeps vLLM's method from quantizing it again, and its kernel is pointed at
+    the new scales.
     """
     layout = session.layout
     set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
@@ -382,7 +395,7 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
     rerun = [m for m in session.touched.values() if m not in fp8_layers]
     if layout.processed:
         rerun = [m for m in rerun if post_load_needed_again(m)]
-    for module in rerun:  # written anew: a one-shot guard would skip its processing
+    for module in rerun:  # These were rewritten, so clear the guard that would skip their processing.
         module.__dict__.pop("_already_called_process_weights_after_loading", None)
     seconds, start = {}, time.perf_counter()
     with torch.no_grad(), set_current_vllm_config(vllm_config):
@@ -401,20 +414,21 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
             _fp8_experts().fp8_scales_to_kernel(module)
     seconds["post_load"] = time.perf_counter() - start
     session.layers_post_loaded = len(rerun)
-    # The attention layers' processing is part of the post-load hooks; the key stays for the JSON's readers.
+    # Attention processing runs inside the post-load hooks; the key is kept for readers of the JSON.
     return {**seconds, "attention_post_load": 0.0}
 
 
 def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
-    """Write one chunk's tensors into the engine's model: each expert block
-    the trainer rank on this GPU sent, in one copy into its layer's fused
-    parameter; each tensor vLLM's loader writes as it is into a block of
-    rows of one parameter (learned: layout.plain), in one copy there, all
-    such copies launched together; the rest through the model's own
-    `load_weights`, in one call. A name not seen before is first probed
-    alone, to learn which it is: the loader's Python per tensor costs more
-    than the copy. Records the layers written (for direct_load_finish);
-    returns when the copies and the loads were launched (perf_counter)."""
+    """Write one chunk's tensors into the engine's model.
+
+    Each expert block from the trainer rank on this GPU is one copy into its layer's fused
+    parameter. Each tensor that vLLM's loader is known to write unchanged into a block of rows of
+    one parameter, layout.plain, is one copy there, and all such copies are launched together.
+    The rest go through the model's own `load_weights` in one call. A name not seen before is
+    first probed alone to learn which kind it is, because the loader's Python per tensor costs
+    more than the copy. Record the written layers for direct_load_finish, and return the
+    perf_counter times when the copies and the loads were launched.
+    """
     set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
     layout = session.layout
     others, first_seen, targets, sources = [], [], [], []
@@ -429,7 +443,7 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
                 session.touched[id(experts)] = experts
             elif name in layout.plain:
                 target = _plain_rows(layout, name, tensor)
-                if target is None:  # its parameter changed shape or dtype since: learned again
+                if target is None:  # Its parameter changed shape or dtype, so learn it again.
                     del layout.plain[name]
                     first_seen.append((name, tensor))
                     continue
@@ -441,15 +455,15 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
             else:
                 first_seen.append((name, tensor))
         if targets:
-            torch._foreach_copy_(targets, sources)  # one launch for many small tensors
+            torch._foreach_copy_(targets, sources)  # One launch for many small tensors.
         experts_done = time.perf_counter()
         with set_current_vllm_config(vllm_config):
-            for name, tensor in first_seen:  # once per name: does vLLM's loader write it as it is?
+            for name, tensor in first_seen:  # Once per name: does vLLM's loader write it unchanged?
                 if (learned := _learn(layout, name, tensor)) is not None:
                     layout.plain[name] = learned
                     _plain_rows(layout, name, tensor).copy_(tensor)
                     _touch(session, [learned[0]])
-                else:  # several parameters, another dtype, the elements moved or changed
+                else:  # It writes several parameters, another dtype, or moves or changes elements.
                     layout.through_loader.add(name)
                     others.append((name, tensor))
             if others:
@@ -458,15 +472,15 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
 
 
 def _learn(layout: _Layout, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
-    """Whether the model's `load_weights` writes `tensor` as it is into a
-    block of whole rows of one parameter (all of it, or its slice of a
-    stacked q/k/v or gate/up) and nothing else: (the parameter's name, the
-    block's first row), or None. Found with two random probes of the
-    tensor's shape loaded in its place (a tensor of like elements, such as a
-    norm's initial ones, could not show a loader that moves or changes
-    elements): the first finds the parameter and the rows; the second must
-    land in the same rows, bit for bit, and leave every other row of that
-    parameter as the first left it."""
+    """Return (parameter name, first row) if `load_weights` writes `tensor` unchanged into whole rows of one parameter.
+
+    The rows may be the whole parameter or its slice of a stacked q/k/v or gate/up; nothing else
+    may be written. Return None otherwise. Two random probes of the tensor's shape are loaded in
+    its place. Random values are needed because a tensor of equal elements, such as a norm's
+    initial ones, cannot reveal a loader that moves or changes elements. The first probe finds
+    the parameter and the rows. The second must land in the same rows, bit for bit, and leave
+    every other row of that parameter as the first left it.
+    """
     first = _probe(tensor, name, 0)
     if first is None:
         return None
@@ -484,14 +498,13 @@ def _learn(layout: _Layout, name: str, tensor: torch.Tensor) -> tuple[str, int] 
 
 
 def _parameter(layout: _Layout, name: str) -> torch.nn.Parameter | None:
-    """The engine's parameter of this name, from the layout found once (not a walk of the model every chunk)."""
+    """Look up the engine's parameter of this name in the layout, without walking the model."""
     owner = layout.param_owner.get(name)
     return getattr(owner, name.rpartition(".")[2], None) if owner is not None else None
 
 
 def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-    """The rows of its parameter that the plain copy of `name` writes
-    (layout.plain), or None if they no longer fit the tensor."""
+    """Return the parameter rows that the plain copy of `name` writes, or None if they no longer fit."""
     param_name, row = layout.plain[name]
     param = _parameter(layout, param_name)
     kept = layout.views.get(name)
@@ -507,8 +520,10 @@ def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tenso
 
 
 def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.Tensor | None:
-    """`param`'s rows from `row` that a plain copy of `tensor` writes, if
-    they fit it (the same dtype and row shape, enough rows); else None."""
+    """Return `param`'s rows from `row` that a plain copy of `tensor` writes, or None if they do not fit.
+
+    They fit if the dtype and row shape match and there are enough rows.
+    """
     if (
         param is None
         or tensor.dim() == 0
@@ -518,12 +533,12 @@ def _rows(param: torch.Tensor | None, row: int, tensor: torch.Tensor) -> torch.T
         or param.shape[1:] != tensor.shape[1:]
         or row + tensor.shape[0] > param.shape[0]
     ):
-        return None  # (a scalar or an empty tensor has no rows to copy: it goes through load_weights)
+        return None  # A scalar or an empty tensor has no rows to copy; it goes through load_weights.
     return param.data[row : row + tensor.shape[0]]
 
 
 def _row_of(param: torch.Tensor, probe: torch.Tensor) -> int | None:
-    """The first row of `param` from which its rows hold `probe`'s bits, in place; None if none does."""
+    """Return the first row of `param` from which its rows hold `probe`'s bits, or None."""
     if _rows(param, 0, probe) is None:
         return None
     n = probe.shape[0]
@@ -535,14 +550,16 @@ def _row_of(param: torch.Tensor, probe: torch.Tensor) -> int | None:
 
 
 def _bit_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bits, one row of bytes per row of `t` (per element of a vector)."""
+    """Return `t`'s bits as one row of bytes per row of `t`, or per element of a vector."""
     return t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8)
 
 
 def _probe(tensor: torch.Tensor, name: str, which: int) -> torch.Tensor | None:
-    """Random values in `tensor`'s shape and dtype, other ones for each name
-    and `which`, from a generator of its own (the engine's sampling keeps its
-    RNG). None for integers."""
+    """Return random values in `tensor`'s shape and dtype, different for each name and `which`.
+
+    A private generator is used so that the engine's sampling RNG is left alone. Return None for
+    integer tensors.
+    """
     if not tensor.is_floating_point():
         return None
     seed = zlib.crc32(name.encode()) * 2 + which
@@ -551,7 +568,7 @@ def _probe(tensor: torch.Tensor, name: str, which: int) -> torch.Tensor | None:
 
 
 def _touch(session: _Session, param_names) -> None:
-    """Record the layers holding these parameters as written (direct_load_finish processes them)."""
+    """Record the layers holding these parameters as written, for direct_load_finish to process."""
     for param_name in param_names:
         owner = session.layout.param_owner.get(param_name)
         if owner is not None:
@@ -559,7 +576,7 @@ def _touch(session: _Session, param_names) -> None:
 
 
 def _gpu_uuid(device: torch.device) -> str:
-    """The GPU's UUID, as the trainer ranks report theirs ("" off CUDA)."""
+    """Return the GPU's UUID in the form the trainer ranks report theirs, or "" off CUDA."""
     return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
@@ -578,18 +595,20 @@ def _no_trainer_rank(gpu_uuid: str, trainer_gpu_uuids: list[str]):
 def _block_problem(
     experts, name: str, param: torch.Tensor, shape, dtype, trainer_rank: int, held: list[int] | None = None
 ) -> str | None:
-    """Why the trainer rank's block `name` (`shape`, `dtype`) is not exactly
-    what this engine's expert layer holds in `param` (the global ids of its
-    experts: `held`, or read from vLLM's expert map, which waits for the
-    GPU), or None."""
+    """Say why the trainer rank's block `name` does not match what `param` holds, or return None.
+
+    `held` is the global ids of this engine's experts. If it is not given, it is read from vLLM's
+    expert map, which waits for the GPU.
+    """
     held = local_expert_ids(experts) if held is None else held
     n = shape[0]
     sent = list(range(trainer_rank * n, (trainer_rank + 1) * n))
     if not held or not sent:
         return f"{name}: this engine holds experts {held} and the trainer rank on its GPU sends {n}"
     param_name = EXPERT_TENSORS.get(name.rpartition(".")[2], "")
-    quantized = fp8_scales(experts, param_name) is not None  # held in FP8: padded, from a bf16 block
-    if quantized:  # (its shape and dtype: fp8_layout_problem)
+    # An FP8 layer is padded and filled from a bf16 block; fp8_layout_problem checks its shape.
+    quantized = fp8_scales(experts, param_name) is not None
+    if quantized:
         fp8 = _fp8_experts()
         if problem := fp8.fp8_backend_problem(experts) or fp8.fp8_layout_problem(experts, param_name, shape):
             return f"{name}: {problem}"
@@ -610,9 +629,10 @@ def _block_problem(
 def _copy_local_experts(
     experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int, held: list[int] | None = None
 ) -> None:
-    """Copy the trainer rank's block of experts into the engine's fused
-    parameter, after checking that it is the block this engine holds
-    (`held`: its experts' global ids, as _block_problem takes them)."""
+    """Copy the trainer rank's block of experts into the engine's fused parameter.
+
+    Raise first unless it is the block this engine holds; `held` is as for _block_problem.
+    """
     param = getattr(experts, param_name)
     if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank, held):
         raise ValueError(problem)
@@ -624,23 +644,25 @@ def _copy_local_experts(
 
 
 def _unpickle(payload: str) -> dict:
-    # The same rule as vLLM's IPC engine: pickled handles only when the server
-    # was told to accept them (rlhf_ipc_fsdp_ep.py's server listens on a Unix
-    # socket that only its user can reach; see helpers.start_server).
+    # Follow vLLM's IPC engine: unpickle only when the server was told to accept pickles.
+    # rlhf_ipc_fsdp_ep.py's server listens on a Unix socket only its user can reach; see
+    # helpers.start_server.
     if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
         raise ValueError("refusing to unpickle the update without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
     return pickle.loads(base64.b64decode(payload))
 
 
 # ---------------------------------------------------------------------------
-# Routed experts in FP8 (--rollout-dtype fp8): fp8_experts.py, beside this file
+# Routed experts in FP8, for --rollout-dtype fp8; the work is in fp8_experts.py
 # ---------------------------------------------------------------------------
 
 
 def fp8_scales(experts: torch.nn.Module, param_name: str) -> torch.Tensor | None:
-    """The block scales of a fused expert weight (`w13_weight`, `w2_weight`)
-    that vLLM serves in block-wise FP8, or None if it serves it unquantized.
-    (vLLM's per-block online method sets weight_block_size on the layer.)"""
+    """Return the block scales of a fused expert weight that vLLM serves in block-wise FP8, or None.
+
+    `param_name` is `w13_weight` or `w2_weight`. vLLM's per-block online method sets
+    weight_block_size on the layer, which is how FP8 is recognized.
+    """
     if param_name not in EXPERT_TENSORS.values() or list(getattr(experts, "weight_block_size", None) or ()) != [
         128,
         128,
@@ -650,7 +672,7 @@ def fp8_scales(experts: torch.nn.Module, param_name: str) -> torch.Tensor | None
 
 
 def _fp8_experts():
-    """fp8_experts.py, which quantizes the blocks of an FP8 expert layer as they are written."""
+    """Import fp8_experts.py, which quantizes an FP8 expert layer's blocks as they are written."""
     try:
         from weight_sync import fp8_experts
     except ImportError as e:

@@ -1,21 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every vLLM name the direct loader, its FP8 path and the exact check's engine half use beyond vLLM's public API.
+"""List every vLLM name beyond the public API that the direct loader, its FP8 path and the exact check use.
 
-vLLM's public weight-transfer API (the IPC trainer engine, its HTTP client, `WeightSource`, `ModuleSource`) is
-all that vLLM's own loader path needs: helpers.py uses nothing else. The direct loader reaches further, into the
-engine's model, and a newer vLLM may move what it reaches for. So each such name is listed here once, with what
-it is for and the versions it was seen in, and `missing_internals()` checks, before any GPU work, that each is
-there with the shape the code expects. The script then falls back to vLLM's own loader, naming what is missing.
+vLLM's public weight-transfer API is all that vLLM's own loader path needs: the IPC trainer engine, its HTTP
+client, `WeightSource` and `ModuleSource`. helpers.py uses nothing else. The direct loader reaches further, into
+the engine's model, and a newer vLLM may move what it reaches for. So each such name is listed here once, with
+its purpose and the versions that have it, and `missing_internals()` checks before any GPU work that each exists
+with the signature the code expects. If one is missing, the script falls back to vLLM's own loader and names it.
 
-This module is also where the tested vLLM versions differ, and nowhere else:
+Everything that differs between the tested vLLM versions is in this module:
 
-* The weight source. 0.32's IPC trainer engine iterates the source itself and declares `metadata()` a method;
-  0.33 and later call `source.iter_full()` and read `source.metadata` as a `functools.cached_property`.
-  `TrainerSource` is a `WeightSource` of either.
-* The experts an engine holds: read from the expert map, which every tested version has (`local_expert_ids`).
-* GPT-OSS's experts through vLLM's own loader. From 0.33 vLLM loads a reload layer by layer through each
-  parameter's weight loader and takes each GPT-OSS expert alone (`...mlp.experts.<e>.w13_weight`); its fused
-  expert tensors would stay unwritten. `vllm_load_form` renames them so where vLLM needs it.
+* The weight source. vLLM 0.32's IPC trainer engine iterates the source itself and declares `metadata()` a
+  method; 0.33 and later call `source.iter_full()` and read `source.metadata` as a `functools.cached_property`.
+  `TrainerSource` works with both.
+* The experts an engine holds. `local_expert_ids` reads them from the expert map, which every tested version has.
+* GPT-OSS's experts through vLLM's own loader. From 0.33, vLLM reloads layer by layer through each parameter's
+  weight loader and takes each GPT-OSS expert on its own, as `...mlp.experts.<e>.w13_weight`, so fused expert
+  tensors would stay unwritten. `vllm_load_form` renames them for the versions that need it.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
 
 @dataclass(frozen=True)
 class Internal:
-    """One vLLM name used beyond the public API."""
+    """Describe one vLLM name used beyond the public API."""
 
     module: str
-    name: str  # an attribute of `module`, or "Class.attribute" (a class's own, not one set on its instances)
+    name: str  # An attribute of `module`, or "Class.attribute" for one defined on the class itself.
     purpose: str
     seen_in: str
-    parameters: tuple[str, ...] = ()  # the leading parameters a function must take, in order
-    fp8_only: bool = False  # needed only with --rollout-dtype fp8
+    parameters: tuple[str, ...] = ()  # The leading parameters a function must take, in order.
+    fp8_only: bool = False  # Needed only with --rollout-dtype fp8.
 
 
 INTERNALS = (
@@ -108,7 +108,7 @@ INTERNALS = (
 
 
 def _resolve(internal: Internal):
-    """The object `internal` names; raises ImportError or AttributeError where it is not there."""
+    """Return the object `internal` names; raise ImportError or AttributeError if it is not there."""
     obj = importlib.import_module(internal.module)
     for part in internal.name.split("."):
         obj = getattr(obj, part)
@@ -116,7 +116,7 @@ def _resolve(internal: Internal):
 
 
 def internal_problem(internal: Internal) -> str | None:
-    """Why `internal` is not usable in the installed vLLM, or None."""
+    """Say why `internal` is not usable in the installed vLLM, or return None."""
     where = f"{internal.module}.{internal.name}"
     try:
         obj = _resolve(internal)
@@ -133,28 +133,28 @@ def internal_problem(internal: Internal) -> str | None:
 
 
 def missing_internals(fp8: bool = False) -> list[str]:
-    """What the direct loader needs from vLLM and the installed vLLM lacks, one line each (empty: nothing)."""
+    """List what the direct loader needs that the installed vLLM lacks, one line each; empty if nothing."""
     return [p for i in INTERNALS if (fp8 or not i.fp8_only) and (p := internal_problem(i)) is not None]
 
 
 def internal(module: str, name: str):
-    """The vLLM object INTERNALS lists under `module` and `name`; raises naming it where it is missing."""
+    """Return the vLLM object INTERNALS lists under `module` and `name`; raise, naming it, if it is missing."""
     entry = next((i for i in INTERNALS if i.module == module and i.name == name), None)
     if entry is None:
         raise KeyError(f"{module}.{name} is not listed in weight_sync/vllm_adapter.py's INTERNALS")
     return _resolve(entry)
 
 
-# The post-load processing a sync can skip: a layer whose weights were written in place, in the layout they
-# had, needs it again only where it derives something from them. These methods derive nothing on CUDA: a bf16
-# linear layer picks its GEMM by the weight's shape, a bf16 expert layer on the Triton backend keeps its
-# weights as they are. Anything else runs as vLLM runs it after a load, and so does an expert layer whose
-# method names no backend.
+# Quantization methods whose post-load processing a sync can skip. A layer whose weights were rewritten in
+# place, in the same layout, needs that processing again only if it derives something from them. On CUDA these
+# methods derive nothing: a bf16 linear layer picks its GEMM by the weight's shape, and a bf16 expert layer on
+# the Triton backend keeps its weights as they are. Every other method runs again as vLLM runs it after a load,
+# as does an expert layer whose method names no backend.
 _SKIPPED_POST_LOAD_BACKENDS = {"UnquantizedFusedMoEMethod": ("TRITON", "BATCHED_TRITON")}
 
 
 def post_load_needed_again(module: torch.nn.Module) -> bool:
-    """Whether `module`'s quantization method must process its weights again after they are rewritten in place."""
+    """Return whether `module`'s quantization method must process its weights again after an in-place rewrite."""
     from vllm.platforms import current_platform
 
     method = getattr(module, "quant_method", None)
@@ -170,11 +170,11 @@ def post_load_needed_again(module: torch.nn.Module) -> bool:
 
 
 def run_post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) -> None:
-    """The modules' own post-load hooks, as vLLM's post-load function runs them after its quantization methods.
+    """Run the modules' own post-load hooks, as vLLM's post-load function does after the quantization methods.
 
-    0.34 runs every module's hook, children first (`finalize_model_weights`: attention layers, the MoE
-    runner's fused gate, ...); 0.32 and 0.33 run the attention layers' hooks, which take the model's dtype,
-    then the model's own.
+    vLLM 0.34 runs every module's hook, children first, through `finalize_model_weights`; that covers the
+    attention layers, the MoE runner's fused gate and others. vLLM 0.32 and 0.33 run the attention layers'
+    hooks, which take the model's dtype, then the model's own hook.
     """
     weight_utils = importlib.import_module("vllm.model_executor.model_loader.weight_utils")
     finalize = getattr(weight_utils, "finalize_model_weights", None)
@@ -190,11 +190,11 @@ def run_post_load_hooks(model: torch.nn.Module, model_config, device: torch.devi
 
 
 class TrainerSource(WeightSource):
-    """A trainer rank's weights as vLLM's IPC trainer engine takes them, on every tested vLLM.
+    """Give a trainer rank's weights to vLLM's IPC trainer engine, on every tested vLLM version.
 
-    Subclasses implement `param_metas()` (name, dtype and shape of every tensor sent, the same on every rank,
-    computed once) and `tensors()` (a fresh pass yielding `(name, tensor)` in that order). Every rank owns
-    every tensor it sends, as the IPC engine requires.
+    Subclasses implement `param_metas()` and `tensors()`. `param_metas()` returns the name, dtype and shape of
+    every tensor sent; it is the same on every rank and computed once. `tensors()` is a fresh pass yielding
+    `(name, tensor)` in that order. Every rank must own every tensor it sends, as the IPC engine requires.
     """
 
     def param_metas(self) -> list[ParamMeta]:
@@ -204,23 +204,23 @@ class TrainerSource(WeightSource):
         raise NotImplementedError
 
     @cached_property
-    def metadata(self) -> list[ParamMeta]:  # 0.33 and later read an attribute; 0.32 never calls it here
+    def metadata(self) -> list[ParamMeta]:  # vLLM 0.33 and later read an attribute; 0.32 does not use it here.
         return self.param_metas()
 
-    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:  # 0.33 and later
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:  # vLLM 0.33 and later call this.
         return self.tensors()
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:  # 0.32
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:  # vLLM 0.32 iterates the source.
         return self.tensors()
 
 
 def local_expert_ids(experts: torch.nn.Module) -> list[int]:
-    """The global ids of the experts a fused-MoE layer holds, in the order of its local slots.
+    """Return the global ids of the experts a fused-MoE layer holds, in the order of its local slots.
 
-    Without expert parallelism vLLM keeps no map: every expert, in order.
+    Without expert parallelism vLLM keeps no map, and the layer holds every expert in order.
     """
     manager = experts.expert_map_manager
-    expert_map = manager.expert_map  # global id -> local slot, -1 where held elsewhere
+    expert_map = manager.expert_map  # Global id -> local slot, or -1 if another engine holds it.
     if expert_map is None:
         return list(range(manager.global_num_experts))
     held = torch.nonzero(expert_map >= 0).flatten()
@@ -228,7 +228,7 @@ def local_expert_ids(experts: torch.nn.Module) -> list[int]:
 
 
 def untested_vllm_warning() -> str | None:
-    """One line if the installed vLLM is not a version this was tested on."""
+    """Return a warning line if the installed vLLM is not a tested version, else None."""
     import vllm
 
     if vllm.__version__ in TESTED_VLLM_VERSIONS:
@@ -240,7 +240,7 @@ def untested_vllm_warning() -> str | None:
     )
 
 
-# GPT-OSS's fused expert tensors (transformers' names) -> vLLM's per-expert names.
+# GPT-OSS's fused expert tensors, by their transformers names -> vLLM's per-expert names.
 _GPT_OSS_PER_EXPERT = {
     "gate_up_proj": "w13_weight",
     "gate_up_proj_bias": "w13_bias",
@@ -250,18 +250,19 @@ _GPT_OSS_PER_EXPERT = {
 
 
 def takes_gpt_oss_experts_one_by_one() -> bool:
-    """Whether this vLLM's GPT-OSS loader takes each expert alone (0.33 and later)."""
+    """Return whether this vLLM's GPT-OSS loader takes each expert on its own, as 0.33 and later do."""
     from vllm.model_executor.models import gpt_oss
 
     return hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert")
 
 
 def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, list[tuple]]:
-    """What to send vLLM's loader instead of each (name, shape, dtype) of a checkpoint form, where it differs.
+    """Map each checkpoint-form (name, shape, dtype) to what vLLM's loader must get instead, where they differ.
 
-    GPT-OSS where vLLM takes each expert alone: each expert of a fused expert tensor under its own name.
+    Only GPT-OSS differs, on vLLM versions that take each expert on its own: each expert of a fused expert
+    tensor is sent under its own name.
     """
-    # By the config: FSDP2's fully_shard renames the model's class (FSDPGptOssForCausalLM).
+    # Check the config, not the class: FSDP2's fully_shard renames the class to FSDPGptOssForCausalLM.
     if getattr(getattr(model, "config", None), "model_type", None) != "gpt_oss" or not (
         takes_gpt_oss_experts_one_by_one()
     ):
@@ -277,11 +278,11 @@ def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, l
 
 
 def loader_choice(asked: str | None, fp8: bool = False, missing: Callable[[bool], list[str]] = missing_internals):
-    """The loader a run uses and why: (loader, reason). `asked`: the --weight-loader flag, None if not given.
+    """Choose the loader for a run; return (loader, reason).
 
-    Left to its default, the direct loader, unless the installed vLLM lacks an internal it needs: then vLLM's
-    own loader, and the reason names what is missing. Asked for explicitly, the direct loader is refused
-    (SystemExit) with that line instead.
+    `asked` is the --weight-loader flag, or None if not given. By default the direct loader is used, unless
+    the installed vLLM lacks an internal it needs; then vLLM's own loader is used and the reason names what
+    is missing. If the direct loader was asked for explicitly, a missing internal raises SystemExit instead.
     """
     if asked == "vllm":
         return "vllm", "asked for"
