@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""exact_check_engine.HeldFingerprints on a GPU: the same sums as fingerprinting one
+"""fingerprint.HeldFingerprints on a GPU: the same sums as fingerprinting one
 tensor at a time, from the call that captures its CUDA graph on, also after
 the tensors' values change in place (the graph reads them where they are),
 and without giving back what PyTorch holds cached (a trainer's send buffer);
@@ -14,7 +14,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from proof import exact_check_engine as d
+from proof import fingerprint as d
 
 torch.manual_seed(0)
 ts = [

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, ".")
-from proof import exact_check_engine as dl
+from proof import fingerprint as dl
 
 
 def bench(fn, n=10):

@@ -16,7 +16,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from proof import exact_check_engine as d  # noqa: E402
+from proof import fingerprint as d  # noqa: E402
 
 H, L = 2048, 27
 shapes = [(163840, H), (163840, H), (H,)]

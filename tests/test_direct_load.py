@@ -222,9 +222,9 @@ def test_the_shards_fingerprints_add_up_to_the_wholes():
         whole = torch.randn(shape).to(torch.bfloat16)
         shards = whole.chunk(3)  # FSDP2's split of dim 0
         starts = [sum(len(s) for s in shards[:i]) for i in range(len(shards))]
-        sums = [exact_check_engine._fingerprint_sums(s, at).tolist() for s, at in zip(shards, starts, strict=True)]
+        sums = [exact_check_engine.fingerprint_sums(s, at).tolist() for s, at in zip(shards, starts, strict=True)]
         assert [sum(column) % modulus for column in zip(*sums)] == exact_check_engine.exact_fingerprint(whole), shape
-        at_zero = [exact_check_engine._fingerprint_sums(s).tolist() for s in shards]
+        at_zero = [exact_check_engine.fingerprint_sums(s).tolist() for s in shards]
         assert sum(s[2] for s in at_zero) % modulus != exact_check_engine.exact_fingerprint(whole)[2], shape
 
 
@@ -237,7 +237,7 @@ def test_the_gpu_fingerprint_kernel_gives_the_torch_codes_sums():
     kernel that adds up the tiles' sums, over more of them than it has lanes."""
     code = """
 import sys, torch
-from proof import exact_check_engine as d
+from proof import fingerprint as d
 torch.manual_seed(0)
 cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16),
          torch.randn(5, 7, 64), torch.randn(64, 1, dtype=torch.float16),
@@ -247,11 +247,11 @@ cases = [torch.randn(37, 129, dtype=torch.bfloat16), torch.randn(1000, dtype=tor
          torch.randn(2, 256, 130).to(torch.float8_e4m3fn),  # FP8 experts
          torch.randint(0, 255, (300,), dtype=torch.uint8)]
 for t in cases:
-    assert d._fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
+    assert d.fingerprint_sums(t).tolist() == d.fingerprint_sums_triton(t, block=256).tolist(), (t.shape, t.dtype)
 for t in cases[:3]:  # a shard that starts at row 3 of dim 0 of a larger tensor
-    assert d._fingerprint_sums(t, 3).tolist() == d.fingerprint_sums_triton(t, block=256, row_offset=3).tolist()
+    assert d.fingerprint_sums(t, 3).tolist() == d.fingerprint_sums_triton(t, block=256, row_offset=3).tolist()
 last = (1 << 30) - 37  # the last rows that have a weight of their own
-assert d._fingerprint_sums(cases[0], last).tolist() == d.fingerprint_sums_triton(cases[0], block=256, row_offset=last).tolist()
+assert d.fingerprint_sums(cases[0], last).tolist() == d.fingerprint_sums_triton(cases[0], block=256, row_offset=last).tolist()
 partial = torch.randint(0, 1 << 62, (3000, 3))  # more tiles' sums than the kernel that adds them up has lanes
 sums = torch.empty(3, dtype=torch.int64)
 d._sum_partials_kernel[(3,)](partial, sums, 3000, BLOCK=1024)

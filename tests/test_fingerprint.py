@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The exact check's fingerprint (exact_check_engine.exact_fingerprint): every
+"""The exact check's fingerprint (proof/fingerprint.py, exact_fingerprint): every
 row index and every column index has a weight of its own, two elements
 exchanged always change it, rows, columns and blocks of rows exchanged change
 it, and the sums of shards and of stacked pieces add up to the whole's. On
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from proof import exact_check_engine as d
+from proof import fingerprint as d
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -31,7 +31,7 @@ def _random(shape, dtype, generator) -> torch.Tensor:
 
 
 def _unmix30(y: torch.Tensor) -> torch.Tensor:
-    """The inverse of exact_check_engine._mix30, step by step."""
+    """The inverse of fingerprint._mix30, step by step."""
     y = y ^ (y >> 15)
     y = (y * pow(0x297A2D39, -1, 1 << 30)) & d._MASK30
     y = y ^ (y >> 12) ^ (y >> 24)
@@ -122,7 +122,7 @@ def test_exchanged_elements_rows_columns_and_blocks_of_rows_change_the_fingerpri
     generator = torch.Generator().manual_seed(hash((shape, str(dtype))) % (1 << 31))
     pick = random.Random(f"{shape}{dtype}")
     tensor = _random(shape, dtype, generator)
-    grid = tensor.reshape(-1, d._columns(tensor))
+    grid = tensor.reshape(-1, d.columns_of(tensor))
     rows, columns = grid.shape
     before = d.exact_fingerprint(tensor)
 
@@ -181,7 +181,7 @@ def test_the_sums_of_shards_and_of_stacked_pieces_add_up_to_the_wholes():
     generator = torch.Generator().manual_seed(2)
 
     def added(parts) -> list[int]:
-        sums = [d._fingerprint_sums(piece, at).tolist() for piece, at in parts]
+        sums = [d.fingerprint_sums(piece, at).tolist() for piece, at in parts]
         return [sum(column) % modulus for column in zip(*sums, strict=True)]
 
     q, k, v = (_random((n, 6), torch.bfloat16, generator) for n in (8, 4, 4))
@@ -202,15 +202,15 @@ def test_a_tensor_with_rows_or_columns_beyond_the_weights_is_refused():
     fingerprint refuses a tensor (or a shard, at its row) that reaches past them."""
     limit = 1 << 30
     assert (
-        d._fingerprint_sums(torch.ones(4, 3), limit - 4).tolist()
-        == d._fingerprint_sums(torch.ones(4, 3), limit - 4).tolist()
+        d.fingerprint_sums(torch.ones(4, 3), limit - 4).tolist()
+        == d.fingerprint_sums(torch.ones(4, 3), limit - 4).tolist()
     )
     with pytest.raises(ValueError, match="rows and columns below"):
-        d._fingerprint_sums(torch.ones(4, 3), limit - 3)
+        d.fingerprint_sums(torch.ones(4, 3), limit - 3)
     with pytest.raises(ValueError, match="rows and columns below"):
-        d._fingerprint_sums(torch.empty(limit + 1, device="meta"))
+        d.fingerprint_sums(torch.empty(limit + 1, device="meta"))
     with pytest.raises(ValueError, match="rows and columns below"):
-        d._fingerprint_sums(torch.empty(1, limit + 1, device="meta"))
+        d.fingerprint_sums(torch.empty(1, limit + 1, device="meta"))
 
 
 def test_the_fingerprint_kernels_compile_for_a_gpu():
