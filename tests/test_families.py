@@ -531,6 +531,24 @@ class _CPUBuffer:
         pass
 
 
+def packed_chunk(tensors, last: bool) -> str:
+    """A direct_load_chunk payload whose "handle" is the packed buffer itself (for _CPUBuffer)."""
+    import base64
+    import pickle
+
+    flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in tensors]
+    update = {
+        "names": [n for n, _ in tensors],
+        "shapes": [list(t.shape) for _, t in tensors],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        "tensor_sizes": [f.numel() for f in flat],
+        "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
+        "trainer_gpu_uuids": [""],
+        "last": last,
+    }
+    return base64.b64encode(pickle.dumps(update)).decode()
+
+
 def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
     """The worker's chunk route as the server runs it (a packed buffer in,
     vLLM's own unpacking): a chunk the client marks last also finishes the
@@ -538,8 +556,6 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
     one not marked last does not, and leaves its tensors in place. (On a
     model of its own: on CPU, vLLM's post-load processing re-lays out the
     linear layers.)"""
-    import base64
-    import pickle
     from types import SimpleNamespace
 
     from weight_sync import direct_load
@@ -557,34 +573,21 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
     sent = [(n, t) for n, t in _sent(hf, "direct") if n not in blocks]  # (the experts: test_families' _sync)
     halves = [sent[: len(sent) // 2], sent[len(sent) // 2 :]]
 
-    def chunk(tensors, last) -> str:
-        flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in tensors]
-        update = {
-            "names": [n for n, _ in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            "tensor_sizes": [f.numel() for f in flat],
-            "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
-            "trainer_gpu_uuids": [""],
-            "last": last,
-        }
-        return base64.b64encode(pickle.dumps(update)).decode()
-
     # A finish that fails (here on purpose) still ends the session: the retry starts anew.
     worker.direct_load_start()
     worker._direct_session.importer = _CPUBuffer()
     with monkeypatch.context() as failing:
         failing.setattr(direct_load, "_finish", lambda *args: 1 / 0)
         with pytest.raises(ZeroDivisionError):
-            worker.direct_load_chunk(chunk(halves[0], last=True))
+            worker.direct_load_chunk(packed_chunk(halves[0], last=True))
     assert worker._direct_session is None
     worker.direct_load_start()
     worker._direct_session.importer = _CPUBuffer()
-    first = worker.direct_load_chunk(chunk(halves[0], last=False))
+    first = worker.direct_load_chunk(packed_chunk(halves[0], last=False))
     assert "finished" not in first and worker._direct_session is not None
     params = dict(vllm_model.named_parameters())
     assert all(torch.equal(params[name], tensor) for name, tensor in halves[0] if name in params)
-    last = worker.direct_load_chunk(chunk(halves[1], last=True))
+    last = worker.direct_load_chunk(packed_chunk(halves[1], last=True))
     assert last["finished"]["tensors"] == len(sent) and worker._direct_session is None
     assert {"post_load", "attention_post_load", "load_weights"} <= set(last["seconds"])
     with pytest.raises(RuntimeError, match="direct_load_start was not called"):

@@ -4,13 +4,11 @@ in the installed vLLM; one taken away, as a newer vLLM would, makes the default 
 loader, naming it, and that run syncs exactly; the direct loader asked for explicitly stops instead. Also the
 direct loader's layout learned before the first sync, and the post-load processing a later sync skips."""
 
-import base64
-import pickle
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_families import _sent, _sync, build_model, vllm_models  # noqa: F401  (the fixture)
+from test_families import _CPUBuffer, _sent, _sync, build_model, packed_chunk, vllm_models  # noqa: F401  (the fixture)
 
 import rlhf_ipc_fsdp_ep as script
 from proof import exact_check_engine
@@ -215,18 +213,8 @@ def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modu
         sent = [(n, t) for n, t in _sent(hf, "direct") if n not in blocks]
         worker.direct_load_start()
         worker._direct_session.importer = _CPUBuffer()
-        flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in sent]
-        update = {
-            "names": [n for n, _ in sent],
-            "shapes": [list(t.shape) for _, t in sent],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in sent],
-            "tensor_sizes": [f.numel() for f in flat],
-            "ipc_handles": {"": [torch.cat(flat), 0, 0, 0, 0, 0, 0]},
-            "trainer_gpu_uuids": [""],
-            "last": True,
-        }
         rerun.clear()
-        answer = worker.direct_load_chunk(base64.b64encode(pickle.dumps(update)).decode())
+        answer = worker.direct_load_chunk(packed_chunk(sent, last=True))
         finished = answer["finished"]
         assert ("post_load_whole_model" in answer["seconds"]) == (seed == 0)
         assert ("post_load_hooks" in answer["seconds"]) == (seed == 1)
@@ -234,13 +222,3 @@ def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modu
             touched = {id(worker_module) for worker_module in rerun}
             assert len(rerun) == len(touched) == finished["layers_post_loaded"] > 0
     assert calls == ["whole", "hooks"]
-
-
-class _CPUBuffer:
-    """In place of vLLM's PackedBufferImporter, which opens a CUDA IPC handle (no CUDA here)."""
-
-    def rebuild(self, args: list) -> torch.Tensor:
-        return args[0]
-
-    def close(self) -> None:
-        pass
