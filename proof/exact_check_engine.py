@@ -78,7 +78,7 @@ class ExactCheckWorker(DirectLoadWorker):
         finally:
             if (profiler := getattr(self, "_profiler", None)) is not None:
                 profiler.disable()
-                _write_profile(profiler, self._profile_path)
+                write_profile(profiler, self._profile_path)
                 self._profiler = self._profile_path = None
 
     def direct_load_fingerprint(self, action: str) -> dict:
@@ -192,7 +192,7 @@ class ExactCheckWorker(DirectLoadWorker):
         return targets
 
 
-def _write_profile(profiler, path: str) -> None:
+def write_profile(profiler, path: str) -> None:
     """Write the profile's 60 functions with the most cumulative time to `path` as text."""
     import io
     import pstats

@@ -291,7 +291,7 @@ class _ProfiledOnce:
     def send(self) -> None:
         import cProfile
 
-        from proof.exact_check_engine import _write_profile
+        from proof.exact_check_engine import write_profile
 
         profiler = cProfile.Profile()
         profiler.enable()
@@ -300,7 +300,7 @@ class _ProfiledOnce:
         finally:
             profiler.disable()
             self._trainer.sender = self._sender
-            _write_profile(profiler, self._path)
+            write_profile(profiler, self._path)
 
     def __getattr__(self, name: str):
         return getattr(self._sender, name)

@@ -149,10 +149,7 @@ class DirectLoadWorker:
             raise RuntimeError("a vLLM weight update is active; finish it before a direct load")
         if (unfinished := getattr(self, "_direct_session", None)) is not None:
             unfinished.importer.close()  # A send failed part way; start afresh.
-        model = self.model_runner.get_model()
-        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:
-            self._direct_layout = _layout(model)
-        session = self._direct_session = _session(self._direct_layout, PackedBufferImporter())
+        session = self._direct_session = _session(self._model_layout(), PackedBufferImporter())
         if not in_place:
             self._opened_storage = {}  # Release trainer storage opened for an earlier sync.
             return {"tensors": 0, "bytes": 0}
@@ -219,6 +216,13 @@ class DirectLoadWorker:
                 raise ValueError(problem)
         return {"expert_blocks": len(expected["blocks"]), "trainer_rank": trainer_rank}
 
+    def _model_layout(self) -> _Layout:
+        """The engine's model's layout, found once per model and kept with what was learned there."""
+        model = self.model_runner.get_model()
+        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:
+            self._direct_layout = _layout(model)
+        return self._direct_layout
+
     def direct_load_learn(self, sent: str) -> dict:
         """Learn how vLLM's loader writes each non-expert tensor the trainer will send.
 
@@ -230,10 +234,8 @@ class DirectLoadWorker:
         import json
 
         start = time.perf_counter()
-        model = self.model_runner.get_model()
-        if getattr(getattr(self, "_direct_layout", None), "model", None) is not model:
-            self._direct_layout = _layout(model)
-        layout, device, failed = self._direct_layout, next(model.parameters()).device, {}
+        layout, failed = self._model_layout(), {}
+        device = next(layout.model.parameters()).device
         set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             for name, shape, dtype in json.loads(sent):
