@@ -960,16 +960,16 @@ class WeightSender:
 
     client: FailAfterSend
     engine: Any  # vLLM's IPC trainer engine
-    experts_in_place: Any  # sources.ExpertsInPlace: expert blocks the engines copy from this rank's memory
-    source: Any  # the WeightSource it sends: the packed part, then the blocks in place
+    in_place: Any  # sources.InPlace: tensors the engines copy from this rank's memory, not packed
+    source: Any  # the WeightSource it sends: the packed part, then the tensors in place
     rank: int
     packed: bool
     packed_buffer_size_bytes: int
 
     def send(self) -> None:
         """Send every weight; every rank calls it at once, and rank 0 raises a server error only afterwards."""
-        if self.experts_in_place is not None:
-            self.experts_in_place.gather()  # rank 0's client hands every rank's handles to the engines
+        if self.in_place is not None:
+            self.in_place.gather()  # rank 0's client hands every rank's handles to the engines
         self.engine.send_weights()
         self.client.raise_failure()
 
@@ -981,20 +981,20 @@ def weight_sender(
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-    in_place = getattr(source, "experts_in_place", None)
-    if in_place is not None and getattr(client, "experts_in_place", None) is not in_place:
+    in_place = getattr(source, "in_place", None)
+    if in_place is not None and getattr(client, "in_place", None) is not in_place:
         in_place = None  # this client cannot hand them to the engines, e.g. vLLM's routes: pack them
-    packed_part = in_place.packed_part(source) if in_place else source  # all but the blocks in place
-    told = getattr(client, "packed_bytes", None)
-    if told is not None and told != (packs := metadata_bytes(packed_part.metadata)):
+    packed_part = in_place.packed_part(source) if in_place else source  # all but the tensors in place
+    packs, told = metadata_bytes(packed_part.metadata), getattr(client, "packed_bytes", None)
+    if told is not None and told != packs:
         raise ValueError(
             f"the direct loader's client expects {told} packed bytes a send and this source packs "
             f"{packs}: build the client for this source (sync_client)"
         )
     client = FailAfterSend(client)
+    # A buffer no larger than what is packed: with everything in place, nothing is.
+    buffer = min(packed_buffer_size_bytes, max(packs, 1 << 20)) if packed else packed_buffer_size_bytes
     engine = WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes),
-        client=client,
-        source=packed_part,
+        IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=buffer), client=client, source=packed_part
     )
     return WeightSender(client, engine, in_place, source, rank, packed, packed_buffer_size_bytes)

@@ -45,7 +45,7 @@ import helpers
 from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
 from proof import preflight, program, toy_rl
 from proof.rounds import Proof, RoundProof
-from weight_sync import models, sources
+from weight_sync import models
 from weight_sync.multinode import (
     TCPRendezvous,
     free_port,
@@ -215,7 +215,7 @@ class FSDPTrainer:
 
         model = models.meta_model(model_path, torch.bfloat16 if lr is None else torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for name in {name.rpartition(".")[0] for name in sources.fused_expert_tensors(model)}:
+        for name in {name.rpartition(".")[0] for name in models.fused_expert_tensors(model)}:
             # Give the experts their own FSDP unit, so a sync gathers a layer's other weights in one all-gather
             # without them: LocalExpertSource sends each rank's own experts as they are.
             fully_shard(model.get_submodule(name), mp_policy=mp_policy)
@@ -240,6 +240,10 @@ class FSDPTrainer:
             # parameters, such as the embeddings and lm_head, unsharded, and an optimizer built then would
             # hold copies that never receive a gradient.
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
+        # The sync's half on this rank imports vLLM, which takes seconds: import it now, while the server starts,
+        # rather than once the server is up. This class imports it only here and below, not at its start.
+        import weight_sync.sources  # noqa: F401
+
         return read
 
     def _token_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -259,22 +263,28 @@ class FSDPTrainer:
 
     def weight_source(self, loader: str):
         """Return what vLLM receives from this rank, in bf16 whatever the master dtype."""
+        from weight_sync import sources
+
         return sources.weight_source(self.model, self.world_size, loader)
 
     def weight_sync_client(self, sock: str, loader: str, source, trainer_gpu_uuids: list[str]):
         """Return the client rank 0 calls for each chunk: the direct loader's, or vLLM's weight routes."""
+        from weight_sync import sources
+
         return sources.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(
         self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int, trainer_gpu_uuids: list[str]
-    ) -> bool:
+    ) -> dict:
         """Build vLLM's IPC trainer engine on this rank.
 
-        Return True if the engines will copy its expert blocks straight from its memory (ExpertsInPlace)."""
+        Return how many tensors the engines will copy straight from its memory (sources.InPlace), and whether its
+        expert blocks are among them."""
         source = self.weight_source(loader)
         client = self.weight_sync_client(sock, loader, source, trainer_gpu_uuids)
         self.sender = helpers.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
-        return self.sender.experts_in_place is not None
+        names = self.sender.in_place.names if self.sender.in_place is not None else []
+        return {"tensors": len(names), "experts": bool(names) and set(source.expert_blocks) <= set(names)}
 
     def send_weights(self) -> None:
         """Send every weight; all ranks call it at once.
@@ -356,6 +366,7 @@ class Job:
     checkpoint_bytes_read_per_rank: list[int] = field(default_factory=list)  # 0 for random weights
     node_servers: list = field(default_factory=list)  # the NodeServer actors of the other nodes
     experts_in_place: bool | None = None  # whether the last setup has the engines read the trainers' experts
+    tensors_in_place: int | None = None  # how many tensors the engines read from the trainers' memory, not packed
 
 
 @contextmanager
@@ -481,10 +492,11 @@ def setup_weight_transfer_on_every_rank(
             for t in job.trainers
         ]
     )
-    job.experts_in_place = all(in_place)
+    job.experts_in_place = all(r["experts"] for r in in_place)
+    job.tensors_in_place = min(r["tensors"] for r in in_place)
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
-        print(f"[sync] expert blocks: {how}", flush=True)
+        print(f"[sync] expert blocks: {how}; {job.tensors_in_place} tensors in all go in place", flush=True)
     # Only the direct loader's sends are retried: after a failed chunk, vLLM's own route leaves
     # its layer-wise reload half done, and a second send would load on top of it.
     job.send_retries = args.send_retries if loader == "direct" else 0

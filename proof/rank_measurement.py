@@ -61,6 +61,8 @@ class RankMeasurement:
             sender.packed,
             sender.packed_buffer_size_bytes,
         )
+        if measured.in_place is not None:
+            measured.in_place = TimedHandshake(measured.in_place, self.send_seconds)
         trainer.sender = TimedSender(measured, self.send_seconds, self.device, unmeasured=sender)
         if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
             trainer.optimizer = StepWatch(trainer.optimizer, trainer.model, self.device)
@@ -178,6 +180,27 @@ class TimedSender:
         return getattr(self._sender, name)
 
 
+class TimedHandshake:
+    """Wrap a sources.InPlace so that its gather() adds its seconds to seconds["in_place_handshake"].
+
+    That is the rank's handshake before a send: waiting for its GPU, exporting the handles of tensors that
+    moved, and gathering every rank's handles to rank 0.
+    """
+
+    def __init__(self, in_place, seconds: dict[str, float]) -> None:
+        self._in_place, self._seconds = in_place, seconds
+
+    def gather(self) -> None:
+        start = time.perf_counter()
+        self._in_place.gather()
+        self._seconds["in_place_handshake"] = self._seconds.get("in_place_handshake", 0.0) + time.perf_counter() - start
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._in_place, name)
+
+
 class StepWatch:
     """Wrap an optimizer so that step() records in `unchanged` the parameters it left exactly as they were.
 
@@ -277,7 +300,7 @@ class TimedClient:
         if name.startswith("_"):  # Not set yet, as while a copy is built; never forward these.
             raise AttributeError(name)
         call = getattr(self._client, name)
-        if not callable(call):  # Plain attributes, such as the direct loader client's experts_in_place.
+        if not callable(call):  # Plain attributes, such as the direct loader client's in_place.
             return call
 
         def timed(*args, **kwargs):

@@ -270,6 +270,8 @@ def run_facts(args, job) -> dict:
         "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
         # With the direct loader: whether the engines copied the experts from the trainers' memory.
         "experts_in_place": job.experts_in_place,
+        # With the direct loader: how many tensors the engines copied from the trainers' memory, none packed.
+        "tensors_in_place": getattr(job, "tensors_in_place", None),
         # How vLLM's own loader reloads. vLLM 0.34 and later read VLLM_RELOAD_MODE from the server's
         # environment, where "direct" reloads in place; earlier versions always reload layer by layer.
         "vllm_reload_mode": os.environ.get("VLLM_RELOAD_MODE", "layerwise"),

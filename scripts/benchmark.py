@@ -207,6 +207,7 @@ def run_variant(
         "sleep_level": sleep_level,
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "experts_in_place": job.experts_in_place if loader == "direct" else None,
+        "tensors_in_place": job.tensors_in_place if loader == "direct" else None,
         "coverage": proof.coverage,
         "rounds": [
             {**with_floor(r.to_json(), device_copy_gb_per_s), "profiled": i == profiled}
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("time_to_first_sync_s", variant.get("time_to_first_sync_s"))
             if loader == "direct":  # (run_facts came before any setup)
                 result["experts_in_place"] = variant["experts_in_place"]
+                result["tensors_in_place"] = variant["tensors_in_place"]
             report.write_json(out, result)  # after every step: a run cut short keeps what it measured
             print(report.format_summary({**result, **variant}), flush=True)
         if set(bench.loaders) == set(LOADERS):

@@ -42,7 +42,7 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
         client.update_weights({**chunk, "tensor_sizes": []})
     client.start_weight_update()
     with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
-        client.update_weights({**chunk, "tensor_sizes": []})
+        client.update_weights({**chunk, **_ONE_EMPTY_TENSOR})
     client.finish_weight_update()  # closes the session: the next chunk needs a new start
     # Every engine says in the server's log what it received and where its time went.
     assert "[direct_load] DP rank 0: 0 tensors, 0.00 GB; seconds in the chunks: " in cpu_server.log_path.read_text()
@@ -50,15 +50,19 @@ def test_direct_load_errors_quote_the_cause(cpu_server):
         client.update_weights({**chunk, "tensor_sizes": []})
     with pytest.raises(ValueError, match="packed"):
         client.init_weight_transfer_engine({"packed": False})
-    # Expert blocks in place: the start hands every engine the handles, and one with no trainer rank on
-    # its GPU among them refuses.
-    in_place = sources.ExpertsInPlace({})
+    # Tensors in place: the start hands every engine the handles, and one with no trainer rank on its GPU
+    # among them refuses.
+    in_place = sources.InPlace({})
     in_place.gathered = {"GPU-elsewhere": []}
     client = sources.DirectLoadClient(cpu_server.socket_path, [""], {}, in_place)
     client.start_weight_update()  # (the first chunk starts the sync on the engines)
     with pytest.raises(helpers.ServerError, match="every engine needs a trainer rank on its own GPU"):
         client.update_weights({**chunk, "ipc_handles": {"": ()}, "tensor_sizes": []})
     client.finish_weight_update()
+
+
+# A chunk of one tensor of no bytes: the engine opens its buffer, so the buffer's GPU must be the engine's.
+_ONE_EMPTY_TENSOR = {"names": ["x"], "dtype_names": ["bfloat16"], "shapes": [[0]], "tensor_sizes": [0]}
 
 
 def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
@@ -87,7 +91,7 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
         told.update_weights(empty)  # the session was closed by the last chunk
     # A last chunk the server refuses, under FailAfterSend as a send runs it: the finish is then a
     # call of its own, which ends the session, and the send can start again.
-    refused = {**empty, "ipc_handles": {"GPU-elsewhere": ()}}
+    refused = {**empty, "ipc_handles": {"GPU-elsewhere": ()}, **_ONE_EMPTY_TENSOR}
     sending = helpers.FailAfterSend(told)
     sending.start_weight_update()
     sending.update_weights(refused)
@@ -105,7 +109,51 @@ def test_the_chunk_that_completes_the_send_also_finishes_it(cpu_server):
     with pytest.raises(helpers.ServerError, match="direct_load_start was not called"):
         not_told.finish_weight_update()
     not_told.start_weight_update()
-    assert not_told.finish_weight_update()["tensors"] == 0  # no chunk: started, then finished
+    finished = not_told.finish_weight_update()  # no chunk: started and finished in one call
+    assert finished["tensors"] == 0 and "post_load" in finished["seconds"]
+
+
+def test_a_send_carries_its_handles_only_when_the_engines_do_not_hold_them(cpu_server):
+    """Every tensor in place, a send is one call. The first carries every
+    rank's handles; a later one with the same handles carries only their
+    version, and each engine copies from what it kept. A send that failed
+    leaves the next one carrying them all, and an engine that does not hold
+    the version asked refuses, naming it. (On a CPU no handle can be opened:
+    here the rank on the engine's device has none.)"""
+    from proof import rank_measurement
+
+    sock = cpu_server.socket_path
+    in_place = sources.InPlace({})
+    in_place.gathered = {"": []}
+    calls = []
+    client = sources.DirectLoadClient(sock, [""], {}, in_place, packed_bytes=0)
+    timed = rank_measurement.TimedClient(client, {})
+    sent = []
+    original = sources._pickled
+    try:
+        sources._pickled = lambda value: sent.append(value) or original(value)
+        for _ in range(3):
+            timed.start_weight_update()
+            calls.append(timed.finish_weight_update())
+        assert [set(s["start"]) - {"trainer_gpu_uuids"} for s in sent] == [
+            {"version", "tensors"},
+            {"version"},
+            {"version"},
+        ]
+        assert all(c["tensors"] == 0 for c in calls) and timed._seconds["server_finish_weight_update_calls"] == 3
+        # The engines lost the handles (a restarted engine, say): the version alone is refused, named, and
+        # the next send carries them all again.
+        client._handles_held = (7, in_place.gathered)
+        sending = helpers.FailAfterSend(client)
+        sending.start_weight_update()
+        sending.finish_weight_update(None)
+        with pytest.raises(helpers.ServerError, match="holds no trainer handles of version 7"):
+            sending.raise_failure()
+        client.start_weight_update()
+        client.finish_weight_update()
+        assert "tensors" in sent[-1]["start"]
+    finally:
+        sources._pickled = original
 
 
 def test_the_expert_blocks_are_checked_before_any_send(cpu_server):

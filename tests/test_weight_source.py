@@ -53,7 +53,7 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
             assert [n for n, _ in packed] == [m.name for m in part.metadata] == names[: -len(blocks)]
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(packed, first, strict=False))
             assert all(hasattr(p, "to_local") for p in trainer.model.parameters())  # what it gathered: resharded
-            assert source.experts_in_place is None  # CPU tensors (on a GPU, a bf16 trainer's go in place)
+            assert source.in_place is None  # CPU tensors (on a GPU, a bf16 trainer's go in place)
         # The exact check's half on the trainer, for the last pass: each tensor's fingerprint (in the
         # dtype vLLM holds it in, where that differs), most of them from the model's own shards.
         source.casts = {0: "float32"}  # (RankMeasurement.set_exact_casts)
@@ -136,16 +136,18 @@ def test_gpt_oss_experts_go_one_by_one_where_vllm_needs_it(monkeypatch):
     assert sum(t.numel() for t in split.values()) == sum(t.numel() for t in fused.values())
 
 
-def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_them_over(monkeypatch):
-    """weight_sender leaves a source's expert blocks out of vLLM's packed
+def test_the_tensors_in_place_skip_the_buffer_only_through_the_client_that_hands_them_over(monkeypatch):
+    """weight_sender leaves a source's tensors in place (its expert blocks,
+    and every tensor the rank holds whole as it is sent) out of vLLM's packed
     buffer only when its client is the direct loader's client holding that
-    source's ExpertsInPlace (which hands their handles to the engines), or
-    that client timed (rank_measurement.measure): through vLLM's routes, or with
-    another source's, every tensor is packed. And measure builds the
-    sender again around the source timed and fingerprinted, once however
-    often it runs. (vLLM's IPC trainer engine needs a GPU, and so do the
-    handles: here a stand-in records what the engine is given, and the blocks
-    count as a bf16 trainer's on a GPU.)"""
+    source's InPlace (which hands their handles to the engines), or that
+    client timed (rank_measurement.measure): through vLLM's routes, or with
+    another source's, every tensor is packed. The packed buffer is no larger
+    than what is packed. And measure builds the sender again around the
+    source timed and fingerprinted, once however often it runs. (vLLM's IPC
+    trainer engine needs a GPU, and so do the handles: here a stand-in
+    records what the engine is given, and every rank's tensors count as a
+    bf16 trainer's on a GPU.)"""
     from types import SimpleNamespace
 
     from test_families import build_model
@@ -159,23 +161,26 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     monkeypatch.setattr(
         WeightTransferTrainerFactory,
         "trainer_init",
-        staticmethod(lambda info, client, source: given.append((client, source)) or object()),
+        staticmethod(lambda info, client, source: given.append((client, source, info)) or object()),
     )
-    monkeypatch.setattr(sources.ExpertsInPlace, "possible", staticmethod(lambda blocks: True))
+    monkeypatch.setattr(sources.InPlace, "possible", staticmethod(lambda tensors: dict.fromkeys(tensors, True)))
     model = build_model("qwen3_moe", device="cpu")
     source, other = sources.LocalExpertSource(model, 1), sources.LocalExpertSource(model, 1)
-    names, blocks = [m.name for m in source.metadata], list(source.expert_blocks)
-    assert names[-len(blocks) :] == blocks and source.experts_in_place.names == blocks
+    names, blocks, in_place = [m.name for m in source.metadata], list(source.expert_blocks), source.in_place.names
+    whole = [n for n, p in model.named_parameters() if n not in sources.expert_block_names(model)]
+    assert in_place == whole + blocks and names[-len(in_place) :] == in_place  # in place: last, the blocks last
 
     def packed(client, from_source=source) -> list[str]:
         sender = helpers.weight_sender(0, client, from_source)
         assert given[-1][0] is sender.client and sender.source is from_source
         return [m.name for m in given[-1][1].metadata]
 
-    direct = sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks, source.experts_in_place)
-    assert packed(direct) == names[: -len(blocks)]
-    assert packed(rank_measurement.TimedClient(direct, {})) == names[: -len(blocks)]
+    direct = sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks, source.in_place)
+    assert packed(direct) == names[: -len(in_place)]
+    assert given[-1][2].packed_buffer_size_bytes == max(helpers.metadata_bytes(given[-1][1].metadata), 1 << 20)
+    assert packed(rank_measurement.TimedClient(direct, {})) == names[: -len(in_place)]
     assert packed(helpers.weight_sync_client("/nowhere/vllm.sock")) == names
+    assert given[-1][2].packed_buffer_size_bytes == helpers.metadata_bytes(source.metadata)  # all of it
     assert packed(sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
     assert packed(direct, from_source=other) == names
 
@@ -183,21 +188,28 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
     def nbytes(metadata) -> int:
         return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
 
-    in_place = sources.sync_client("/nowhere/vllm.sock", "direct", source, [""])
-    packed(in_place)
-    assert in_place.packed_bytes == nbytes(given[-1][1].metadata) < nbytes(source.metadata)
+    client = sources.sync_client("/nowhere/vllm.sock", "direct", source, [""])
+    packed(client)
+    assert client.packed_bytes == nbytes(given[-1][1].metadata) < nbytes(source.metadata)
     none_in_place = SimpleNamespace(metadata=source.metadata, expert_blocks=source.expert_blocks)
     all_packed = sources.sync_client("/nowhere/vllm.sock", "direct", none_in_place, [""])
-    assert all_packed.experts_in_place is None and all_packed.packed_bytes == nbytes(source.metadata)
+    assert all_packed.in_place is None and all_packed.packed_bytes == nbytes(source.metadata)
     with pytest.raises(ValueError, match="build the client for this source"):  # its last chunk would come early
-        helpers.weight_sender(0, in_place, other)  # (other's blocks are not the client's: packed too)
+        helpers.weight_sender(0, client, other)  # (other's tensors are not the client's: packed too)
+    # The tensors in place are the model's own, read as they are now, and the source yields them too, for a
+    # client that packs them: the same tensors, in the same order.
+    yielded = dict(source.tensors())
+    held = dict(model.named_parameters())
+    for name in whole:
+        assert yielded[name].data_ptr() == held[name].data_ptr(), name
+    assert list(yielded) == names
 
     trainer = SimpleNamespace(
         sender=helpers.weight_sender(0, direct, source), device=torch.device("cpu"), model=model, optimizer=None
     )
     for _ in range(2):  # a second measure, with no setup between: still one layer of each
         rank_measurement._start_measuring(trainer)
-        client, engine_source = given[-1]
+        client, engine_source, _ = given[-1]
         assert isinstance(client.client, rank_measurement.TimedClient) and client.client._client is direct
         assert isinstance(engine_source, sources.PackedPart)
         fingerprinted = engine_source._source
@@ -205,6 +217,6 @@ def test_the_expert_blocks_skip_the_buffer_only_through_the_client_that_hands_th
             isinstance(fingerprinted, rank_measurement.FingerprintedSource) and fingerprinted._source._source is source
         )
         assert isinstance(trainer.sender, rank_measurement.TimedSender)
-        assert trainer.sender.experts_in_place is source.experts_in_place
+        assert trainer.sender.in_place._in_place is source.in_place  # (its handshake timed)
         last = blocks[-1]
         assert trainer.measurement.sent_metadata()[-1] == [last, "bfloat16", list(source.expert_blocks[last]), True]

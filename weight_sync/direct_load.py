@@ -23,10 +23,12 @@ engine, with these differences:
   * A fused expert block arrives as `<vLLM expert layer>.gate_up_proj` or
     `.down_proj` and is copied once into `w13_weight` or `w2_weight`. The
     trainer names it after the checkpoint's expert module, which is the name
-    vLLM gives the layer in every model family. If the trainer holds its
-    experts in bf16, the block is copied straight from the trainer's memory
-    through a CUDA IPC handle per block, opened once in `direct_load_start`,
-    so each expert weight is copied once per sync.
+    vLLM gives the layer in every model family.
+  * Whatever the trainer rank holds as it is sent is copied straight from
+    the trainer's memory through a CUDA IPC handle per tensor, opened once in
+    `direct_load_start`, so each weight is copied once per sync: bf16 expert
+    blocks, and on one GPU every tensor of a bf16 model, when nothing is
+    packed. The rest arrives in vLLM's packed buffer.
   * Every other tensor arrives in checkpoint form, persistent buffers such
     as a router's correction bias included, and goes through the model's own
     `load_weights`, which stacks q/k/v and so on. The first time a name is
@@ -136,12 +138,12 @@ class DirectLoadWorker:
     def direct_load_start(self, in_place: str | dict = "") -> dict:
         """Start a sync; the send's first chunk calls this if the caller has not.
 
-        `in_place` is optional: {"trainer_gpu_uuids": [...], "blocks": {GPU uuid: [(expert block
-        name, CUDA IPC handle), ...]}}, as a base64 pickle over /collective_rpc or as the dict
-        itself inside a chunk. The handles point at the trainer ranks' own storage of their expert
-        blocks, sent by ExpertsInPlace after the trainer has synchronized its GPU. This engine
-        copies the block of the rank on its GPU straight from there, one copy per block. That
-        storage stays where it is between syncs, so each handle is opened once and kept.
+        `in_place` is optional: {"trainer_gpu_uuids": [...], "version": n, "tensors": {GPU uuid: [(name, CUDA IPC
+        handle), ...]}}, as a base64 pickle over /collective_rpc or as the dict itself inside a chunk. The handles
+        point at the trainer ranks' own storage of the tensors sent in place (sources.InPlace), shared after the
+        trainer has synchronized its GPU. This engine copies the tensors of the rank on its GPU straight from
+        there, one copy each. That storage stays where it is between syncs, so each handle is opened once and
+        kept, and a send whose handles are unchanged carries only their version.
         """
         PackedBufferImporter = internal("vllm.distributed.weight_transfer.packed_tensor", "PackedBufferImporter")
         start = time.perf_counter()
@@ -151,20 +153,41 @@ class DirectLoadWorker:
             unfinished.importer.close()  # A send failed part way; start afresh.
         session = self._direct_session = _session(self._model_layout(), PackedBufferImporter())
         if not in_place:
-            self._opened_storage = {}  # Release trainer storage opened for an earlier sync.
+            self._opened_storage, self._in_place = {}, None  # Release trainer storage opened for an earlier sync.
             return {"tensors": 0, "bytes": 0}
         update = _unpickle(in_place) if isinstance(in_place, str) else in_place
-        blocks = update["blocks"].get(session.gpu_uuid) or _no_trainer_rank(session.gpu_uuid, list(update["blocks"]))
-        tensors = self._trainer_storage(blocks, session.device)
+        tensors = self._in_place_tensors(update, session)
         _load(session, tensors, update["trainer_gpu_uuids"].index(session.gpu_uuid), self.vllm_config)
         session.tensors += len(tensors)
         session.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-        seconds = {"experts_in_place": time.perf_counter() - start}  # Copies are launched; finish waits for them.
+        # Copies are launched; finish waits for them. The key names the expert blocks; it times every tensor in place.
+        seconds = {"experts_in_place": time.perf_counter() - start}
         session.seconds.update(seconds)
         return {"tensors": len(tensors), "bytes": session.bytes, "seconds": seconds}
 
-    def _trainer_storage(self, blocks: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """Open the trainer tensors behind `blocks`' CUDA IPC handles.
+    def _in_place_tensors(self, update: dict, session: _Session) -> list[tuple[str, torch.Tensor]]:
+        """Return the trainer tensors this engine copies in place: opened from their handles, or kept from the
+        last send that had the same version."""
+        held = getattr(self, "_in_place", None)
+        if "tensors" not in update:
+            if held is None or held[0] != update["version"]:
+                raise RuntimeError(
+                    f"this engine holds no trainer handles of version {update['version']} (it holds "
+                    f"{held[0] if held else 'none'}); the next send carries them all"
+                )
+            return held[1]
+        handles = update["tensors"].get(session.gpu_uuid)
+        if handles is None:
+            _no_trainer_rank(session.gpu_uuid, list(update["tensors"]))
+        self._in_place = None  # until every handle is open
+        tensors = self._trainer_storage(handles, session.device)
+        # The expert blocks first: the GPU starts on the bulk of the bytes while the loop goes over the rest.
+        tensors.sort(key=lambda item: item[0].rpartition(".")[0] not in session.layout.expert_layers)
+        self._in_place = (update["version"], tensors)
+        return tensors
+
+    def _trainer_storage(self, handles: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """Open the trainer tensors behind `handles`, [(name, CUDA IPC handle), ...].
 
         Each handle is opened once and kept while the trainer keeps sending it. A handle the trainer
         no longer sends is closed, because its tensor has moved.
@@ -173,7 +196,7 @@ class DirectLoadWorker:
 
         opened, kept = getattr(self, "_opened_storage", {}), {}
         out = []
-        for name, handle in blocks:
+        for name, handle in handles:
             args = list(handle)
             args[6] = device.index  # This process may number the GPU differently from the trainer.
             key = tuple(args)
@@ -214,6 +237,13 @@ class DirectLoadWorker:
             param = getattr(layers[layer_name], EXPERT_TENSORS[tensor_name])
             if problem := _block_problem(layers[layer_name], name, param, shape, dtype, trainer_rank):
                 raise ValueError(problem)
+        warmed = set()  # FP8 experts: the kernel's compile and checks, here rather than in the first sync
+        for name, shape in expected["blocks"].items():
+            layer_name, _, tensor_name = name.rpartition(".")
+            kind = (EXPERT_TENSORS[tensor_name], tuple(shape[1:]))
+            if kind not in warmed and fp8_scales(layers[layer_name], kind[0]) is not None:
+                _fp8_experts().fp8_warm_up(layers[layer_name], kind[0], shape)
+                warmed.add(kind)
         return {"expert_blocks": len(expected["blocks"]), "trainer_rank": trainer_rank}
 
     def _model_layout(self) -> _Layout:
@@ -272,12 +302,12 @@ class DirectLoadWorker:
         started = self.direct_load_start(update["start"]).get("seconds", {}) if "start" in update else {}
         start = time.perf_counter()
         session = self._direct_session_or_raise()
-        handles = update["ipc_handles"]
-        if session.gpu_uuid not in handles:
-            _no_trainer_rank(session.gpu_uuid, list(handles))
-        trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
+        handles, uuids = update["ipc_handles"], update["trainer_gpu_uuids"]
         sizes, tensors = update["tensor_sizes"], []
-        if sizes:  # A chunk without tensors has no buffer to open.
+        if session.gpu_uuid not in (handles if sizes else uuids):  # A chunk without tensors has no buffer.
+            _no_trainer_rank(session.gpu_uuid, list(handles) if sizes else uuids)
+        trainer_rank = uuids.index(session.gpu_uuid)
+        if sizes:
             args = list(handles[session.gpu_uuid])
             args[6] = session.device.index  # This process may number the GPU differently from the trainer.
             buffer = session.importer.rebuild(args)[: sum(sizes)]

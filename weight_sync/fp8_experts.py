@@ -186,6 +186,21 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     scales.copy_(block_scales)
 
 
+def fp8_warm_up(experts: torch.nn.Module, param_name: str, shape) -> None:
+    """Make the kernel's choices for this layer's blocks before the first sync, on one random expert.
+
+    `shape` is the shape of a bf16 block the trainer sends. fp8_quantize_blocks compiles the kernel for the
+    block's shape, checks it on every case and on this block, and keeps its choice, so the first sync
+    quantizes at full speed. The result goes to scratch tensors; the layer's own stay as they are. A private
+    generator leaves the engine's sampling RNG alone.
+    """
+    weight, scales = getattr(experts, param_name), getattr(experts, f"{param_name}_scale_inv")
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    block = torch.randn((1, *shape[1:]), generator=generator, device=weight.device).to(torch.bfloat16)
+    scratch = [torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (weight, scales)]
+    fp8_quantize_blocks(block, fp8_shards(experts, param_name), *scratch)
+
+
 _KERNEL_AGREES: dict[torch.device, bool] = {}  # Per GPU: whether the kernel's first check matched vLLM's function.
 _NATIVE_CAST: dict[torch.device, bool] = {}  # Per GPU: whether the kernel uses the GPU's own e4m3 conversion.
 

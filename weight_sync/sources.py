@@ -4,8 +4,8 @@
 CheckpointForm and BF16Source produce the weights in checkpoint form, which is what vLLM's own loader reads:
 every family's checkpoint names, persistent buffers included, gathered one FSDP module at a time. The direct
 loader's trainer half is LocalExpertSource, which sends each rank's own expert blocks without a gather;
-ExpertsInPlace, which lets the engine copy those blocks straight from the trainer's memory; and
-DirectLoadClient, which hands the chunks to the server's direct_load.py. A rank builds its sender like this:
+InPlace, which lets the engine copy those blocks, and every tensor a rank holds whole as it is sent, straight
+from the trainer's memory; and DirectLoadClient, which hands the chunks to the server's direct_load.py. A rank builds its sender like this:
 
     source = weight_source(model, world_size, "direct")     # or "vllm": vLLM's own loader
     client = sync_client(sock, "direct", source, trainer_gpu_uuids)
@@ -19,7 +19,8 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 
 from helpers import collective_rpc, metadata_bytes, weight_sync_client
 from weight_sync.direct_load import TrainerSource, vllm_load_form
+from weight_sync.models import fused_expert_tensors, state_tensors  # noqa: F401  sources.<name> is kept for callers
 
 
 def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct") -> TrainerSource:
@@ -43,7 +45,7 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
     When weight_sender builds vLLM's engine, the direct loader's client first has every engine check that it
     holds the expert blocks `source` will send and that a trainer rank is on its GPU."""
     if loader == "direct":
-        in_place = getattr(source, "experts_in_place", None)
+        in_place = getattr(source, "in_place", None)
         skipped = set(in_place.names) if in_place is not None else set()  # weight_sender sends these in place
         packed_bytes = metadata_bytes(m for m in source.metadata if m.name not in skipped)
         others = [
@@ -61,14 +63,15 @@ class DirectLoadClient:
     `expert_blocks` maps the name of each expert block a rank will send to its shape. It is checked against every
     engine when vLLM's IPC engine is built, so a layout the server cannot take fails before any send. The send's
     first chunk also starts the sync on the engines. `packed_bytes`, if given, is what a send's chunks carry in
-    all, so the chunk that completes it also finishes the sync, and a send of one chunk is one round trip."""
+    all, so the chunk that completes it also finishes the sync, and a send of one chunk is one round trip. A send
+    with nothing packed, every tensor `in_place`, is one round trip too."""
 
     def __init__(
         self,
         sock: str,
         trainer_gpu_uuids: list[str],
         expert_blocks: dict[str, tuple],
-        experts_in_place: ExpertsInPlace | None = None,
+        in_place: InPlace | None = None,
         packed_bytes: int | None = None,
         other_tensors: list | None = None,
     ) -> None:
@@ -79,13 +82,17 @@ class DirectLoadClient:
         self.sock = sock
         self.trainer_gpu_uuids = list(trainer_gpu_uuids)
         self.expert_blocks = {name: list(shape) for name, shape in expert_blocks.items()}
-        self.experts_in_place = experts_in_place  # on rank 0: every rank's handles, gathered before each send
+        self.in_place = in_place  # on rank 0: every rank's handles, gathered before each send
         self.packed_bytes = packed_bytes
         self.other_tensors = other_tensors  # [name, shape, dtype] of the rest: the engines learn their layout
         self.learned: dict | None = None  # what the first DP engine learned, when the engine was built
         self._start: dict | None = None  # what the engines' direct_load_start takes, until a call carries it
         self._left: int | None = None  # the bytes this send's chunks still have to carry
         self._finished: dict | None = None  # what the last chunk's finish reported
+        # The handles the engines hold from the last send that went through, and their version: a send whose
+        # handles are the same names only their version, which keeps a sync's request small.
+        self._handles_held: tuple[int, dict] | None = None
+        self._sending: tuple[int, dict] | None = None  # the version and handles of the send under way
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if not init_info.get("packed"):
@@ -98,11 +105,20 @@ class DirectLoadClient:
     def start_weight_update(self) -> dict:
         """Prepare a send without asking the server; the engines start with its first chunk.
 
-        With experts in place, each engine then copies its trainer rank's expert blocks from the trainer's memory."""
+        With tensors in place, each engine then copies its trainer rank's tensors from the trainer's memory."""
         self._left, self._finished = self.packed_bytes, None
-        handles = self.experts_in_place.gathered if self.experts_in_place is not None else None
-        self._start = {"trainer_gpu_uuids": self.trainer_gpu_uuids, "blocks": handles} if handles else {}
+        handles = self.in_place.gathered if self.in_place is not None else None
+        self._start = {"trainer_gpu_uuids": self.trainer_gpu_uuids, **self._handles(handles)} if handles else {}
         return {}
+
+    def _handles(self, handles: dict) -> dict:
+        """Return the start's handles: all of them, or only their version if the engines hold them already."""
+        held = self._handles_held
+        version = held[0] if held is not None and held[1] == handles else (held[0] + 1 if held else 1)
+        self._handles_held, self._sending = None, (version, handles)  # held again once this send goes through
+        if held is not None and held[0] == version:
+            return {"version": version}
+        return {"version": version, "tensors": handles}
 
     def update_weights(self, update_info: dict) -> dict:
         """Send one chunk and return what the first DP engine reports of it.
@@ -113,19 +129,33 @@ class DirectLoadClient:
         update = {**update_info, "trainer_gpu_uuids": self.trainer_gpu_uuids, "last": self._left == 0}
         if self._start is not None:
             update["start"], self._start = self._start, None
-        result = collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
+        try:
+            result = collective_rpc(self.sock, "direct_load_chunk", _pickled(update))[0]
+        except Exception:
+            self._sending = None  # the engines may not hold this send's handles: the next one carries them all
+            raise
         self._finished = result.get("finished")
+        if self._finished is not None:
+            self._handles_held = self._sending
         return result
 
     def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        """Finish the sync unless its last chunk did; return what the first DP engine reports of it."""
+        """Finish the sync unless its last chunk did; return what the first DP engine reports of it.
+
+        A send without chunks starts and finishes here, in one call."""
         finished, self._finished, self._left = self._finished, None, None
         if finished is not None:
             return finished
-        if self._start is not None:  # a send without chunks: start it now
-            start, self._start = self._start, None
-            collective_rpc(self.sock, "direct_load_start", _pickled(start) if start else "")
-        return collective_rpc(self.sock, "direct_load_finish")[0]
+        if self._start is None:
+            finished = collective_rpc(self.sock, "direct_load_finish")[0]
+        else:
+            self._left = 0  # so that this chunk of nothing is the last
+            nothing = {"names": [], "dtype_names": [], "shapes": [], "tensor_sizes": [], "ipc_handles": {}}
+            result = self.update_weights(nothing)
+            finished = {**result["finished"], "seconds": result["seconds"]}  # where the engine's time went
+            self._finished = self._left = None
+        self._handles_held = self._sending
+        return finished
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass
@@ -151,22 +181,6 @@ def _pickled(value) -> str:
 # module once. The direct loader's fast path also needs the in-memory fused experts in vLLM's layout, from
 # fused_expert_tensors and direct_loader_problem, and the vLLM layer each belongs to, from expert_block_names.
 # tests/test_families.py checks both against vLLM's own models.
-
-
-def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Return what `save_pretrained` starts from, without copying anything.
-
-    That is the parameters and persistent buffers under their `state_dict()` names, minus
-    `_keys_to_ignore_on_save`. A tied weight appears once, under the name `named_parameters()` keeps, which is
-    the tie's source, e.g. `model.embed_tokens.weight`. Values are the live tensors, possibly DTensors or meta."""
-    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
-    for prefix, module in model.named_modules():
-        for name, buf in module.named_buffers(prefix=prefix, recurse=False):
-            leaf = name.rpartition(".")[2]
-            if buf is not None and leaf not in module._non_persistent_buffers_set:
-                out.setdefault(name, buf)
-    return {k: v for k, v in out.items() if k not in ignore}
 
 
 def _conversions(model: torch.nn.Module) -> None:
@@ -423,26 +437,6 @@ def _whole_shard(t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
-    """Map each in-memory parameter that stacks all of a layer's experts on dim 0 to its global shape and layout.
-
-    Under FSDP2 a rank holds a block of experts of each. They are found through transformers' own marker: the
-    modules `use_experts_implementation` wraps carry `num_experts`, `is_transposed`, which means [E, H, 2I]
-    instead of [E, 2I, H], and `is_concatenated`, which means gate rows then up rows rather than interleaved."""
-    out = {}
-    for prefix, module in model.named_modules():
-        if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
-            continue
-        for name, p in module.named_parameters(prefix=prefix, recurse=False):
-            if p.dim() >= 2 and p.shape[0] == module.num_experts:
-                out[name] = {
-                    "shape": tuple(p.shape),
-                    "transposed": bool(module.is_transposed),
-                    "concatenated": bool(module.is_concatenated),
-                }
-    return out
-
-
 def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
     """Map each fused expert tensor's in-memory name to the name the direct loader receives a rank's block under.
 
@@ -481,47 +475,47 @@ class PackedPart(TrainerSource):
             tensors.close()  # skip the rest, so that a CheckpointForm reshards what it gathered
 
 
-class ExpertsInPlace:
-    """A rank's own expert blocks, for the engine on its GPU to copy straight from the trainer's memory.
+class InPlace:
+    """Tensors the engine on a rank's GPU copies straight from the trainer's memory, so nothing is packed.
 
-    Each expert weight is copied once and nothing goes through the packed buffer. Each block's CUDA IPC handle
-    is exported once, while the block stays where it is: FSDP2 keeps a shard's storage and the optimizer steps
-    it in place. The handles are gathered to rank 0 for every send, once the rank's GPU is synchronized. This
-    works only for blocks held as vLLM holds them: bf16, contiguous, on the GPU. fp32 master weights go packed,
-    cast to bf16."""
+    They are the rank's own expert blocks, and every other tensor the rank holds whole and as it is sent: same
+    dtype, contiguous, on the GPU, and unchanged by transformers' conversion. On one GPU that is every tensor of
+    a bf16 model; over FSDP2 ranks the others are shards and go packed. Each tensor's CUDA IPC handle is exported
+    once, while the tensor stays where it is: FSDP2 keeps a shard's storage and the optimizer steps it in place.
+    The handles are gathered to rank 0 for every send, once the rank's GPU is synchronized."""
 
-    def __init__(self, blocks: dict[str, torch.nn.Parameter]) -> None:
-        self.names = list(blocks)  # the names they are sent under, in send order
-        self._params = list(blocks.values())
-        self._exported: tuple[list, list] | None = None  # where the blocks were, and their handles
+    def __init__(self, reads: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self.names = list(reads)  # the names they are sent under, in send order
+        self._reads = list(reads.values())  # each reads the rank's own storage of its tensor, as it is now
+        self._exported: tuple[list, list] | None = None  # where the tensors were, and their handles
         self.gathered: dict[str, list] | None = None  # every rank's handles by GPU, used on rank 0
 
     @staticmethod
-    def possible(blocks: dict[str, torch.nn.Parameter]) -> bool:
-        """Return whether every rank holds its blocks as vLLM does.
+    def possible(tensors: dict[str, tuple[torch.Tensor, torch.dtype]]) -> dict[str, bool]:
+        """Return, for each name, whether every rank holds that tensor as it is sent, so that it can go in place.
 
-        Every rank calls it at once, since each send's handshake must be the same on all of them."""
-        local = [_local(p) for p in blocks.values()]
-        here = bool(local) and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in local)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = torch.tensor([int(here)])  # on the CPU, for the process group's gloo backend
+        `tensors` maps a name to the rank's own storage of it and the dtype it is sent in. Every rank calls it at
+        once with the same names, since each send's handshake must be the same on all of them."""
+        here = [t.is_cuda and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors.values()]
+        if dist.is_initialized() and dist.get_world_size() > 1 and here:
+            every = torch.tensor(here, dtype=torch.int32)  # on the CPU, for the process group's gloo backend
             dist.all_reduce(every, op=dist.ReduceOp.MIN)
-            return bool(every.item())
-        return here
+            here = [bool(x) for x in every.tolist()]
+        return dict(zip(tensors, here, strict=True))
 
     def packed_part(self, source: TrainerSource) -> PackedPart:
-        """Return the part of `source` that goes through the packed buffer while these blocks go in place.
+        """Return the part of `source` that goes through the packed buffer while these tensors go in place.
 
-        `source` must yield these blocks last; a source wrapped around it works too."""
+        `source` must yield these tensors last; a source wrapped around it works too."""
         return PackedPart(source, len(source.metadata) - len(self.names))
 
     def gather(self) -> None:
         """Synchronize this rank's GPU and share its handles with every rank; all ranks call it at once.
 
-        A block's handle is exported again only if the block moved."""
+        A tensor's handle is exported again only if the tensor moved."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        local = [_local(p) for p in self._params]
+        local = [read() for read in self._reads]
         where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
         if self._exported is None or self._exported[0] != where:
             self._exported = (where, [(n, reduce_tensor(t)[1]) for n, t in zip(self.names, local, strict=True)])
@@ -581,31 +575,74 @@ class LocalExpertSource(BF16Source):
     Of those, each rank sends its own FSDP shard without a gather, under the name of vLLM's expert layer from
     expert_block_names. FSDP2 shards dim 0, so rank r holds experts [r*E/N, (r+1)*E/N): the block that vLLM's
     linear expert placement gives the engine on rank r's GPU. Every rank yields the same names and shapes, as
-    vLLM's packed IPC producer requires. Every rank builds its source at once, since the ranks agree whether
-    the blocks can go in place. Its tensors are not fresh, in CheckpointForm's sense: the direct loader takes
-    packed sends only, whose producer copies each tensor into its buffer before it takes the next."""
+    vLLM's packed IPC producer requires. Every rank builds its source at once, since the ranks agree which
+    tensors can go in place (InPlace); those are yielded last. Its tensors are not fresh, in CheckpointForm's
+    sense: the direct loader takes packed sends only, whose producer copies each tensor into its buffer before
+    it takes the next."""
 
     def __init__(self, module: torch.nn.Module, world_size: int) -> None:
         if problem := direct_loader_problem(module, world_size):
             raise ValueError(problem)
         self._blocks = expert_block_names(module)  # in-memory name -> name sent
-        super().__init__(module, exclude=self._blocks, fresh=False)
         self._params = dict(module.named_parameters())
         self.expert_blocks = {
             sent: (self._params[name].shape[0] // world_size, *self._params[name].shape[1:])
             for name, sent in self._blocks.items()
         }
-        self._metas += [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
-        self.origins += [
-            (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True) for name in self._blocks
-        ]
-        own = {sent: self._params[name] for name, sent in self._blocks.items()}
-        self.experts_in_place = ExpertsInPlace(own) if ExpertsInPlace.possible(own) else None
+        whole = _held_whole_as_sent(module, self._blocks)  # name -> (module, attribute, dtype sent)
+        fits = InPlace.possible(
+            {name: (_local(getattr(m, a)), dtype) for name, (m, a, dtype) in whole.items()}
+            | {sent: (_local(self._params[name]), torch.bfloat16) for name, sent in self._blocks.items()}
+        )
+        self._whole = {name: where for name, where in whole.items() if fits[name]}  # in place
+        self._experts_in_place = bool(self._blocks) and all(fits[sent] for sent in self._blocks.values())
+        super().__init__(module, exclude={*self._blocks, *self._whole}, fresh=False)
+        blocks = [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
+        block_origins = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], True) for n in self._blocks]
+        whole_metas = [ParamMeta(n, d, tuple(getattr(m, a).shape)) for n, (m, a, d) in self._whole.items()]
+        whole_origins = [(m, a, False) for m, a, _ in self._whole.values()]
+        if self._experts_in_place:  # the blocks go in place too: last
+            self._metas += whole_metas + blocks
+            self.origins += whole_origins + block_origins
+        else:
+            self._metas += blocks + whole_metas
+            self.origins += block_origins + whole_origins
+        reads = {n: partial(_read, m, a) for n, (m, a, _) in self._whole.items()}
+        if self._experts_in_place:
+            reads |= {sent: partial(_local, self._params[name]) for name, sent in self._blocks.items()}
+        self.in_place = InPlace(reads) if reads else None
 
     def tensors(self):
         yield from super().tensors()
-        for name, sent in self._blocks.items():  # last, so that weight_sender can send them in place
-            yield sent, _local(self._params[name]).to(torch.bfloat16)
+        blocks = ((sent, _local(self._params[name]).to(torch.bfloat16)) for name, sent in self._blocks.items())
+        if not self._experts_in_place:
+            yield from blocks
+        for name, (module, attribute, _) in self._whole.items():  # last, so that weight_sender can send them in place
+            yield name, _read(module, attribute)
+        if self._experts_in_place:
+            yield from blocks
+
+
+def _held_whole_as_sent(model: torch.nn.Module, exclude) -> dict[str, tuple[torch.nn.Module, str, torch.dtype]]:
+    """Map each tensor the checkpoint form sends as the model holds it, whole on this rank, to where it is.
+
+    That is a tensor under its own name that transformers' conversion leaves alone and vLLM's loader takes as it
+    is, not an FSDP2 shard of a larger one. The value is (module, attribute, the dtype it is sent in)."""
+    form = CheckpointForm(model, torch.bfloat16, exclude)
+    split = vllm_load_form(model, form.metadata)
+    out = {}
+    for group, unchanged, dtypes in zip(form._groups, form._unchanged, form._dtypes, strict=True):
+        for name in group if unchanged else ():
+            module, attribute = form._where[name]
+            tensor = getattr(module, attribute)
+            if name not in split and (not hasattr(tensor, "device_mesh") or _whole_shard(tensor)):
+                out[name] = (module, attribute, dtypes[name])
+    return out
+
+
+def _read(module: torch.nn.Module, attribute: str) -> torch.Tensor:
+    """Return a model tensor's storage on this rank, read from its module now, as FSDP2 or a trainer may swap it."""
+    return _local(getattr(module, attribute))
 
 
 def direct_loader_problem(model: torch.nn.Module, world_size: int) -> str | None:
