@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import helpers
+from proof.exact_accounting import expert_holders
 from proof.rank_measurement import measured, rank_fingerprints
 
 
@@ -27,7 +28,10 @@ def prepare_exact_check(job) -> dict:
     and before a full sync, because it leaves zeros where it probes.
     """
     sent = measured(job.trainers[:1], "sent_metadata")[0]
-    answers = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent))
+    # With one engine it must hold every tensor; with more, each expert where the trainer's own layout puts it.
+    holders = expert_holders([n for n, *_ in sent], measured(job.trainers, "own_experts")) if job.dp_size > 1 else {}
+    view = {"trainer_gpu_uuids": list(job.gpu_uuids), "holders": holders}
+    answers = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent), json.dumps(view))
     answer = answers[0]
     # Tensors vLLM holds in another dtype are fingerprinted after the same cast; JSON made the indices strings.
     # The trainer fingerprints each piece of a stacked parameter at the rows where it lands.
@@ -46,6 +50,13 @@ def prepare_exact_check(job) -> dict:
             "compares them with the direct loader's)",
             flush=True,
         )
+    for dp_rank, each in enumerate(answers):
+        if each.get("unaccounted"):
+            print(
+                f"[exact] DP engine {dp_rank} cannot account for {len(each['unaccounted'])} sent tensors, so "
+                f"every exact check fails: {each['unaccounted'][:4]}",
+                flush=True,
+            )
     return answer
 
 
@@ -107,13 +118,19 @@ class ExactCheck:
     passed: bool
     # Start to verdict, run beside the gate: both sides' fingerprints and the comparison.
     seconds: float
-    # Parameters checked per engine, as DP engine 0 counts them; every engine checks all of its own.
+    # Parameters compared bit for bit, element by element in place, per engine, as DP engine 0 counts them.
     parameters_per_engine: int | None
     dp_engines: int
     problem: str | None = None  # The first engine's message naming the parameters that differ.
     trainer_seconds: float | None = None  # Part of `seconds`: both sides started and the trainers' sums read back.
     engine_seconds: float | None = None  # DP engine 0's time inside its exact_check call; None if it failed.
     wait_seconds: float | None = None  # Time the round waited for the verdict after the gate.
+    parameters_held: int | None = None  # Every parameter DP engine 0 holds, compared or not.
+    # {exact_accounting.NOT_COMPARED key: count} of those not compared bit for bit, and their names.
+    not_compared: dict[str, int] | None = None
+    not_compared_parameters: dict[str, list[str]] | None = None
+    # Sent tensors held in another dtype by a cast that keeps every bit or that the example asks for.
+    held_in_other_dtype: list[str] | None = None
 
 
 _running_checks: set[concurrent.futures.Future] = set()  # Started checks without a verdict yet.
@@ -176,12 +193,17 @@ def _exact_check(job) -> ExactCheck:
         if (at := text.find("exact check: ")) >= 0:
             text = text[at + len("exact check: ") :].split('"', 1)[0]
         return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, text[:2000], trainer_seconds)
+    not_compared = answer.get("not_compared", {})
     return ExactCheck(
         True,
         time.perf_counter() - start,
-        answer["parameters"],
+        answer["bit_for_bit"],
         job.dp_size,
         None,
         trainer_seconds,
         answer.get("seconds"),
+        parameters_held=answer["held"],
+        not_compared={k: len(v) for k, v in not_compared.items()},
+        not_compared_parameters=not_compared,
+        held_in_other_dtype=answer["casts"],
     )

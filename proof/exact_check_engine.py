@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from proof import exact_accounting
 from proof.fingerprint import (
     FINGERPRINT_CHUNK,
     FINGERPRINT_MODULUS,
@@ -105,23 +106,46 @@ class ExactCheckWorker(DirectLoadWorker):
             )
         return {"dp_rank": dp_rank, "parameters": len(reference), "differ": differ}
 
-    def exact_check_prepare(self, sent: str) -> dict:
+    def exact_check_prepare(self, sent: str, trainer_view: str = "") -> dict:
         """Learn which of this engine's parameters each tensor the trainer sends is written into.
 
         `sent` is JSON [[name, dtype, shape, is_expert_block], ...], the source's metadata in send order; see
         exact_targets. Also learn where each piece of a parameter written from several tensors lands in it,
-        returned as "rows" from piece_rows, for the trainer to fingerprint each piece at. Call it before a
-        full sync, because it leaves every parameter it probes zeroed until the sync overwrites it.
+        returned as "rows" from piece_rows, for the trainer to fingerprint each piece at. `trainer_view` is JSON
+        {"trainer_gpu_uuids": [...], "holders": {index: trainer rank}}, the trainer's own layout of the
+        experts, which exact_accounting.unaccounted checks every sent tensor against; without it this engine
+        must hold every one. Call it before a full sync, because it leaves every parameter it probes zeroed
+        until the sync overwrites it.
         """
         model, sent = self.model_runner.get_model(), json.loads(sent)
         self._exact_targets, casts, self._exact_values_only, whole = exact_targets(model, sent, self.vllm_config)
         rows, placed, by_value = piece_rows(model, sent, self._exact_targets, whole, self._exact_values_only)
         self._exact_whole = sorted(set(whole) | set(placed))  # Every element is compared in its place.
+        view = json.loads(trainer_view) if trainer_view else {}
+        ranks, uuid = view.get("trainer_gpu_uuids", []), _gpu_uuid(next(model.parameters()).device)
+        not_probed = tuple(f"{layer.layer_name}." for _, layer in _fp8_layers_by_vllms_loader(model, sent))
+        self._exact_unaccounted, self._exact_casts = exact_accounting.unaccounted(
+            model,
+            sent,
+            self._exact_targets,
+            casts,
+            ranks.index(uuid) if uuid in ranks else None,
+            {int(i): rank for i, rank in view.get("holders", {}).items()},
+            not_probed,
+        )
         with torch.no_grad():  # Zero the probes' constants, up to 3e38, which would overflow what it serves.
             params = dict(model.named_parameters())
             for name in probed_parameters(sent, self._exact_targets):
                 params[name].zero_()
         self._exact_unchecked = quantized_by_vllms_loader(model, sent)
+        self._exact_comparisons = exact_accounting.comparisons(
+            model,
+            self._exact_targets,
+            self._exact_whole,
+            self._exact_values_only,
+            set(self._exact_unchecked),
+            set(derived_parameters(model)),
+        )
         self._held_fingerprints, self._exact_started = HeldFingerprints(), None
         exact_fingerprints(p for _, p in model.named_parameters())  # Let Triton compile its kernels now, not in a sync.
         return {
@@ -132,6 +156,8 @@ class ExactCheckWorker(DirectLoadWorker):
             "unchecked": self._exact_unchecked,
             "rows": rows,
             "by_value": by_value,
+            "unaccounted": self._exact_unaccounted,
+            "not_compared": {k: v for k, v in self._exact_comparisons.items() if k != "bit_for_bit"},
         }
 
     def exact_check_start(self) -> dict:
@@ -174,16 +200,27 @@ class ExactCheckWorker(DirectLoadWorker):
             fingerprints,
             unchecked=getattr(self, "_exact_unchecked", ()),
         )
-        if problems:
+        unaccounted = getattr(self, "_exact_unaccounted", [])
+        if problems or unaccounted:
             fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
                 # Quantize through vLLM's own function from the next sync on.
                 fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False
-            raise RuntimeError(
-                f"exact check: DP engine {dp_rank}: {len(problems)} of {checked} parameters "
-                f"differ: " + "; ".join(problems[:4])
+            found = [f"{len(unaccounted)} sent tensors not held as sent: " + "; ".join(unaccounted[:4])]
+            found = (found if unaccounted else []) + (
+                [f"{len(problems)} of {checked} parameters differ: " + "; ".join(problems[:4])] if problems else []
             )
-        return {"dp_rank": dp_rank, "parameters": checked, "seconds": time.perf_counter() - start}
+            raise RuntimeError(f"exact check: DP engine {dp_rank}: " + "; ".join(found))
+        compared = self._exact_comparisons
+        return {
+            "dp_rank": dp_rank,
+            "parameters": checked,
+            "seconds": time.perf_counter() - start,
+            "held": sum(map(len, compared.values())),
+            "bit_for_bit": len(compared["bit_for_bit"]),
+            "not_compared": {k: v for k, v in compared.items() if k != "bit_for_bit" and v},
+            "casts": self._exact_casts,
+        }
 
     def _exact_targets_or_raise(self) -> list[list[str]]:
         targets = getattr(self, "_exact_targets", None)

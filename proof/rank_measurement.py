@@ -79,6 +79,19 @@ class RankMeasurement:
             for m in self.sent_source.metadata
         ]
 
+    def own_experts(self) -> list[int]:
+        """Return the send-order indices of the one-expert tensors whose expert this rank's own model shard holds.
+
+        This is the trainer's own layout of the experts, read from the weight source's `origins`, which the
+        exact check holds each engine's expert map to.
+        """
+        out = []
+        for index, origin in enumerate(getattr(self.sent_source, "origins", None) or []):
+            if origin and len(origin) > 3 and (shard := _shard_of(getattr(*origin[:2]), origin[2])) is not None:
+                local, offset, _ = shard
+                out += [index] if 0 <= origin[3][0] - offset < local.shape[0] else []
+        return out
+
     def start_sent_fingerprints(self) -> None:
         """Launch sent_fingerprints' kernels so they run beside what comes next."""
         self.fingerprinted.start()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from proof.exact_accounting import NOT_COMPARED
 from proof.logprob_gate import QUANTILE, Gate, KernelNoise, LogprobGap, Tolerances
 from proof.memory import GPUMemory
 
@@ -55,6 +56,7 @@ class RoundRecord:
     gate_tolerances: dict | None = None  # As applied: mean, quantile, max, and whether the noise set them.
     change_test: dict | None = None  # After a step, whether vLLM followed the trainer's change; see ChangeTest.
     exact_check: dict | None = None  # ExactCheck: whether every engine holds, bit for bit, what was sent.
+    exact_check_not_run: str | None = None  # Why this round had no exact check, such as "--tensor-parallel-size 2".
     # With --train only:
     reward_mean: float | None = None
     loss: float | None = None
@@ -104,24 +106,37 @@ def round_record(
     )
 
 
+def exact_line(exact: dict | None, not_run: str | None = None) -> str:
+    """Return the exact check's line: what it compared bit for bit, what it did not and why, or why it did not run."""
+    if exact is None:
+        return f"[exact] not run: {not_run}" if not_run else "[exact] not run"
+    if not exact["passed"]:
+        return f"[exact] FAIL: {exact['problem']}"
+    engines = f"{exact['dp_engines']} DP engine" + ("s" if exact["dp_engines"] != 1 else "")
+    split = (
+        f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
+        if exact.get("engine_seconds") is not None
+        else ""
+    )
+    if exact.get("wait_seconds") is not None:
+        split = f" beside the gate{split}; the round waited {exact['wait_seconds']:.3f} s for it"
+    held = exact.get("parameters_held")
+    of = f" of {held}" if held is not None else ""
+    line = f"[exact] {exact['parameters_per_engine']}{of} vLLM parameters bit for bit on each of {engines}"
+    if skipped := {k: n for k, n in (exact.get("not_compared") or {}).items() if n}:
+        why = ", ".join(f"{n} {NOT_COMPARED.get(k, k)}" for k, n in skipped.items())
+        line += f"; {sum(skipped.values())} not compared ({why})"
+    casts: dict[str, int] = {}
+    for cast in exact.get("held_in_other_dtype") or []:
+        kind = cast.rpartition(": ")[2]
+        casts[kind] = casts.get(kind, 0) + 1
+    line += "".join(f"; {n} held in another dtype ({kind})" for kind, n in casts.items())
+    return f"{line} ({exact['seconds']:.2f} s{split})"
+
+
 def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
-    exact = record.exact_check
-    if exact is not None:
-        engines = f"{exact['dp_engines']} DP engine" + ("s" if exact["dp_engines"] != 1 else "")
-        split = (
-            f": trainers {exact['trainer_seconds']:.2f} s, engine 0 {exact['engine_seconds']:.2f} s"
-            if exact.get("engine_seconds") is not None
-            else ""
-        )
-        if exact.get("wait_seconds") is not None:
-            split = f" beside the gate{split}; the round waited {exact['wait_seconds']:.3f} s for it"
-        print(
-            f"[exact] {exact['parameters_per_engine']} vLLM parameters on each of {engines} "
-            f"hold what the trainer sent, bit for bit ({exact['seconds']:.2f} s{split})"
-            if exact["passed"]
-            else f"[exact] FAIL: {exact['problem']}",
-            flush=True,
-        )
+    if record.exact_check is not None or record.exact_check_not_run:
+        print(exact_line(record.exact_check, record.exact_check_not_run), flush=True)
     changed = f"vLLM logprobs changed on {sum(record.logprobs_changed_per_dp_rank)} of "
     changed += f"{len(record.logprobs_changed_per_dp_rank)} DP engines"
     if record.weights_updated and not record.logprobs_changed:
@@ -293,6 +308,17 @@ def write_json(path: str | os.PathLike, result: dict) -> None:
     Path(path).write_text(json.dumps(_nan_to_null(result), indent=2, allow_nan=False) + "\n")
 
 
+def _exact_cell(r: dict) -> str:
+    """Return a round's exact check for the table: "pass 21/29" (bit for bit of held), "FAIL" or "not run"."""
+    exact = r.get("exact_check")
+    if not exact:
+        return "not run" if r.get("exact_check_not_run") else "-"
+    if not exact["passed"]:
+        return "FAIL"
+    held = exact.get("parameters_held")
+    return f"pass {exact['parameters_per_engine']}/{held}" if held is not None else "pass"
+
+
 def format_summary(result: dict) -> str:
     """Format a run's JSON result as a plain-text table."""
     train, nodes = result.get("train", False), result.get("num_nodes", 1)
@@ -303,7 +329,7 @@ def format_summary(result: dict) -> str:
         "",
         "round | "
         + " | ".join(f"{p:>12}" for p in SYNC_PHASES)
-        + " |    cycle | GB per GPU |   GB/s | mean|dlogp| before -> after | max after | changed | gate | exact"
+        + " |    cycle | GB per GPU |   GB/s | mean|dlogp| before -> after | max after | changed | gate |         exact"
         + (" |    train | reward" if train else ""),
     ]
     for i, r in enumerate(result["rounds"], 1):
@@ -315,8 +341,7 @@ def format_summary(result: dict) -> str:
             f"{r['gpu_receive_gb_per_s']:>6.2f} | {r['mean_abs_dlogp_before']:>14.4f} -> "
             f"{r['mean_abs_dlogp_after']:<8.4f} | {r['max_abs_dlogp_after']:>9.4f} | "
             f"{'yes' if r['logprobs_changed'] else 'no':>7} | "
-            f"{'pass' if r['gate_passed'] else 'FAIL'} | "
-            f"{'-' if not r.get('exact_check') else 'pass' if r['exact_check']['passed'] else 'FAIL':>5}"
+            f"{'pass' if r['gate_passed'] else 'FAIL'} | {_exact_cell(r):>13}"
         )
         if train:
             reward = f"{r['reward_mean']:.3f}" if "reward_mean" in r else "-"

@@ -85,6 +85,8 @@ def judged_round(
     }
     if exact is not None:
         record.exact_check = asdict(exact)
+    elif args.tensor_parallel_size > 1:
+        record.exact_check_not_run = f"--tensor-parallel-size {args.tensor_parallel_size}"
     if training is not None:
         record.reward_mean, record.loss = training["reward_mean"], training["loss"]
         if training["loss"] is None:

@@ -18,8 +18,8 @@ def swapped_name(name: str) -> str:
 
 
 class SwappedExpertsWorker(ExactCheckWorker):
-    def exact_check_prepare(self, sent: str) -> dict:
-        answer = super().exact_check_prepare(sent)
+    def exact_check_prepare(self, sent: str, trainer_view: str = "") -> dict:
+        answer = super().exact_check_prepare(sent, trainer_view)
         model = self.model_runner.get_model()
         if not getattr(model, "_experts_swapped", False):  # from now on: the syncs
             load = model.load_weights

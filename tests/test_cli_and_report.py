@@ -906,15 +906,52 @@ def test_the_exact_checks_line_says_where_its_time_went(capsys):
     )
     report.print_round(record, TOLERANCES)
     assert (
-        "404 vLLM parameters on each of 1 DP engine hold what the trainer sent, bit for bit "
+        "[exact] 404 vLLM parameters bit for bit on each of 1 DP engine "
         "(0.32 s: trainers 0.12 s, engine 0 0.19 s)" in capsys.readouterr().out
     )
     record.exact_check["wait_seconds"] = 0.05  # it ran beside the gate, and the round waited for it after
     report.print_round(record, TOLERANCES)
     assert (
-        "bit for bit (0.32 s beside the gate: trainers 0.12 s, engine 0 0.19 s; the round waited 0.050 s for it)"
-        in capsys.readouterr().out
+        "bit for bit on each of 1 DP engine (0.32 s beside the gate: trainers 0.12 s, engine 0 0.19 s; "
+        "the round waited 0.050 s for it)" in capsys.readouterr().out
     )
+
+
+def test_the_exact_checks_line_table_and_json_say_what_was_not_compared_and_when_it_did_not_run(capsys):
+    """The line counts what was compared bit for bit of every parameter held, names each reason for the rest
+    and the casts it accepted; the table shows the count, and "not run" for a round without the check."""
+    record = _record()
+    record.exact_check = asdict(
+        exact_check_driver.ExactCheck(
+            True,
+            0.5,
+            412,
+            2,
+            parameters_held=430,
+            not_compared={"fp8_requantized": 16, "derived": 2, "by_value": 0},
+            not_compared_parameters={"fp8_requantized": ["a"] * 16, "derived": ["b", "c"]},
+            held_in_other_dtype=["x.gate.weight: bfloat16 sent, float32 held"] * 2,
+        )
+    )
+    report.print_round(record, TOLERANCES)
+    assert (
+        "[exact] 412 of 430 vLLM parameters bit for bit on each of 2 DP engines; 18 not compared "
+        "(16 FP8 experts re-quantized by vLLM's loader, 2 derived by vLLM after loading); "
+        "2 held in another dtype (bfloat16 sent, float32 held) (0.50 s)"
+    ) in capsys.readouterr().out
+    not_run = _record()
+    not_run.exact_check_not_run = "--tensor-parallel-size 2"
+    report.print_round(not_run, TOLERANCES)
+    assert "[exact] not run: --tensor-parallel-size 2\n" in capsys.readouterr().out
+    failed = _record()
+    failed.exact_check = asdict(exact_check_driver.ExactCheck(False, 0.5, None, 1, "DP engine 0: x"))
+    rows = [r.to_json() for r in (record, not_run, failed)]
+    assert rows[1]["exact_check"] is None and rows[1]["exact_check_not_run"] == "--tensor-parallel-size 2"
+    assert rows[0]["exact_check_not_run"] is None and rows[0]["exact_check"]["not_compared"]["derived"] == 2
+    cells = [report._exact_cell(r) for r in rows]
+    assert cells == ["pass 412/430", "not run", "FAIL"]
+    result = {"rounds": rows, "coverage": None, "memory_growth_gib": 0.0}
+    assert report.failed_checks(result, 0.5) == ["round 3: exact check: DP engine 0: x"]  # not run is no failure
 
 
 def test_two_ranks_on_one_gpu_are_refused():

@@ -28,6 +28,7 @@ NOT_COPIED = [
     "proof/rank_measurement.py",
     "proof/exact_check_driver.py",
     "proof/exact_check_engine.py",
+    "proof/exact_accounting.py",
     "proof/fingerprint.py",
     "proof/coverage.py",
     "proof/memory.py",
