@@ -375,6 +375,12 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_ser
         )
         assert stale.mean > 3 * tolerances.mean and stale.quantile > tolerances.quantile, stale
         assert logprob_gate.gate(same, stale, tolerances, weights_updated=True, noise=same).passed is False
+        # Seen as a training step that the engine did not follow: with tolerances too wide to see anything,
+        # the change test alone fails the round, naming the engine.
+        wide = logprob_gate.Tolerances(10.0, 10.0, None, 2.0, kernel)
+        step = logprob_gate.gate(same, stale, wide, weights_updated=False, noise=same, stepped=True)
+        assert step.change.gated and step.change.verdict == "did not follow" and not step.passed, step.change
+        assert step.change.worst_dp_rank == 0 and step.change.trainer_change_mean > 10 * step.change.noise_mean
     finally:  # the shared trainers hold the checkpoint again, as the other tests expect
         script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
         script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
