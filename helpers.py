@@ -31,6 +31,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, suppress
@@ -182,8 +183,9 @@ def start_server(
         )
     full_env = {**SERVER_ENV_DEFAULTS, **os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("CUDA_VISIBLE_DEVICES", None)  # `--device-ids` picks the GPUs, not Ray's mask
-    # vLLM's ZMQ sockets unpickle what they receive: keep them out of /tmp, in the private directory.
-    full_env["VLLM_RPC_BASE_PATH"] = folder
+    # vLLM's ZMQ sockets unpickle what they receive: keep them out of /tmp, in the private directory, with its
+    # other temporary files (the engines' FileStore, which a stopped engine leaves behind), to go with it.
+    full_env["VLLM_RPC_BASE_PATH"] = full_env["TMPDIR"] = folder
     cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
     if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
         # Raise what Popen would: started through the watchdog, a missing program fails only in the child.
@@ -441,7 +443,7 @@ def stop_server(server: Server, grace_s: float = 20.0) -> None:
     with suppress(subprocess.TimeoutExpired):
         server.proc.wait(timeout=10)  # reap the leader, so no zombie is left
     _release_watchdog(server)
-    _forget_client(server.socket_path)
+    forget_client(server.socket_path, every_thread=True)
 
 
 @contextmanager
@@ -478,11 +480,11 @@ def signals_ignored():
 
 
 # ---- HTTP routes: one small function each. `sock` is the server's socket path ----
-_clients: dict[tuple[int, str], httpx.Client] = {}  # kept open: a round's calls are milliseconds apart
+_clients: dict[tuple[int, int, str], httpx.Client] = {}  # kept open: a round's calls are milliseconds apart
 
 
 def _client(sock: str) -> httpx.Client:
-    key = (os.getpid(), sock)  # a forked child opens its own connection
+    key = (os.getpid(), threading.get_ident(), sock)  # per thread, so a failed one can be closed at once
     if key not in _clients:
         # Skip TLS setup and proxies; drop idle connections at half the server's keep-alive, before it does.
         idle_s = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2
@@ -491,11 +493,12 @@ def _client(sock: str) -> httpx.Client:
     return _clients[key]
 
 
-def _forget_client(sock: str, close: bool = True) -> None:
-    """Drop this process's client for `sock`; close=False leaves it open for a call in another thread."""
-    client = _clients.pop((os.getpid(), sock), None)
-    if client is not None and close:
-        client.close()
+def forget_client(sock: str, every_thread: bool = False) -> None:
+    """Close this thread's client for `sock`, or every thread's: after a failure, or when done with the server."""
+    for key in [k for k in _clients if k[0] == os.getpid() and k[2] == sock]:
+        if every_thread or key[1] == threading.get_ident():
+            _openai_clients.pop(id(client := _clients.pop(key)), None)
+            client.close()
 
 
 def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
@@ -503,11 +506,10 @@ def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIM
     try:
         resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
     except httpx.HTTPError as e:
-        _forget_client(sock, close=False)
+        forget_client(sock)
         raise ServerError(f"{method} {route} failed: {e!r}") from e
     if resp.status_code != 200:
-        # vLLM may reset the connection after an error reply, so the next call opens a new one.
-        _forget_client(sock, close=False)
+        forget_client(sock)  # vLLM may reset the connection after an error reply: the next call opens another
         raise ServerError(f"{method} {route} -> HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json() if resp.content else None
 
@@ -583,20 +585,18 @@ class Completion:
     token_ids: list[int]
 
 
-_openai_clients: dict[int, tuple] = {}
+_openai_clients: dict[int, Any] = {}  # by id() of the httpx client each wraps; forget_client drops both
 
 
 def openai_client(sock: str):
     import openai
 
     transport = _client(sock)
-    made = _openai_clients.get(id(transport))
-    if made is None or made[0] is not transport:  # a dropped httpx client takes its openai client with it
-        made = _openai_clients[id(transport)] = (
-            transport,
-            openai.OpenAI(base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport),
+    if id(transport) not in _openai_clients:
+        _openai_clients[id(transport)] = openai.OpenAI(
+            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport
         )
-    return made[1]
+    return _openai_clients[id(transport)]
 
 
 def post_completions(sock: str, dp_rank: int | None = None, **fields):
@@ -607,10 +607,10 @@ def post_completions(sock: str, dp_rank: int | None = None, **fields):
     try:
         return openai_client(sock).completions.create(extra_headers=headers, timeout=SERVER_CALL_TIMEOUT_S, **fields)
     except openai.APIStatusError as e:
-        _forget_client(sock, close=False)  # as request() does after an error reply
+        forget_client(sock)  # as request() does after an error reply
         raise ServerError(f"POST /v1/completions -> HTTP {e.status_code}: {e.response.text[:2000]}") from e
     except openai.APIError as e:
-        _forget_client(sock, close=False)
+        forget_client(sock)
         raise ServerError(f"POST /v1/completions failed: {e!r}") from e
 
 

@@ -15,9 +15,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ray
+
 import helpers
 from proof.exact_accounting import expert_holders
-from proof.rank_measurement import measured, rank_fingerprints
+from proof.rank_measurement import _measurement_call, measured, rank_fingerprints
 
 
 def prepare_exact_check(job) -> dict:
@@ -133,61 +135,114 @@ class ExactCheck:
     held_in_other_dtype: list[str] | None = None
 
 
-_running_checks: set[concurrent.futures.Future] = set()  # Started checks without a verdict yet.
+# Each of the check's four calls, to the trainer ranks or to the engines, gives up after this. The engines'
+# calls are bounded by the server's own timeout, and HTTP waits 10 s longer for its reply.
+CALL_TIMEOUT_S = helpers.SERVER_CALL_TIMEOUT_S
+
+# Started checks without a verdict yet, each with the time.monotonic() by which it has surely ended.
+_running_checks: dict[concurrent.futures.Future, float] = {}
 
 
-def start_exact_check(job) -> concurrent.futures.Future:
+class CheckTimedOut(RuntimeError):
+    """A trainer rank or the engines did not answer one of the exact check's calls in time."""
+
+
+def start_exact_check(job, call_timeout_s: float = CALL_TIMEOUT_S) -> concurrent.futures.Future:
     """Start the exact check after a sync, in its own thread beside the gate's requests.
 
     Every trainer rank and every DP engine start fingerprinting on their own CUDA streams, then each engine
-    compares what it holds with what its trainer rank sent. exact_check(started) waits for the verdict.
+    compares what it holds with what its trainer rank sent. Each call gives up after `call_timeout_s`, so the
+    check ends by a deadline; exact_check(started) waits for the verdict until then.
     """
     verdict: concurrent.futures.Future = concurrent.futures.Future()
-    _running_checks.add(verdict)
+    _running_checks[verdict] = time.monotonic() + 4 * (call_timeout_s + 10) + 5
 
     def check() -> None:
         try:
-            verdict.set_result(_exact_check(job))
+            verdict.set_result(_exact_check(job, call_timeout_s))
         except BaseException as e:  # exact_check re-raises it in the round.
             verdict.set_exception(e)
         finally:
-            _running_checks.discard(verdict)
+            helpers.forget_client(job.server.socket_path)  # This thread's connection to the server.
+            _running_checks.pop(verdict, None)
 
     threading.Thread(target=check, name="exact-check", daemon=True).start()
     return verdict
 
 
-def settle_exact_checks(timeout_s: float = 30) -> None:
-    """Wait up to `timeout_s` for exact checks left running by a round that failed or was interrupted.
+def settle_exact_checks() -> None:
+    """Wait for exact checks left running by a round that failed or was interrupted, each until its deadline.
 
     They call the trainers and the server, so they must finish before the job leaves Ray: a Ray call after
     ray.shutdown() would start a new local Ray.
     """
-    concurrent.futures.wait(list(_running_checks), timeout=timeout_s)
+    for started, deadline in list(_running_checks.items()):
+        if concurrent.futures.wait([started], timeout=max(0.0, deadline - time.monotonic())).not_done:
+            print("[exact] a round's exact check is still running past its deadline; leaving it", flush=True)
 
 
 def exact_check(started: concurrent.futures.Future) -> ExactCheck:
     """Wait for the verdict of the check start_exact_check started, recording the wait in `wait_seconds`."""
     waited = time.perf_counter()
-    result = started.result()
+    try:  # Every call in the check is bounded, so it ends by its deadline.
+        result = started.result(timeout=max(0.0, _running_checks.get(started, 0.0) - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        raise CheckTimedOut("the exact check did not end by its deadline") from None
     result.wait_seconds = time.perf_counter() - waited
     return result
 
 
-def _exact_check(job) -> ExactCheck:
+def _trainers_answer(trainers: list, method: str, timeout_s: float, *args) -> list:
+    """Call RankMeasurement.<method>(*args) on every rank, as `measured` does, within `timeout_s`.
+
+    Raise the first rank's failure as it comes, naming the rank, or CheckTimedOut naming the ranks still busy.
+    """
+    refs = [t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers]
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            late = ", ".join(str(refs.index(ref)) for ref in pending)
+            raise CheckTimedOut(f"trainer rank {late} did not answer {method} within {timeout_s:.0f} s")
+        helpers.ray_get_all(done, who=f"trainer rank {refs.index(done[0])}")
+    return ray.get(refs)
+
+
+def _engines_answer(job, method: str, timeout_s: float, *args) -> list:
+    """Call `method` on every engine with collective_rpc; raise CheckTimedOut if the server does not answer."""
+    try:
+        return helpers.collective_rpc(job.server.socket_path, method, *args, timeout=timeout_s)
+    except helpers.ServerError as e:
+        if "Timeout" not in str(e) and "timed out" not in str(e).lower():
+            raise
+        raise CheckTimedOut(
+            f"the DP engines (0-{job.dp_size - 1}) did not answer {method} within {timeout_s:.0f} s: {e}"
+        ) from e
+
+
+def _exact_check(job, call_timeout_s: float = CALL_TIMEOUT_S) -> ExactCheck:
+    """Run _both_halves; a call not answered within `call_timeout_s` fails the check, naming who did not answer."""
+    start = time.perf_counter()
+    try:
+        return _both_halves(job, call_timeout_s)
+    except CheckTimedOut as e:
+        return ExactCheck(False, time.perf_counter() - start, None, job.dp_size, str(e)[:2000])
+
+
+def _both_halves(job, call_timeout_s: float) -> ExactCheck:
     """Run both halves: each trainer rank fingerprints what it sent, and each DP engine compares on its GPU.
 
     Where a sent tensor is one model tensor, the trainer fingerprints it from its own model's shards. Each
     engine compares per parameter.
     """
     start = time.perf_counter()
-    measured(job.trainers, "start_sent_fingerprints")
-    helpers.collective_rpc(job.server.socket_path, "exact_check_start")
-    sums = rank_fingerprints(measured(job.trainers, "sent_fingerprints"))
+    _trainers_answer(job.trainers, "start_sent_fingerprints", call_timeout_s)
+    _engines_answer(job, "exact_check_start", call_timeout_s)
+    sums = rank_fingerprints(_trainers_answer(job.trainers, "sent_fingerprints", call_timeout_s))
     trainer_seconds = time.perf_counter() - start
     expected = json.dumps(dict(zip(job.gpu_uuids, sums, strict=True)))
     try:
-        answer = helpers.collective_rpc(job.server.socket_path, "exact_check", expected)[0]
+        answer = _engines_answer(job, "exact_check", call_timeout_s, expected)[0]
     except helpers.ServerError as e:  # Extract the engine's own message from the HTTP error's JSON.
         text = str(e)
         if (at := text.find("exact check: ")) >= 0:

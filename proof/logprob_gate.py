@@ -3,8 +3,9 @@
 
 LogprobGap compares every DP engine with the trainer. The tolerances widen only to the trainer's own kernel
 noise, KernelNoise, measured before the first sync by running the trainer's model through two attention
-implementations, and with --rollout-dtype fp8 also with its experts as vLLM serves them. ChangeTest reports,
-without gating, whether vLLM followed a training step.
+implementations, and with --rollout-dtype fp8 also with its experts as vLLM serves them, up to a ceiling past
+which the gate cannot see a sync and leaves the verdict to the exact check. ChangeTest checks whether vLLM
+followed a training step, and gates where the step is large enough to be seen over the noise.
 """
 
 from __future__ import annotations
@@ -285,6 +286,13 @@ def fp8_dequantized(block: torch.Tensor, shards: int) -> torch.Tensor:
     return torch.cat([values[:, k * step : k * step + rows, : block.shape[2]] for k in range(shards)], dim=1)
 
 
+# The most the kernel noise may widen the tolerances to. Past it a gate would pass an engine whose typical
+# token's probability is off by a factor of e^0.5 = 1.65, or its 95th percentile token's by e^2 = 7.4: it no
+# longer tells a sync from a wrong one, and the round's verdict is the exact check's.
+MEAN_CEILING = 0.5
+QUANTILE_CEILING = 2.0
+
+
 @dataclass
 class Tolerances:
     mean: float  # The main gate, because wrong weights move every token.
@@ -315,47 +323,87 @@ class Tolerances:
         """
         del noise
         k = self.kernel_noise
-        return (self._floor(self.mean, k and k.bound_mean), self._floor(self.quantile, k and k.bound_quantile))
+        return (
+            self._floor(self.mean, k and k.bound_mean, MEAN_CEILING),
+            self._floor(self.quantile, k and k.bound_quantile, QUANTILE_CEILING),
+        )
 
-    def _floor(self, absolute: float, kernel: float | None) -> float:
-        """Return one of given()'s tolerances from its absolute value and the kernel noise, None if unmeasured."""
-        return absolute if kernel is None else max(absolute, self.noise_multiple * kernel)
+    def beyond_ceiling(self) -> bool:
+        """Return whether the kernel noise asks for a wider tolerance than the ceiling: the gate cannot see a sync."""
+        k = self.kernel_noise
+        return k is not None and (
+            self.noise_multiple * k.bound_mean > max(self.mean, MEAN_CEILING)
+            or self.noise_multiple * k.bound_quantile > max(self.quantile, QUANTILE_CEILING)
+        )
+
+    def _floor(self, absolute: float, kernel: float | None, ceiling: float) -> float:
+        """Return one of given()'s tolerances from its absolute value and the kernel noise, None if unmeasured.
+
+        The noise widens it up to `ceiling` at most; an absolute tolerance above that is the user's to give.
+        """
+        return absolute if kernel is None else max(absolute, min(self.noise_multiple * kernel, ceiling))
+
+
+# The change test gates once the trainer's step moves its log-probabilities this many times the noise. A
+# synced engine's residual is at most its gap after the step plus its gap before, so at half the step's change
+# it fails only if the gap after the step is over 4 times the noise; a stale engine's residual is the change.
+CHANGE_VISIBLE = 10.0
 
 
 @dataclass
 class ChangeTest:
     """Hold whether vLLM's log-probabilities followed the trainer's step.
 
-    Per token, the trainer's change, after - before, is compared with vLLM's on the worst engine.
+    Per token, the trainer's change, after - before, is compared with each engine's. The verdict reads mean
+    absolute values, which one token whose experts flipped after the step cannot dominate.
     """
 
     trainer_change_rms: float
     noise_rms: float  # |trainer - vLLM| with identical weights.
-    residual_rms: float  # vLLM's change minus the trainer's.
-    # "followed", "did not follow", or "too small to see" when below the noise; reported, not gated.
+    residual_rms: float  # vLLM's change minus the trainer's, the worst engine's.
+    # "followed", "did not follow", or "too small to see" when the step is below CHANGE_VISIBLE times the noise.
     verdict: str
+    trainer_change_mean: float | None = None
+    noise_mean: float | None = None  # The worst engine's mean |trainer - vLLM| before, or the kernel noise's bound.
+    residual_mean_per_dp_rank: list[float] | None = None
+    gated: bool = False  # Whether the verdict gates the round: the step was large enough to be seen.
+
+    @property
+    def worst_dp_rank(self) -> int:
+        residuals = self.residual_mean_per_dp_rank or [0.0]
+        return residuals.index(max(residuals))
 
 
-def change_test(before: LogprobGap, after: LogprobGap) -> ChangeTest | None:
+def change_test(before: LogprobGap, after: LogprobGap, floor: float = 0.0) -> ChangeTest | None:
     """Run the change test after a training step; return None without the trainer's numbers.
 
     In `before`, vLLM held the previous sync and the trainer had not stepped; in `after`, both should hold
-    the stepped weights.
+    the stepped weights. `floor` is the least noise assumed, the trainer's own kernel noise. An engine whose
+    change differs from the trainer's by more than half the step's change did not follow it.
     """
     if before.trainer is None or after.trainer is None:
         return None
     t_change = _diffs(after.trainer, before.trainer)
-    trainer_rms = _rms(t_change)
-    noise = max(_rms(_diffs(engine, before.trainer)) for engine in before.server)
-    residual = 0.0
+    gaps = [_diffs(engine, before.trainer) for engine in before.server]
+    residuals = []
     for engine_before, engine_after in zip(before.server, after.server, strict=True):
         v_change = _diffs(engine_after, engine_before)
-        residual = max(residual, _rms([v - t for v, t in zip(v_change, t_change, strict=True)]))
-    if not trainer_rms > 3 * noise:
+        residuals.append([v - t for v, t in zip(v_change, t_change, strict=True)])
+    change, noise = _mean_abs(t_change), max(floor, *(_mean_abs(gap) for gap in gaps))
+    per_engine = [_mean_abs(r) for r in residuals]
+    gated = change > CHANGE_VISIBLE * noise
+    if not gated:
         verdict = "too small to see"
     else:
-        verdict = "followed" if residual <= 0.5 * trainer_rms else "did not follow"
-    return ChangeTest(trainer_rms, noise, residual, verdict)
+        verdict = "followed" if max(per_engine) <= 0.5 * change else "did not follow"
+    result = ChangeTest(_rms(t_change), max(map(_rms, gaps)), max(map(_rms, residuals)), verdict)
+    result.trainer_change_mean, result.noise_mean, result.residual_mean_per_dp_rank = change, noise, per_engine
+    result.gated = gated
+    return result
+
+
+def _mean_abs(values: list[float]) -> float:
+    return sum(abs(v) for v in values) / len(values) if values else 0.0
 
 
 def _rms(values: list[float]) -> float:
@@ -369,6 +417,8 @@ class Gate:
     mean_tolerance: float | None = None  # As applied this round, given the trainer's kernel noise.
     quantile_tolerance: float | None = None
     change: ChangeTest | None = None
+    # False when the kernel noise is beyond the ceiling and the exact check gives the verdict instead.
+    tolerances_gated: bool = True
 
 
 def gate(
@@ -378,6 +428,7 @@ def gate(
     weights_updated: bool,
     noise: LogprobGap | None = None,
     stepped: bool = False,
+    exact_check_runs: bool = True,
 ) -> Gate:
     """Judge a round: it passes when every engine is within the tolerances after the sync.
 
@@ -386,17 +437,22 @@ def gate(
     only the change test's reference. If the weights were updated, every engine's log-probabilities must
     also have changed: a sync that silently did nothing on one engine leaves its numbers exactly as they
     were, because vLLM's outputs repeat bit for bit on the same weights, while the trainer's HF MoE forward
-    need not. After a training step, `stepped`, the change test is reported but not gated, because MoE
-    routing near ties makes it too noisy to fail a round on; the exact check proves the bytes. A NaN fails
-    every `<=` comparison.
+    need not. After a training step, `stepped`, the change test fails the round if an engine did not follow a
+    step large enough to be seen. If the kernel noise asks for tolerances beyond the ceiling, the mean and the
+    quantile are not gated where the exact check runs (`exact_check_runs`), which then gives the verdict; without
+    it they are held to the ceiling. A NaN or an infinite gap fails every round.
     """
     changed = [b != a for b, a in zip(before.server, after.server, strict=True)]
     mean_tol, quantile_tol = tolerances.given(noise)
-    change = change_test(before, after) if stepped and noise is not None else None
+    floor = tolerances.kernel_noise.bound_mean if tolerances.kernel_noise else 0.0
+    change = change_test(before, after, floor) if stepped and noise is not None else None
+    gated = not (tolerances.beyond_ceiling() and exact_check_runs)
     passed = (
-        after.mean <= mean_tol
-        and after.quantile <= quantile_tol
+        math.isfinite(after.mean)
+        and math.isfinite(after.quantile)
+        and (not gated or (after.mean <= mean_tol and after.quantile <= quantile_tol))
         and (tolerances.max is None or after.max <= tolerances.max)
         and (all(changed) or not weights_updated)
+        and (change is None or change.verdict != "did not follow")
     )
-    return Gate(passed, changed, mean_tol, quantile_tol, change)
+    return Gate(passed, changed, mean_tol, quantile_tol, change, gated)

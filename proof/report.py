@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from proof.exact_accounting import NOT_COMPARED
-from proof.logprob_gate import QUANTILE, Gate, KernelNoise, LogprobGap, Tolerances
+from proof.logprob_gate import MEAN_CEILING, QUANTILE, QUANTILE_CEILING, Gate, KernelNoise, LogprobGap, Tolerances
 from proof.memory import GPUMemory
 
 SYNC_PHASES = ("sleep", "wake_weights", "send", "wake_kv")
@@ -147,9 +147,15 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
     extra = f", reward {record.reward_mean:.3f}" if record.reward_mean is not None else ""
     if record.change_test:
         c = record.change_test
+        worst = c["residual_mean_per_dp_rank"].index(max(c["residual_mean_per_dp_rank"]))
         extra += (
-            f", step's change {c['trainer_change_rms']:.4f} rms (noise {c['noise_rms']:.4f}): vLLM "
-            f"{c['verdict']}" + (f" (residual {c['residual_rms']:.4f})" if c["verdict"] != "too small to see" else "")
+            f", step's change {c['trainer_change_mean']:.4f} mean (noise {c['noise_mean']:.4f}): vLLM "
+            f"{c['verdict']}"
+            + (
+                f" (residual {max(c['residual_mean_per_dp_rank']):.4f}, DP engine {worst})"
+                if c["gated"]
+                else ", not gated"
+            )
         )
     if record.send_retries:
         extra += f", after {record.send_retries} retried send(s)"
@@ -157,6 +163,8 @@ def print_round(record: RoundRecord, tolerances: Tolerances) -> None:
         extra += f", {len(record.unchanged_by_step)} parameters unchanged by the step"
     tol = record.gate_tolerances or {"mean": tolerances.mean, "quantile": tolerances.quantile, "from_noise": False}
     basis = " from the trainer's kernel noise" if tol["from_noise"] else ""
+    if tol.get("beyond_ceiling"):
+        basis = ", its ceiling" + ("" if tol["gated"] else ": not gated, the exact check decides")
     print(
         f"[gate] |dlogp| mean {record.mean_abs_dlogp_before:.4f} before -> "
         f"{record.mean_abs_dlogp_after:.4f} after, worst engine (tolerance {tol['mean']:.4g}{basis}), "
@@ -235,6 +243,7 @@ def run_result(
         **run_facts(args, job),
         "train": args.train,
         "kernel_noise": asdict(kernel_noise) if kernel_noise else None,
+        "gate_ceiling": {"mean": MEAN_CEILING, "quantile": QUANTILE_CEILING},  # The most the noise widens to.
         "time_to_first_sync_s": time_to_first_sync_s,
         "coverage": coverage,
         "rounds": [r.to_json() for r in rounds],

@@ -22,7 +22,17 @@ from proof.exact_check_driver import (
     settle_exact_checks,
     start_exact_check,
 )
-from proof.logprob_gate import KernelNoise, LogprobGap, Tolerances, gate, job_logprob_gap, kernel_noise
+from proof.logprob_gate import (
+    MEAN_CEILING,
+    QUANTILE,
+    QUANTILE_CEILING,
+    KernelNoise,
+    LogprobGap,
+    Tolerances,
+    gate,
+    job_logprob_gap,
+    kernel_noise,
+)
 from proof.memory import memory, server_pgids_per_rank
 from proof.rank_measurement import measure, measured
 from proof.report import RoundRecord, print_round, report, round_record, run_result, show_layout
@@ -69,7 +79,9 @@ def judged_round(
     """
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
-    verdict = gate(before, after, tolerances, weights_updated, noise=noise, stepped=stepped)
+    verdict = gate(
+        before, after, tolerances, weights_updated, noise=noise, stepped=stepped, exact_check_runs=exact is not None
+    )
     synced = measured(trainers[:1], "sync_bytes")[0]
     send_per_rank = measured(trainers, "send_breakdown")
     record = round_record(
@@ -82,6 +94,10 @@ def judged_round(
         "quantile": verdict.quantile_tolerance,
         "max": tolerances.max,
         "from_noise": widened,
+        "mean_ceiling": MEAN_CEILING,
+        "quantile_ceiling": QUANTILE_CEILING,
+        "beyond_ceiling": tolerances.beyond_ceiling(),  # The kernel noise asks for more: the gate cannot see a sync.
+        "gated": verdict.tolerances_gated,  # Whether the mean and quantile gated; if not, the exact check did.
     }
     if exact is not None:
         record.exact_check = asdict(exact)
@@ -234,6 +250,18 @@ class Proof:
         """Measure the gate's basis: the trainer's own kernel noise on these completions' tokens."""
         sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
         self.kernel_noise = kernel_noise(self.job.trainers, sequences, fp8=self.args.rollout_dtype == "fp8")
+        if Tolerances.from_args(self.args, self.kernel_noise).beyond_ceiling():
+            print(
+                f"[gate] {self.args.noise_multiple:g} x the trainer's kernel noise is beyond the gate's ceiling "
+                f"(mean {MEAN_CEILING}, p{QUANTILE * 100:.0f} {QUANTILE_CEILING}): the gate cannot see a sync on "
+                "this model; "
+                + (
+                    "the exact check gives each round's verdict"
+                    if self.args.tensor_parallel_size == 1
+                    else "with tensor parallelism there is no exact check, so the gate holds at its ceiling"
+                ),
+                flush=True,
+            )
 
     @contextmanager
     def round(self, i: int):

@@ -5,7 +5,9 @@ GPUs, two FSDP2 trainer ranks on gloo, and the tiny model with saved weights.
 CPU-only workarounds live here and in cpu_vllm_launcher.py, never in the
 script users copy."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -63,8 +65,12 @@ def kv_cache_flags(tokens: int) -> list[str]:
 
 
 def private_socket_path():
-    """A socket path in a fresh 0700 directory, short enough for a Unix socket."""
-    return Path(tempfile.mkdtemp(prefix="vllm-test-")) / "vllm.sock"
+    """A socket path in a fresh 0700 directory, short enough for a Unix socket, removed at exit.
+
+    The server's temporary files, such as its engines' FileStore, go into the same directory."""
+    folder = tempfile.mkdtemp(prefix="vllm-test-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Path(folder) / "vllm.sock"
 
 
 def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "proof.exact_check_engine.ExactCheckWorker"):
@@ -290,7 +296,5 @@ def fresh_cpu_trainers(ray_cluster):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import shutil
-
     if MADE_VLLM_CACHE:
         shutil.rmtree(os.environ["VLLM_CACHE_ROOT"], ignore_errors=True)

@@ -16,8 +16,10 @@ vLLM's weight routes with no chunk between them. Either way, afterwards every pa
 equal, bit for bit, what vLLM's own loader makes of the checkpoint the trainers loaded.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -128,6 +130,7 @@ def sync_on_cpu(trainers: list, sock: str) -> None:
     client.raise_failure()
     print("weight routes round trip:", True)
     folder = tempfile.mkdtemp(prefix="sent-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     counts = helpers.ray_get_all([t.save_sent.remote(folder) for t in trainers])
     reload_from(sock, folder)
     print("sent", counts)
@@ -137,6 +140,7 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
     from safetensors import safe_open
 
     socket_path = str(Path(tempfile.mkdtemp(prefix="alone-")) / "vllm.sock")
+    atexit.register(shutil.rmtree, Path(socket_path).parent, ignore_errors=True)
     ray.init(
         address="local", num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False
     )

@@ -9,7 +9,9 @@ loader's check before any send.
     python lifted_rl.py MODEL_DIR SERVE_FLAGS_JSON LAUNCHER_JSON
 """
 
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -58,6 +60,7 @@ class MyTrainer:
 
 def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
     socket_path = Path(tempfile.mkdtemp(prefix="lifted-")) / "vllm.sock"
+    atexit.register(shutil.rmtree, socket_path.parent, ignore_errors=True)
     ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:  # the server starts while the trainers build their models, as in the script
         with helpers.serving(

@@ -255,7 +255,7 @@ def test_stop_kills_the_whole_group_even_what_ignores_sigterm(tmp_path):
 COUNTING_SERVER = """
 import json, socketserver, sys, time
 from http.server import BaseHTTPRequestHandler
-connections = []
+connections, still_open = [], []
 
 class Route(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # (keep-alive, as vLLM's server)
@@ -263,9 +263,20 @@ class Route(BaseHTTPRequestHandler):
     def setup(self):
         super().setup()
         connections.append(self.client_address)
+        still_open.append(self)
+
+    def finish(self):
+        super().finish()
+        still_open.remove(self)
+
+    def do_POST(self):  # an error reply that keeps the connection, to whatever is posted
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_GET(self):
-        body = json.dumps({"connections": len(connections)}).encode()
+        body = json.dumps({"connections": len(connections), "open": len(still_open)}).encode()
         self.send_response(500 if self.path == "/fail" else 200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -310,7 +321,39 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
         assert helpers.request(sock, "GET", "/connections")["connections"] == seen[0] + 2
     finally:
         helpers.stop_server(server)
-    assert (os.getpid(), server.socket_path) not in helpers._clients
+    assert not [key for key in helpers._clients if key[2] == server.socket_path]
+
+
+def test_the_servers_temporary_files_are_in_its_private_directory(cpu_server):
+    """vLLM's engines meet at a FileStore in the temporary directory, which a stopped engine leaves behind:
+    the server's is the socket's private directory, which its starter removes."""
+    folder = Path(cpu_server.socket_path).parent
+    assert list(folder.glob("vllm_dist_*")), sorted(p.name for p in folder.iterdir())
+
+
+def test_a_failed_call_leaves_no_connection_open(tmp_path):
+    """A call that brings an error reply, through request() or the OpenAI client, closes its connection:
+    the server sees only the one the next call opens. A call from another thread has a client of its own."""
+    server = helpers.start_server(
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", COUNTING_SERVER),
+    )
+    try:
+        helpers.wait_until_healthy(server, timeout_s=120)
+        sock = server.socket_path
+        for _ in range(3):
+            with pytest.raises(helpers.ServerError, match="HTTP 404"):
+                helpers.collective_rpc(sock, "exact_check")
+            with pytest.raises(helpers.ServerError, match="HTTP 404"):
+                helpers.post_completions(sock, model="tiny", prompt=[1, 2], max_tokens=1)
+        assert helpers.request(sock, "GET", "/connections")["open"] == 1
+        in_thread = ThreadPoolExecutor(1).submit(helpers.request, sock, "GET", "/connections")
+        assert in_thread.result(timeout=60)["open"] == 2  # its own connection; the main thread's stays
+    finally:
+        helpers.stop_server(server)
+    assert not [key for key in helpers._clients if key[2] == server.socket_path]  # every thread's is closed
 
 
 ENV_SERVER = """

@@ -2,6 +2,7 @@
 """The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
 logprob gate against a real vLLM server."""
 
+import shutil
 import sys
 import time
 
@@ -374,6 +375,12 @@ def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_ser
         )
         assert stale.mean > 3 * tolerances.mean and stale.quantile > tolerances.quantile, stale
         assert logprob_gate.gate(same, stale, tolerances, weights_updated=True, noise=same).passed is False
+        # Seen as a training step that the engine did not follow: with tolerances too wide to see anything,
+        # the change test alone fails the round, naming the engine.
+        wide = logprob_gate.Tolerances(10.0, 10.0, None, 2.0, kernel)
+        step = logprob_gate.gate(same, stale, wide, weights_updated=False, noise=same, stepped=True)
+        assert step.change.gated and step.change.verdict == "did not follow" and not step.passed, step.change
+        assert step.change.worst_dp_rank == 0 and step.change.trainer_change_mean > 10 * step.change.noise_mean
     finally:  # the shared trainers hold the checkpoint again, as the other tests expect
         script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
         script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
@@ -677,11 +684,24 @@ def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainer
 
 
 class SlowToFingerprint:  # a trainer rank whose measurement (rank_measurement.RankMeasurement) is slow to fingerprint
-    def __init__(self) -> None:
-        self.measurement = self
+    def __init__(self, seconds: float = 2) -> None:
+        self.measurement, self.seconds = self, seconds
 
     def start_sent_fingerprints(self) -> None:
-        time.sleep(2)
+        time.sleep(self.seconds)
+
+
+def _check_job(trainers, socket_path="/nonexistent/vllm.sock"):
+    from types import SimpleNamespace
+
+    # Import what the check's calls run in a rank, as a real rank has, so that they answer at once.
+    ray.get([t.__ray_call__.remote(lambda _: __import__("proof.rank_measurement")) for t in trainers])
+    return SimpleNamespace(
+        trainers=trainers,
+        gpu_uuids=[""] * len(trainers),
+        dp_size=1,
+        server=SimpleNamespace(socket_path=str(socket_path)),
+    )
 
 
 def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leaves_ray(ray_cluster):
@@ -699,8 +719,50 @@ def test_an_exact_check_left_running_by_a_failed_round_ends_before_the_job_leave
     ray.get(job.trainers[0].__ray_ready__.remote())
     begin = time.monotonic()  # before the check starts: its 2 s then surely fall after `begin`
     started = exact_check_driver.start_exact_check(job)
-    exact_check_driver.settle_exact_checks(timeout_s=120)
+    exact_check_driver.settle_exact_checks()
     assert started.done() and time.monotonic() - begin > 1
     with pytest.raises(helpers.ServerError):  # no server there: the verdict is that error
         exact_check_driver.exact_check(started)
     ray.kill(job.trainers[0])
+
+
+def test_a_hung_trainer_rank_fails_the_exact_check_by_name_and_the_cleanup_waits_for_it(ray_cluster):
+    """Rank 1 of two never answers: the check gives up after its call timeout, naming the rank, and the
+    job's cleanup (settle_exact_checks) waits until the check has ended, however long its calls may take."""
+    trainers = [ray.remote(SlowToFingerprint).remote(0), ray.remote(SlowToFingerprint).remote(600)]
+    try:
+        started = exact_check_driver.start_exact_check(_check_job(trainers), call_timeout_s=4)
+        exact_check_driver.settle_exact_checks()
+        assert started.done()
+        verdict = exact_check_driver.exact_check(started)
+        assert (
+            not verdict.passed and verdict.problem == "trainer rank 1 did not answer start_sent_fingerprints within 4 s"
+        )
+    finally:
+        for t in trainers:
+            ray.kill(t)
+
+
+def test_engines_that_do_not_answer_fail_the_exact_check_in_time(ray_cluster, tmp_path):
+    """A server that takes the exact check's call and never answers: the check fails after the call's
+    timeout (the server's own, plus 10 s for HTTP), naming the call and the engines, and its thread's
+    connection is closed."""
+    import socket
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="hung-")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(sock := f"{folder}/vllm.sock")
+    listener.listen()
+    trainers = [ray.remote(SlowToFingerprint).remote(0)]
+    try:
+        begin = time.monotonic()
+        started = exact_check_driver.start_exact_check(_check_job(trainers, sock), call_timeout_s=1)
+        verdict = exact_check_driver.exact_check(started)
+        assert time.monotonic() - begin < 60 and not verdict.passed
+        assert verdict.problem.startswith("the DP engines (0-0) did not answer exact_check_start within 1 s"), verdict
+        assert not [key for key in helpers._clients if key[2] == sock]
+    finally:
+        ray.kill(trainers[0])
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
