@@ -45,7 +45,7 @@ import helpers
 from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
 from proof import preflight, program, toy_rl
 from proof.rounds import Proof, RoundProof
-from weight_sync import models
+from weight_sync import models, sources
 from weight_sync.multinode import (
     TCPRendezvous,
     free_port,
@@ -215,7 +215,7 @@ class FSDPTrainer:
 
         model = models.meta_model(model_path, torch.bfloat16 if lr is None else torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for name in {name.rpartition(".")[0] for name in models.fused_expert_tensors(model)}:
+        for name in {name.rpartition(".")[0] for name in sources.fused_expert_tensors(model)}:
             # Give the experts their own FSDP unit, so a sync gathers a layer's other weights in one all-gather
             # without them: LocalExpertSource sends each rank's own experts as they are.
             fully_shard(model.get_submodule(name), mp_policy=mp_policy)
@@ -240,10 +240,6 @@ class FSDPTrainer:
             # parameters, such as the embeddings and lm_head, unsharded, and an optimizer built then would
             # hold copies that never receive a gradient.
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
-        # The sync's half on this rank imports vLLM, which takes seconds: import it now, while the server starts,
-        # rather than once the server is up. This class imports it only here and below, not at its start.
-        import weight_sync.sources  # noqa: F401
-
         return read
 
     def _token_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -263,14 +259,10 @@ class FSDPTrainer:
 
     def weight_source(self, loader: str):
         """Return what vLLM receives from this rank, in bf16 whatever the master dtype."""
-        from weight_sync import sources
-
         return sources.weight_source(self.model, self.world_size, loader)
 
     def weight_sync_client(self, sock: str, loader: str, source, trainer_gpu_uuids: list[str]):
         """Return the client rank 0 calls for each chunk: the direct loader's, or vLLM's weight routes."""
-        from weight_sync import sources
-
         return sources.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(

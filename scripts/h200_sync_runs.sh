@@ -14,7 +14,8 @@
 #    empty folder with a user's own trainer (tests/helpers_alone_rl.py: IPC send, vLLM's loader, a dense model),
 #    tiny with --rounds 3, tiny-deepseek-v3 with --train.
 # b3: side by side, eager: every preset family through each loader it takes (2 syncs each, then both bit for
-#    bit), tiny-mixtral in FP8 with --train.
+#    bit), tiny-mixtral in FP8 with --train, and a stale engine (tests/stale_block_worker.py: from the second
+#    sync on, one expert block left as it was), which the exact check must fail, named.
 set -u
 stage=${1:?a1, a2, b1 or b2}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
@@ -57,6 +58,9 @@ elif [ "$stage" = b3 ]; then
   sleep 4
   run mixtral-fp8-train 330 rlhf_ipc_fsdp_ep.py --model tiny-mixtral --num-gpus 1 --rollout-dtype fp8 --train \
     --rounds 3 $E &
+  sleep 4
+  run stale-engine 330 scripts/with_worker.py stale_block_worker.StaleBlockWorker --model tiny --num-gpus 1 --train \
+    --rounds 3 $E &
   wait
 elif [ "$stage" = b1 ]; then
   run tiny-warm 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
@@ -87,6 +91,6 @@ EOF
 fi
 summary > "$R/summary-$stage.txt" 2>&1
 mv "$R"/*.direct-round* "$R"/tiny-3-rounds.json "$R"/dsv3-train.json "$R"/tiny-*-loaders.json "$R"/tiny-gpt-oss-vllm.json \
-  "$R"/mixtral-fp8-train.json "$R/logs/" 2>/dev/null
+  "$R"/mixtral-fp8-train.json "$R"/stale-engine.json "$R/logs/" 2>/dev/null
 cat "$R/summary-$stage.txt"
 tar czf "$R/logs-$stage.tgz" -C "$R" logs && rm -rf "$R/logs"

@@ -1151,7 +1151,7 @@ def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
 
     monkeypatch.setattr(rounds, "RoundProof", Judged)
     monkeypatch.setattr(script, "colocated_job", job_with_hooks)
-    monkeypatch.setattr(script, "ray_get_all", lambda refs: [True])
+    monkeypatch.setattr(script, "ray_get_all", lambda refs: [{"tensors": 3, "experts": True}])
     monkeypatch.setattr(script, "run_round", lambda job, args, round_proof: calls.append("round"))
     batch = [helpers.Completion("", [1], [2])]
     monkeypatch.setattr(helpers, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)

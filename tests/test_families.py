@@ -594,6 +594,67 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
         worker.direct_load_finish()
 
 
+def test_tensors_in_place_load_as_the_packed_ones_do_and_are_kept_between_syncs(vllm_models, monkeypatch):
+    """The worker's route for tensors in place (sources.InPlace): a send
+    whose start carries every tensor's handle and no chunk writes what the
+    same tensors packed write, in one call that also finishes the sync. A
+    later send carries only the handles' version: the engine copies again
+    from the tensors it kept, which the trainer has changed in place since,
+    and a version it does not hold is refused, naming it. (A CPU workaround
+    stands in for CUDA IPC: the "handle" is the trainer's tensor itself.
+    Without the expert blocks and the post-load processing, as below.)"""
+    import base64
+    import pickle
+    from types import SimpleNamespace
+
+    from weight_sync import direct_load
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # On CPU, vLLM's post-load processing re-lays out the linear layers, which a second sync cannot load into:
+    # here the finish does none (the GPU runs check the whole route).
+    monkeypatch.setattr(direct_load, "_finish", lambda session, vllm_config: {})
+    hf = build_model("qwen3_moe", device="cpu")
+    blocks = set(sources.expert_block_names(hf).values())
+
+    def worker_of(vllm_model):
+        worker = direct_load.DirectLoadWorker()
+        worker.model_runner = SimpleNamespace(get_model=lambda: vllm_model)
+        worker.vllm_config = vllm_model.test_vllm_config
+        monkeypatch.setattr(worker, "_trainer_storage", lambda handles, device: list(handles), raising=False)
+        return worker
+
+    def in_place_send(worker, start) -> dict:
+        nothing = {"names": [], "dtype_names": [], "shapes": [], "tensor_sizes": [], "ipc_handles": {}}
+        chunk = {**nothing, "trainer_gpu_uuids": [""], "last": True, "start": start}
+        return worker.direct_load_chunk(base64.b64encode(pickle.dumps(chunk)).decode())
+
+    in_place, packed = worker_of(vllm_models("qwen3_moe", own=True)), worker_of(vllm_models("qwen3_moe", own=True))
+    for version, mean in ((1, 1.0), (1, 3.0), (2, 5.0)):
+        with torch.no_grad():
+            for t in hf.parameters():
+                t.normal_(mean=mean)
+        sent = [(n, t) for n, t in _sent(hf, "direct") if n not in blocks]
+        if mean == 3.0:  # the same handles: only their version, and the engine's kept tensors are refreshed
+            kept = in_place._in_place[1]
+            for (_, old), (_, new) in zip(sorted(kept), sorted(sent), strict=True):
+                old.copy_(new)
+            start = {"trainer_gpu_uuids": [""], "version": version}
+        else:
+            start = {"trainer_gpu_uuids": [""], "version": version, "tensors": {"": [(n, t.clone()) for n, t in sent]}}
+        finished = in_place_send(in_place, start)["finished"]
+        assert finished["tensors"] == len(sent) and in_place._direct_session is None
+        packed.direct_load_start()
+        packed._direct_session.importer = _CPUBuffer()
+        packed.direct_load_chunk(packed_chunk(sent, last=True))
+        mine = dict(in_place.model_runner.get_model().named_parameters())
+        theirs = dict(packed.model_runner.get_model().named_parameters())
+        assert mine.keys() == theirs.keys()
+        written = [n for n in mine if ".experts." not in n]  # (each model's experts: its own dummy weights)
+        assert len(written) > 10 and [n for n in written if not torch.equal(mine[n], theirs[n])] == []
+    with pytest.raises(RuntimeError, match="holds no trainer handles of version 7"):
+        in_place_send(in_place, {"trainer_gpu_uuids": [""], "version": 7})
+
+
 def _reversed(original):
     """A weight loader that writes the tensor's rows reversed, as a loader that permutes would."""
     return lambda param, loaded: param.data.copy_(loaded.flip(0))

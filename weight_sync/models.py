@@ -20,6 +20,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from weight_sync import sources
 from weight_sync.model_families import FAMILIES
 
 _QWEN3_MOE_COMMON = {
@@ -233,7 +234,7 @@ def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
     if not (plan := model._get_dtype_plan(dtype)):
         return
     pattern, glob_of_group, _ = build_glob_alternation(list(plan))
-    for name, tensor in state_tensors(model).items():
+    for name, tensor in sources.state_tensors(model).items():
         if not tensor.is_floating_point() or not (match := pattern.search(name)):
             continue
         want = plan[glob_of_group[match.lastgroup]]
@@ -259,7 +260,7 @@ def context_length(model_path: str | os.PathLike) -> int | None:
 
 def has_experts(model_path: str | os.PathLike) -> bool:
     """Return whether the model has fused expert tensors: vLLM refuses --enable-expert-parallel without them."""
-    return bool(fused_expert_tensors(meta_model(model_path)))
+    return bool(sources.fused_expert_tensors(meta_model(model_path)))
 
 
 def largest_parameter(model: torch.nn.Module) -> tuple[str, int]:
@@ -289,7 +290,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     rank, so that a sync that misses one shows in the gate."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     params = dict(model.named_parameters())
-    for i, (name, buf) in enumerate(state_tensors(model).items()):
+    for i, (name, buf) in enumerate(sources.state_tensors(model).items()):
         if name not in params and buf.is_floating_point():
             gen = torch.Generator(device=buf.device).manual_seed(seed * 1_000_003 + i)
             buf.normal_(0.0, 0.01, generator=gen)
@@ -421,7 +422,11 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())  # filled through their source
     # FSDP2 splits like torch.chunk, so a rank can hold no rows of a tensor, e.g. 60 experts over 16 ranks.
     # transformers then reads none of its sources and reports it missing or unconvertible.
-    empty = {n for n, t in state_tensors(model).items() if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0}
+    empty = {
+        n
+        for n, t in sources.state_tensors(model).items()
+        if (t.to_local() if hasattr(t, "to_local") else t).numel() == 0
+    }
     problems = {
         "missing": sorted(info.missing_keys - tied - empty),
         "of another shape": sorted(info.mismatched_keys),
@@ -431,44 +436,3 @@ def _check_loaded(model: torch.nn.Module, model_path, mapping: list, info) -> No
         raise ValueError(
             f"checkpoint {model_path} does not fit the model: { {k: v[:5] for k, v in problems.items() if v} }"
         )
-
-
-# ---------------------------------------------------------------------------
-# The model's tensors as a checkpoint holds them, and its fused expert tensors; sources.py builds on these
-# ---------------------------------------------------------------------------
-
-
-def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Return what `save_pretrained` starts from, without copying anything.
-
-    That is the parameters and persistent buffers under their `state_dict()` names, minus
-    `_keys_to_ignore_on_save`. A tied weight appears once, under the name `named_parameters()` keeps, which is
-    the tie's source, e.g. `model.embed_tokens.weight`. Values are the live tensors, possibly DTensors or meta."""
-    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
-    for prefix, module in model.named_modules():
-        for name, buf in module.named_buffers(prefix=prefix, recurse=False):
-            leaf = name.rpartition(".")[2]
-            if buf is not None and leaf not in module._non_persistent_buffers_set:
-                out.setdefault(name, buf)
-    return {k: v for k, v in out.items() if k not in ignore}
-
-
-def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
-    """Map each in-memory parameter that stacks all of a layer's experts on dim 0 to its global shape and layout.
-
-    Under FSDP2 a rank holds a block of experts of each. They are found through transformers' own marker: the
-    modules `use_experts_implementation` wraps carry `num_experts`, `is_transposed`, which means [E, H, 2I]
-    instead of [E, 2I, H], and `is_concatenated`, which means gate rows then up rows rather than interleaved."""
-    out = {}
-    for prefix, module in model.named_modules():
-        if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
-            continue
-        for name, p in module.named_parameters(prefix=prefix, recurse=False):
-            if p.dim() >= 2 and p.shape[0] == module.num_experts:
-                out[name] = {
-                    "shape": tuple(p.shape),
-                    "transposed": bool(module.is_transposed),
-                    "concatenated": bool(module.is_concatenated),
-                }
-    return out

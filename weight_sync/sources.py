@@ -28,7 +28,6 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 
 from helpers import collective_rpc, metadata_bytes, weight_sync_client
 from weight_sync.direct_load import TrainerSource, vllm_load_form
-from weight_sync.models import fused_expert_tensors, state_tensors  # noqa: F401  sources.<name> is kept for callers
 
 
 def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct") -> TrainerSource:
@@ -181,6 +180,22 @@ def _pickled(value) -> str:
 # module once. The direct loader's fast path also needs the in-memory fused experts in vLLM's layout, from
 # fused_expert_tensors and direct_loader_problem, and the vLLM layer each belongs to, from expert_block_names.
 # tests/test_families.py checks both against vLLM's own models.
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Return what `save_pretrained` starts from, without copying anything.
+
+    That is the parameters and persistent buffers under their `state_dict()` names, minus
+    `_keys_to_ignore_on_save`. A tied weight appears once, under the name `named_parameters()` keeps, which is
+    the tie's source, e.g. `model.embed_tokens.weight`. Values are the live tensors, possibly DTensors or meta."""
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    out = dict(model.named_parameters())  # remove_duplicate=True: a tied weight once
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(prefix=prefix, recurse=False):
+            leaf = name.rpartition(".")[2]
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                out.setdefault(name, buf)
+    return {k: v for k, v in out.items() if k not in ignore}
 
 
 def _conversions(model: torch.nn.Module) -> None:
@@ -435,6 +450,26 @@ def _whole_shard(t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------
 # The in-memory fused expert tensors, which the direct loader copies as they are
 # ---------------------------------------------------------------------------
+
+
+def fused_expert_tensors(model: torch.nn.Module) -> dict[str, dict]:
+    """Map each in-memory parameter that stacks all of a layer's experts on dim 0 to its global shape and layout.
+
+    Under FSDP2 a rank holds a block of experts of each. They are found through transformers' own marker: the
+    modules `use_experts_implementation` wraps carry `num_experts`, `is_transposed`, which means [E, H, 2I]
+    instead of [E, 2I, H], and `is_concatenated`, which means gate rows then up rows rather than interleaved."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "is_concatenated") or not hasattr(module, "num_experts"):
+            continue
+        for name, p in module.named_parameters(prefix=prefix, recurse=False):
+            if p.dim() >= 2 and p.shape[0] == module.num_experts:
+                out[name] = {
+                    "shape": tuple(p.shape),
+                    "transposed": bool(module.is_transposed),
+                    "concatenated": bool(module.is_concatenated),
+                }
+    return out
 
 
 def expert_block_names(model: torch.nn.Module) -> dict[str, str]:
