@@ -366,10 +366,15 @@ class FingerprintedSource(SourceWrapper):
         # this rank adds nothing to an expert's tensor because another rank holds that expert.
         self._apart: dict[int, torch.Tensor] = {}
 
-    def tensors(self):
-        if self._from_model is None:  # Once, before the first send, because the layout stays the same.
+    def _find_origins(self) -> dict[int, tuple]:
+        """Find, once, the tensors fingerprinted from the model itself, because the layout stays the same."""
+        if self._from_model is None:
             origins = getattr(self._source, "origins", None) or [None] * len(self.metadata)
             self._from_model = {i: o for i, o in enumerate(origins) if o and _shard_of(getattr(*o[:2]), o[2])}
+        return self._from_model
+
+    def tensors(self):
+        self._find_origins()  # (a send with every tensor in place takes none of these, and never gets here)
         self._sums, self._started = {}, None  # A retried send starts the fingerprints again.
         for index, (name, tensor) in enumerate(self._source.tensors()):
             if index not in self._from_model:
@@ -386,7 +391,7 @@ class FingerprintedSource(SourceWrapper):
         """
         tensors, offsets, casts, self._partial, self._apart = [], [], [], [], {}
         nothing = None  # The sums of no elements, shared by every expert another rank holds.
-        for index, (module, attribute, block, *piece) in (self._from_model or {}).items():
+        for index, (module, attribute, block, *piece) in self._find_origins().items():
             if (shard := _shard_of(getattr(module, attribute), block)) is None:
                 raise RuntimeError(f"{self.metadata[index].name}: laid out otherwise than in the send")
             local, offset, is_partial = shard
