@@ -485,7 +485,7 @@ def setup_weight_transfer_on_every_rank(
         ]
     )
     job.experts_in_place = all(r["experts"] for r in in_place)
-    job.tensors_in_place = min(r["tensors"] for r in in_place)
+    job.tensors_in_place = min((r["tensors"] for r in in_place), default=0)
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
         print(f"[sync] expert blocks: {how}; {job.tensors_in_place} tensors in all go in place", flush=True)

@@ -26,7 +26,14 @@ from weight_sync import models, sources
 # Ray's workers cannot import this test module: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CHUNK = {"ipc_handles": {}, "names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []}
+# A chunk of one tensor of no bytes, in a buffer on another GPU: the real server refuses it, naming the GPUs.
+CHUNK = {
+    "ipc_handles": {"GPU-x": ()},
+    "names": ["x"],
+    "dtype_names": ["bfloat16"],
+    "shapes": [[0]],
+    "tensor_sizes": [0],
+}
 
 
 class FailingSendTrainer(script.FSDPTrainer):

@@ -304,10 +304,11 @@ class DirectLoadWorker:
         session = self._direct_session_or_raise()
         handles, uuids = update["ipc_handles"], update["trainer_gpu_uuids"]
         sizes, tensors = update["tensor_sizes"], []
-        if session.gpu_uuid not in (handles if sizes else uuids):  # A chunk without tensors has no buffer.
-            _no_trainer_rank(session.gpu_uuid, list(handles) if sizes else uuids)
-        trainer_rank = uuids.index(session.gpu_uuid)
+        trainer_rank = None  # A chunk without tensors has no buffer and no expert block.
         if sizes:
+            if session.gpu_uuid not in handles:
+                _no_trainer_rank(session.gpu_uuid, list(handles))
+            trainer_rank = uuids.index(session.gpu_uuid)
             args = list(handles[session.gpu_uuid])
             args[6] = session.device.index  # This process may number the GPU differently from the trainer.
             buffer = session.importer.rebuild(args)[: sum(sizes)]

@@ -151,8 +151,9 @@ def fp8_quantize_blocks(block: torch.Tensor, shards: int, weight: torch.Tensor, 
     """Write fp8_reference(block, shards) into vLLM's `weight` and `scales` parameters.
 
     On a GPU this uses one Triton kernel that reads the block once, provided the kernel has
-    matched vLLM's own function byte for byte on every case in fp8_every_case_block and on its
-    first real block. If it has not, it warns and uses vLLM's function from then on, as it also
+    matched vLLM's own function byte for byte on every case in fp8_every_case_block and on the
+    first block it quantized on this GPU, fp8_warm_up's random expert when the direct loader sets
+    up. If it has not, it warns and uses vLLM's function from then on, as it also
     does after an exact check has failed on an FP8 parameter; see exact_check_engine.py.
     """
     kernel = triton is not None and block.is_cuda and _KERNEL_AGREES.get(block.device) is not False
