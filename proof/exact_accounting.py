@@ -4,9 +4,10 @@
 The exact check compares each vLLM parameter with the tensors written into it, so it cannot see a sent tensor
 that lands nowhere, or a cast that drops bits before the comparison. `unaccounted` names those, once per
 transfer, at exact_check_prepare: a tensor written into no parameter here, except an expert the trainer's own
-layout puts on another engine; one written into another decoder layer's parameter; an expert vLLM's map
-places otherwise than the trainer's layout; a cast that loses bits. `comparisons` says for each parameter whether it is compared bit for bit, element by element in
-its place, or not, and why, so the verdict counts only what it compared.
+layout puts on another engine; one written into another decoder layer's parameter, or elsewhere than into the
+parameter of its own name and shape where vLLM has one; an expert vLLM's map places otherwise than the trainer's
+layout; a cast that loses bits. `comparisons` says for each parameter whether it is compared bit for bit,
+element by element in its place, or not, and why, so the verdict counts only what it compared.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def unaccounted(
     params = dict(model.named_parameters())
     layers = _expert_layers(model)
     problems, accepted = [], []
-    for index, ((name, dtype, _, block), names) in enumerate(zip(sent, targets, strict=True)):
+    for index, ((name, dtype, shape, block), names) in enumerate(zip(sent, targets, strict=True)):
         if not block and not_probed and name.startswith(not_probed):
             continue
         expert = None if block else _ONE_EXPERT.match(name)
@@ -70,11 +71,17 @@ def unaccounted(
             problems.append(f"{name}: the trainer sent it, and vLLM wrote it into no parameter")
         problems += [f"{name}: written into {n}, which is no vLLM parameter" for n in names if n not in params]
         layer = _LAYER.search(name)
-        problems += [
+        elsewhere = [
             f"{name}: written into {n}, a parameter of another layer"
             for n in names
             if layer and (other := _LAYER.search(n)) and other[1] != layer[1]
         ]
+        # Where vLLM holds a parameter of the tensor's own name and shape, that is where the tensor belongs: a
+        # loader writing it elsewhere, such as into a same-shaped neighbour in its layer, swaps the two.
+        own = params.get(name)
+        if not elsewhere and names and own is not None and list(own.shape) == list(shape) and name not in names:
+            elsewhere.append(f"{name}: written into {', '.join(names)}, not into vLLM's parameter of its own name")
+        problems += elsewhere
         held = casts.get(index)
         if held and held.startswith("fp8_blocks:"):
             accepted.append(f"{name}: {dtype} sent, FP8 held, as --rollout-dtype fp8 asks")

@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from test_families import _sent, _sync, build_model, vllm_models  # noqa: F401  (the fixture)
+from test_families import FAMILIES, _sent, _sync, build_model, vllm_models  # noqa: F401  (the fixture)
 
 from proof import exact_accounting, exact_check_engine, rank_measurement
 from weight_sync import sources
@@ -80,6 +80,26 @@ def test_a_tensor_written_into_another_layers_parameter_of_its_shape_fails(qwen3
     assert "parameters differ" not in str(failed.value)  # the parameters alone would pass
 
 
+def test_a_tensor_written_into_a_same_shaped_neighbour_in_its_layer_fails(qwen3_moe, vllm_models):  # noqa: F811
+    """A loader that maps layer 0's input_layernorm and post_attention_layernorm onto each other, at the
+    prepare's probes and at every sync: each parameter holds a sent tensor of its shape, in its own layer, so
+    only the tensor's own name tells. Both are named."""
+    hf, _ = qwen3_moe
+    vllm_model = vllm_models("qwen3_moe", own=True)
+    swap = {
+        "model.layers.0.input_layernorm.weight": "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight": "model.layers.0.input_layernorm.weight",
+    }
+    load = vllm_model.load_weights
+    vllm_model.load_weights = lambda weights, *a, **k: load(((swap.get(n, n), t) for n, t in weights), *a, **k)
+    with pytest.raises(RuntimeError, match=r"2 sent tensors not held as sent: .*of its own name") as failed:
+        _round(_worker(vllm_model), vllm_model, _sent(hf, "vllm"))
+    assert (
+        "model.layers.0.input_layernorm.weight: written into model.layers.0.post_attention_layernorm.weight, "
+        "not into vLLM's parameter of its own name" in str(failed.value)
+    )
+
+
 def test_each_expert_is_held_where_the_trainers_layout_puts_it(qwen3_moe):
     """The trainer's layout, not the engine's map, decides which engine must hold an expert: an expert the
     trainer puts on another GPU that vLLM holds here fails, and one it puts here that vLLM's map places
@@ -137,3 +157,14 @@ def test_what_vllm_lays_out_its_own_way_is_counted_as_not_compared(vllm_models):
     experts = [n for n, _ in vllm_model.named_parameters() if ".experts." in n]
     assert answer["not_compared"] == {"by_value": experts} and len(experts) == 8
     assert answer["bit_for_bit"] == answer["held"] - 8 == len(dict(vllm_model.named_parameters())) - 8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_true_sync_is_accounted_for(family, vllm_models):  # noqa: F811
+    """Each family's tensors, as the trainer sends them to vLLM's loader, land where the accounting expects:
+    none unaccounted for on one engine, so none of its rules fails a true sync."""
+    vllm_model = vllm_models(family)
+    metas = _metas(_sent(build_model(family, device="cpu"), "vllm"))
+    targets, casts, _, _ = exact_check_engine.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
+    problems, _ = exact_accounting.unaccounted(vllm_model, metas, targets, casts, None, {})
+    assert problems == []
