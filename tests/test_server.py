@@ -295,14 +295,8 @@ Server(sys.argv[sys.argv.index("--uds") + 1], Route).serve_forever()
 """
 
 
-def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
-    """The calls of a round reuse one connection to the server; one idle for
-    half the server's keep-alive timeout is not reused (the server may be
-    closing it), nor one that brought an error reply; stopping the server
-    drops this process's client for it."""
-    # 4 s: connections idle over 2 s are dropped, so that a loaded machine's pauses between the
-    # five calls below (a few hundred ms at worst) do not drop one; the idle wait is 2.5 s.
-    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "4")
+def _counting_server(tmp_path) -> helpers.Server:
+    """Start COUNTING_SERVER as a server and wait until it is healthy."""
     server = helpers.start_server(
         [],
         socket_path=private_socket_path(),
@@ -311,6 +305,22 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
     )
     try:
         helpers.wait_until_healthy(server, timeout_s=120)
+    except BaseException:
+        helpers.stop_server(server)
+        raise
+    return server
+
+
+def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
+    """The calls of a round reuse one connection to the server; one idle for
+    half the server's keep-alive timeout is not reused (the server may be
+    closing it), nor one that brought an error reply; stopping the server
+    drops this process's client for it."""
+    # 4 s: connections idle over 2 s are dropped, so that a loaded machine's pauses between the
+    # five calls below (a few hundred ms at worst) do not drop one; the idle wait is 2.5 s.
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "4")
+    server = _counting_server(tmp_path)
+    try:
         sock = server.socket_path
         seen = [helpers.request(sock, "GET", "/connections")["connections"] for _ in range(5)]
         assert seen == [seen[0]] * 5, seen  # one connection for all five
@@ -334,14 +344,8 @@ def test_the_servers_temporary_files_are_in_its_private_directory(cpu_server):
 def test_a_failed_call_leaves_no_connection_open(tmp_path):
     """A call that brings an error reply, through request() or the OpenAI client, closes its connection:
     the server sees only the one the next call opens. A call from another thread has a client of its own."""
-    server = helpers.start_server(
-        [],
-        socket_path=private_socket_path(),
-        log_path=tmp_path / "log",
-        launcher=(sys.executable, "-c", COUNTING_SERVER),
-    )
+    server = _counting_server(tmp_path)
     try:
-        helpers.wait_until_healthy(server, timeout_s=120)
         sock = server.socket_path
         for _ in range(3):
             with pytest.raises(helpers.ServerError, match="HTTP 404"):
