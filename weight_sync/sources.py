@@ -112,12 +112,12 @@ class DirectLoadClient:
 
     def _handles(self, handles: dict) -> dict:
         """Return the start's handles: all of them, or only their version if the engines hold them already."""
-        held = self._handles_held
-        version = held[0] if held is not None and held[1] == handles else (held[0] + 1 if held else 1)
-        self._handles_held, self._sending = None, (version, handles)  # held again once this send goes through
-        if held is not None and held[0] == version:
-            return {"version": version}
-        return {"version": version, "tensors": handles}
+        held, self._handles_held = self._handles_held, None  # held again once this send goes through
+        if held is not None and held[1] == handles:
+            self._sending = held
+            return {"version": held[0]}
+        self._sending = (held[0] + 1 if held else 1, handles)
+        return {"version": self._sending[0], "tensors": handles}
 
     def update_weights(self, update_info: dict) -> dict:
         """Send one chunk and return what the first DP engine reports of it.
@@ -629,33 +629,34 @@ class LocalExpertSource(BF16Source):
             {name: (_local(getattr(m, a)), dtype) for name, (m, a, dtype) in whole.items()}
             | {sent: (_local(self._params[name]), torch.bfloat16) for name, sent in self._blocks.items()}
         )
-        self._whole = {name: where for name, where in whole.items() if fits[name]}  # in place
-        self._experts_in_place = bool(self._blocks) and all(fits[sent] for sent in self._blocks.values())
-        super().__init__(module, exclude={*self._blocks, *self._whole}, fresh=False)
-        blocks = [ParamMeta(name, torch.bfloat16, shape) for name, shape in self.expert_blocks.items()]
-        block_origins = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], True) for n in self._blocks]
-        whole_metas = [ParamMeta(n, d, tuple(getattr(m, a).shape)) for n, (m, a, d) in self._whole.items()]
-        whole_origins = [(m, a, False) for m, a, _ in self._whole.values()]
-        if self._experts_in_place:  # the blocks go in place too: last
-            self._metas += whole_metas + blocks
-            self.origins += whole_origins + block_origins
-        else:
-            self._metas += blocks + whole_metas
-            self.origins += block_origins + whole_origins
-        reads = {n: partial(_read, m, a) for n, (m, a, _) in self._whole.items()}
-        if self._experts_in_place:
-            reads |= {sent: partial(_local, self._params[name]) for name, sent in self._blocks.items()}
-        self.in_place = InPlace(reads) if reads else None
+        in_place_whole = {name: where for name, where in whole.items() if fits[name]}
+        experts_in_place = bool(self._blocks) and all(fits[sent] for sent in self._blocks.values())
+        super().__init__(module, exclude={*self._blocks, *in_place_whole}, fresh=False)
+        # After the form's tensors: each (name sent, its metadata, its origin, how to read it).
+        blocks = [
+            (
+                sent,
+                ParamMeta(sent, torch.bfloat16, self.expert_blocks[sent]),
+                (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], True),
+                partial(_bf16_local, self._params[name]),
+            )
+            for name, sent in self._blocks.items()
+        ]
+        whole_part = [
+            (name, ParamMeta(name, dtype, tuple(getattr(m, a).shape)), (m, a, False), partial(_read, m, a))
+            for name, (m, a, dtype) in in_place_whole.items()
+        ]
+        # Those in place come last, so that weight_sender packs the rest.
+        in_place = whole_part + (blocks if experts_in_place else [])
+        self._tail = ([] if experts_in_place else blocks) + in_place
+        self._metas += [meta for _, meta, _, _ in self._tail]
+        self.origins += [origin for _, _, origin, _ in self._tail]
+        self.in_place = InPlace({name: read for name, _, _, read in in_place}) if in_place else None
 
     def tensors(self):
         yield from super().tensors()
-        blocks = ((sent, _local(self._params[name]).to(torch.bfloat16)) for name, sent in self._blocks.items())
-        if not self._experts_in_place:
-            yield from blocks
-        for name, (module, attribute, _) in self._whole.items():  # last, so that weight_sender can send them in place
-            yield name, _read(module, attribute)
-        if self._experts_in_place:
-            yield from blocks
+        for name, _, _, read in self._tail:
+            yield name, read()
 
 
 def _held_whole_as_sent(model: torch.nn.Module, exclude) -> dict[str, tuple[torch.nn.Module, str, torch.dtype]]:
@@ -673,6 +674,11 @@ def _held_whole_as_sent(model: torch.nn.Module, exclude) -> dict[str, tuple[torc
             if name not in split and (not hasattr(tensor, "device_mesh") or _whole_shard(tensor)):
                 out[name] = (module, attribute, dtypes[name])
     return out
+
+
+def _bf16_local(param: torch.Tensor) -> torch.Tensor:
+    """Return a parameter's own storage on this rank in bf16: itself if it is bf16, as the blocks in place are."""
+    return _local(param).to(torch.bfloat16)
 
 
 def _read(module: torch.nn.Module, attribute: str) -> torch.Tensor:
