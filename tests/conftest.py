@@ -82,12 +82,16 @@ def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "proo
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
         launcher=CPU_LAUNCHER,
     )
-    if wait:
-        try:
-            helpers.wait_until_healthy(server, timeout_s=300)
-        except Exception:
-            helpers.stop_server(server)
-            raise
+    return healthy_or_stopped(server, timeout_s=300) if wait else server
+
+
+def healthy_or_stopped(server: helpers.Server, timeout_s: float) -> helpers.Server:
+    """Wait until `server` is healthy and return it; stop it if it is not, or if the wait is interrupted."""
+    try:
+        helpers.wait_until_healthy(server, timeout_s=timeout_s)
+    except BaseException:
+        helpers.stop_server(server)
+        raise
     return server
 
 

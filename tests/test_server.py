@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 import helpers
-from conftest import SERVED_NAME, as_another_user, listening_tcp, private_socket_path, socket_inodes, start_cpu_server
+from conftest import (
+    SERVED_NAME,
+    as_another_user,
+    healthy_or_stopped,
+    listening_tcp,
+    private_socket_path,
+    socket_inodes,
+    start_cpu_server,
+)
 from proof import logprob_gate
 
 
@@ -303,12 +311,7 @@ def _counting_server(tmp_path) -> helpers.Server:
         log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", COUNTING_SERVER),
     )
-    try:
-        helpers.wait_until_healthy(server, timeout_s=120)
-    except BaseException:
-        helpers.stop_server(server)
-        raise
-    return server
+    return healthy_or_stopped(server, timeout_s=120)
 
 
 def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
