@@ -20,7 +20,6 @@ import torch
 NOT_COMPARED = {
     "by_value": "laid out by vLLM its own way, compared by value only",
     "fp8_requantized": "FP8 experts re-quantized by vLLM's loader",
-    "derived": "derived by vLLM after loading",
 }
 
 # One expert's tensor as vLLM's own loader takes it: `<layer>.experts.<id>.<name>`.
@@ -103,16 +102,18 @@ def _keeps_every_bit(sent: str, held: str) -> bool:
 def comparisons(
     model: torch.nn.Module, targets: list[list[str]], in_place, values_only, fp8_requantized, derived
 ) -> dict[str, list[str]]:
-    """Sort the model's parameters by how exact_problems compares them.
+    """Sort the model's parameters by how the exact check compares them.
 
-    "bit_for_bit" are compared on all three sums, element by element in their place: `in_place` less
-    `values_only`. The others are sorted by NOT_COMPARED's keys: written but compared on fewer sums
-    ("by_value"), FP8 layers that vLLM's loader quantizes ("fp8_requantized"), and parameters vLLM derives
-    after loading ("derived"). A parameter in none is one exact_problems names as written by nothing.
+    "bit_for_bit" are compared with what the trainer sent on all three sums, element by element in their
+    place: `in_place` less `values_only`. "derived" are those no sent tensor writes, which vLLM derives from
+    others after loading; they are compared bit for bit with what vLLM derives again from what the engine
+    holds (exact_check_engine.derived_problems). The others are sorted by NOT_COMPARED's keys: written but
+    compared on fewer sums ("by_value"), and FP8 layers that vLLM's loader quantizes ("fp8_requantized"). A
+    parameter in none is one exact_problems names as written by nothing.
     """
     written = {n for names in targets for n in names}
     exact = set(in_place) - set(values_only)
-    out: dict[str, list[str]] = {"bit_for_bit": [], **{key: [] for key in NOT_COMPARED}}
+    out: dict[str, list[str]] = {"bit_for_bit": [], "derived": [], **{key: [] for key in NOT_COMPARED}}
     for name, _ in model.named_parameters():
         if name in fp8_requantized:
             out["fp8_requantized"].append(name)

@@ -131,6 +131,10 @@ class ExactCheck:
     # {exact_accounting.NOT_COMPARED key: count} of those not compared bit for bit, and their names.
     not_compared: dict[str, int] | None = None
     not_compared_parameters: dict[str, list[str]] | None = None
+    # Parameters vLLM derives after loading from others, such as MLA's W_UK_T and W_UV, each compared bit for bit
+    # with what vLLM derives again from what the engine holds: how many, and their names.
+    derived: int | None = None
+    derived_parameters: list[str] | None = None
     # Sent tensors held in another dtype by a cast that keeps every bit or that the example asks for.
     held_in_other_dtype: list[str] | None = None
 
@@ -260,5 +264,7 @@ def _both_halves(job, call_timeout_s: float) -> ExactCheck:
         parameters_held=answer["held"],
         not_compared={k: len(v) for k, v in not_compared.items()},
         not_compared_parameters=not_compared,
+        derived=len(answer.get("derived", [])),
+        derived_parameters=answer.get("derived", []),
         held_in_other_dtype=answer["casts"],
     )

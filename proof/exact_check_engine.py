@@ -8,7 +8,8 @@ through `/collective_rpc` on every engine, are:
 
     exact_check_prepare(sent)   once: which parameters each sent tensor is written into, at which rows
     exact_check_start()         after a sync: fingerprint what the engine holds, beside serving
-    exact_check(expected)       compare with the trainer's fingerprints; raise naming what differs
+    exact_check(expected)       compare with the trainer's fingerprints, derive again what vLLM derives after
+                                loading; raise naming what differs
     direct_load_fingerprint(a)  'store' / 'compare' every parameter, for benchmark.py's loaders_agree
 
 The trainer's half, rank_measurement.FingerprintedSource, fingerprints what each rank sent with the same
@@ -47,7 +48,7 @@ from weight_sync.direct_load import (
     local_expert_ids,
 )
 from weight_sync.fp8_experts import fp8_reference, fp8_shards
-from weight_sync.vllm_adapter import internal
+from weight_sync.vllm_adapter import attention_post_load_hook, internal
 
 _ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # Captures the expert id of one expert's checkpoint tensor.
 
@@ -56,7 +57,7 @@ class ExactCheckWorker(DirectLoadWorker):
     """Add the exact check's calls to DirectLoadWorker; every method runs on every engine."""
 
     def direct_load_start(self, in_place: str | dict = "") -> dict:
-        self._exact_started = None  # Fingerprints of the weights held before this sync are now stale.
+        self._exact_started = None  # What exact_check_start saw of the weights held before this sync is stale now.
         if getattr(self, "_profile_path", None) and getattr(self, "_profiler", None) is None:
             import cProfile
 
@@ -157,20 +158,23 @@ class ExactCheckWorker(DirectLoadWorker):
             "rows": rows,
             "by_value": by_value,
             "unaccounted": self._exact_unaccounted,
-            "not_compared": {k: v for k, v in self._exact_comparisons.items() if k != "bit_for_bit"},
+            "not_compared": {k: v for k, v in self._exact_comparisons.items() if k not in ("bit_for_bit", "derived")},
+            "derived": self._exact_comparisons["derived"],
         }
 
     def exact_check_start(self) -> dict:
         """Start fingerprinting what this engine holds after a sync, on its own CUDA stream.
 
-        It runs beside whatever the engine serves next. exact_check waits for it, or fingerprints then if
-        this was not called.
+        It runs beside whatever the engine serves next. Also derive again, now, what vLLM derives after loading.
+        exact_check judges both, or does both then if this was not called.
         """
         targets = self._exact_targets_or_raise()
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
         names = checked_parameters(model, targets)
-        self._exact_started = self._held_fingerprints.start(params[n] for n in names)
+        fingerprints = self._held_fingerprints.start(params[n] for n in names)
+        derived = set(self._exact_comparisons["derived"])
+        self._exact_started = (fingerprints, derived_problems(model, self.vllm_config.model_config, derived))
         return {"parameters": len(names)}
 
     def exact_check(self, expected: str) -> dict:
@@ -189,7 +193,7 @@ class ExactCheckWorker(DirectLoadWorker):
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
 
         def fingerprints(tensors):  # Those exact_check_start launched for the same parameters, else new ones.
-            return started() if started is not None else self._held_fingerprints(tensors)
+            return started[0]() if started is not None else self._held_fingerprints(tensors)
 
         checked, problems = exact_problems(
             model,
@@ -201,14 +205,27 @@ class ExactCheckWorker(DirectLoadWorker):
             unchecked=getattr(self, "_exact_unchecked", ()),
         )
         unaccounted = getattr(self, "_exact_unaccounted", [])
-        if problems or unaccounted:
+        derived = self._exact_comparisons["derived"]
+        stale = (
+            started[1] if started is not None else derived_problems(model, self.vllm_config.model_config, set(derived))
+        )
+        if problems or unaccounted or stale:
             fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
                 # Quantize through vLLM's own function from the next sync on.
                 fp8_experts._KERNEL_AGREES[next(model.parameters()).device] = False
             found = [f"{len(unaccounted)} sent tensors not held as sent: " + "; ".join(unaccounted[:4])]
-            found = (found if unaccounted else []) + (
-                [f"{len(problems)} of {checked} parameters differ: " + "; ".join(problems[:4])] if problems else []
+            found = (
+                (found if unaccounted else [])
+                + ([f"{len(problems)} of {checked} parameters differ: " + "; ".join(problems[:4])] if problems else [])
+                + (
+                    [
+                        f"{len(stale)} of {len(derived)} parameters vLLM derives after loading differ (its post-load "
+                        "processing did not run after the sync, or ran before it): " + "; ".join(stale[:4])
+                    ]
+                    if stale
+                    else []
+                )
             )
             raise RuntimeError(f"exact check: DP engine {dp_rank}: " + "; ".join(found))
         compared = self._exact_comparisons
@@ -218,7 +235,8 @@ class ExactCheckWorker(DirectLoadWorker):
             "seconds": time.perf_counter() - start,
             "held": sum(map(len, compared.values())),
             "bit_for_bit": len(compared["bit_for_bit"]),
-            "not_compared": {k: v for k, v in compared.items() if k != "bit_for_bit" and v},
+            "derived": derived,
+            "not_compared": {k: v for k, v in compared.items() if k not in ("bit_for_bit", "derived") and v},
             "casts": self._exact_casts,
         }
 
@@ -552,7 +570,7 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
 
     These belong to attention layers that process their weights after the load, such as MLA's absorbed
     W_UK_T and W_UV derived from kv_b_proj. direct_load_finish runs that processing, as vLLM's loader does.
-    The exact check proves their sources, and the logprob gate proves their use.
+    The exact check proves their sources, then derived_problems derives them again from those.
     """
     is_deferred_attention_layer = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
 
@@ -562,6 +580,40 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
         if is_deferred_attention_layer(module)
         for name, _ in module.named_parameters(recurse=False)
     ]
+
+
+def derived_problems(model: torch.nn.Module, model_config, names: set[str]) -> list[str]:
+    """Derive the parameters in `names` again from what this engine holds now; name each that differs.
+
+    Each attention layer that owns one of them runs its own post-load hook again, as vLLM does after a load.
+    Every such parameter must come out bit for bit as it was: a sync whose post-load processing did not run,
+    or ran before its sources were written, left it derived from other weights. The parameters are then put
+    back as they were, in their own storage, so the check changes nothing the engine serves with.
+    """
+    is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
+    problems = []
+    with torch.no_grad():
+        for prefix, layer in model.named_modules():
+            own = {n: p for n, p in layer.named_parameters(recurse=False) if f"{prefix}.{n}" in names}
+            if not own or not is_deferred(layer):
+                continue
+            held = {n: (p.data, p.detach().clone()) for n, p in own.items()}  # (its storage, its values)
+            attention_post_load_hook(layer, model_config)()
+            for n, param in layer.named_parameters(recurse=False):
+                if n in held:
+                    storage, before = held[n]
+                    if not _same_bits(param.detach(), before):
+                        problems.append(f"{prefix}.{n}: not what vLLM derives from the weights held")
+                    param.data = storage
+                    storage.copy_(before)
+    return problems
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Return whether `a` and `b` hold the same bits in the same shape and dtype (NaNs and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:

@@ -123,6 +123,8 @@ def exact_line(exact: dict | None, not_run: str | None = None) -> str:
     held = exact.get("parameters_held")
     of = f" of {held}" if held is not None else ""
     line = f"[exact] {exact['parameters_per_engine']}{of} vLLM parameters bit for bit on each of {engines}"
+    if exact.get("derived"):
+        line += f", and {exact['derived']} derived by vLLM after loading, bit for bit as vLLM derives them again"
     if skipped := {k: n for k, n in (exact.get("not_compared") or {}).items() if n}:
         why = ", ".join(f"{n} {NOT_COMPARED.get(k, k)}" for k, n in skipped.items())
         line += f"; {sum(skipped.values())} not compared ({why})"

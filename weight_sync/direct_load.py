@@ -73,8 +73,8 @@ from weight_sync.vllm_adapter import (  # noqa: F401  TrainerSource and untested
     TrainerSource,
     internal,
     local_expert_ids,
+    post_load_hooks,
     post_load_needed_again,
-    run_post_load_hooks,
     untested_vllm_warning,
     vllm_load_form,
 )
@@ -102,6 +102,7 @@ class _Layout:
     plain: dict[str, tuple[str, int]] = field(default_factory=dict)
     through_loader: set[str] = field(default_factory=set)
     processed: bool = False  # vLLM's post-load function has run over this model once, after a direct sync
+    post_load_hooks: list = field(default_factory=list)  # the modules' own hooks, found once it has run
     # name -> (parameter, its data_ptr, shape and strides, the rows a `plain` name is copied into).
     # Kept while the parameter's storage is unchanged, because slicing a vLLM parameter costs
     # more than the copy. If vLLM gives the parameter new storage, the kept view holds the old
@@ -417,8 +418,8 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
     loader does after a load. A later sync rewrote the same weights in the same places, so it runs
     only what must see them again: the quantization method of each written layer for which
     vllm_adapter.post_load_needed_again says so, then every module's own hook, as vLLM's function
-    does. For example, MLA attention derives W_UK_T and W_UV from kv_b_proj, and the MoE runner
-    refills its fused gate. An FP8 expert layer was already quantized as its blocks were written:
+    does, from the list vllm_adapter.post_load_hooks made after the first. For example, MLA attention
+    derives W_UK_T and W_UV from kv_b_proj, and the MoE runner refills its fused gate. An FP8 expert layer was already quantized as its blocks were written:
     its one-shot guard keeps vLLM's method from quantizing it again, and its kernel is pointed at
     the new scales.
     """
@@ -435,13 +436,15 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
         if not layout.processed:
             process = internal("vllm.model_executor.model_loader.utils", "process_weights_after_loading")
             process(layout.model, vllm_config.model_config, session.device)
+            layout.post_load_hooks = post_load_hooks(layout.model, vllm_config.model_config, session.device)
             layout.processed = True
             seconds["post_load_whole_model"] = time.perf_counter() - start
         else:
             for module in rerun:
                 module.quant_method.process_weights_after_loading(module)
             seconds["post_load_layers"] = time.perf_counter() - start
-            run_post_load_hooks(layout.model, vllm_config.model_config, session.device)
+            for hook in layout.post_load_hooks:
+                hook()
             seconds["post_load_hooks"] = time.perf_counter() - start - seconds["post_load_layers"]
         for module in fp8_layers:
             _fp8_experts().fp8_scales_to_kernel(module)

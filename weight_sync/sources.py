@@ -19,7 +19,7 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -519,10 +519,13 @@ class InPlace:
     once, while the tensor stays where it is: FSDP2 keeps a shard's storage and the optimizer steps it in place.
     The handles are gathered to rank 0 for every send, once the rank's GPU is synchronized."""
 
-    def __init__(self, reads: dict[str, Callable[[], torch.Tensor]]) -> None:
-        self.names = list(reads)  # the names they are sent under, in send order
-        self._reads = list(reads.values())  # each reads the rank's own storage of its tensor, as it is now
+    def __init__(self, where: dict[str, tuple[torch.nn.Module, str]]) -> None:
+        self.names = list(where)  # the names they are sent under, in send order
+        self._where = list(where.values())  # the module and attribute that hold each
+        self._held: list[torch.Tensor] | None = None  # the tensors the modules held when last read
+        self._local: list[torch.Tensor] = []  # the rank's own storage of each, read from those
         self._exported: tuple[list, list] | None = None  # where the tensors were, and their handles
+        self._gpu_uuid: str | None = None
         self.gathered: dict[str, list] | None = None  # every rank's handles by GPU, used on rank 0
 
     @staticmethod
@@ -544,18 +547,32 @@ class InPlace:
         `source` must yield these tensors last; a source wrapped around it works too."""
         return PackedPart(source, len(source.metadata) - len(self.names))
 
+    def local_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        """Return each tensor's own storage on this rank as its module holds it now, and whether it was read again.
+
+        Reading a shard's storage out of its DTensor costs more than the rest of a send's handshake, so it is
+        read again only if a module holds another tensor than last time, as FSDP2 does during a forward. Between
+        steps FSDP2 keeps each shard, and the optimizer steps it in place."""
+        held = [getattr(module, attribute) for module, attribute in self._where]
+        if self._held is not None and all(a is b for a, b in zip(held, self._held, strict=True)):
+            return self._local, False
+        self._held, self._local = held, [_local(t) for t in held]
+        return self._local, True
+
     def gather(self) -> None:
         """Synchronize this rank's GPU and share its handles with every rank; all ranks call it at once.
 
         A tensor's handle is exported again only if the tensor moved."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        local = [read() for read in self._reads]
-        where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
-        if self._exported is None or self._exported[0] != where:
-            self._exported = (where, [(n, reduce_tensor(t)[1]) for n, t in zip(self.names, local, strict=True)])
+        local, read_again = self.local_tensors()
+        if read_again:
+            where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
+            if self._exported is None or self._exported[0] != where:
+                self._exported = (where, [(n, reduce_tensor(t)[1]) for n, t in zip(self.names, local, strict=True)])
+            self._gpu_uuid = str(torch.cuda.get_device_properties(local[0].device).uuid)
         torch.cuda.synchronize()  # the step's last writes, before rank 0 tells the engines to read
-        mine = {str(torch.cuda.get_device_properties(local[0].device).uuid): self._exported[1]}
+        mine = {self._gpu_uuid: self._exported[1]}
         if dist.is_initialized() and dist.get_world_size() > 1:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
@@ -651,7 +668,7 @@ class LocalExpertSource(BF16Source):
         self._tail = ([] if experts_in_place else blocks) + in_place
         self._metas += [meta for _, meta, _, _ in self._tail]
         self.origins += [origin for _, _, origin, _ in self._tail]
-        self.in_place = InPlace({name: read for name, _, _, read in in_place}) if in_place else None
+        self.in_place = InPlace({name: origin[:2] for name, _, origin, _ in in_place}) if in_place else None
 
     def tensors(self):
         yield from super().tensors()

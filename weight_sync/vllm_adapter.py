@@ -13,6 +13,8 @@ Everything that differs between the tested vLLM versions is in this module:
   method; 0.33 and later call `source.iter_full()` and read `source.metadata` as a `functools.cached_property`.
   `TrainerSource` works with both.
 * The experts an engine holds. `local_expert_ids` reads them from the expert map, which every tested version has.
+* The modules' own post-load hooks. vLLM 0.34 runs every module's, children first; 0.32 and 0.33 run the
+  attention layers', which take the model's dtype, then the model's own. `post_load_hooks` lists them.
 * GPT-OSS's experts through vLLM's own loader. From 0.33, vLLM reloads layer by layer through each parameter's
   weight loader and takes each GPT-OSS expert on its own, as `...mlp.experts.<e>.w13_weight`, so fused expert
   tensors would stay unwritten. `vllm_load_form` renames them for the versions that need it.
@@ -20,6 +22,7 @@ Everything that differs between the tested vLLM versions is in this module:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -80,14 +83,15 @@ INTERNALS = (
     Internal(
         "vllm.model_executor.layers.attention",
         "is_deferred_attention_layer",
-        "attention layers that derive weights from others after a load (MLA's W_UK_T / W_UV)",
+        "attention layers that derive weights from others after a load (MLA's W_UK_T / W_UV); the exact check derives them again",
         "0.32.0, 0.33.0, 0.34.0",
         ("layer",),
     ),
     Internal(
         "vllm.model_executor.layers.quantization.base_config",
         "QuantizeMethodBase",
-        "a layer's quantization method, whose post-load processing runs after its weights change",
+        "a layer's quantization method, whose post-load processing runs after its weights change, and whose "
+        "layer's submodules have no post-load hook of their own",
         "0.32.0, 0.33.0, 0.34.0",
     ),
     Internal(
@@ -169,24 +173,54 @@ def post_load_needed_again(module: torch.nn.Module) -> bool:
     return True
 
 
-def run_post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) -> None:
-    """Run the modules' own post-load hooks, as vLLM's post-load function does after the quantization methods.
+def post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) -> list[Callable[[], None]]:
+    """Return the modules' own post-load hooks, ready to call, in the order vLLM runs them after a load.
 
-    vLLM 0.34 runs every module's hook, children first, through `finalize_model_weights`; that covers the
-    attention layers, the MoE runner's fused gate and others. vLLM 0.32 and 0.33 run the attention layers'
-    hooks, which take the model's dtype, then the model's own hook.
+    They cover the attention layers (MLA derives W_UK_T and W_UV from kv_b_proj), the MoE runner's fused gate
+    and others. vLLM finds them by walking the whole model after each load, and in a large MoE that walk over
+    thousands of modules costs more than the hooks. The modules and their hooks stay the same from one sync to
+    the next, so the direct loader walks once, after the first sync's full post-load processing, and keeps the
+    list. vLLM 0.34's `finalize_model_weights` runs every module's hook, children first, except inside a
+    quantized layer, whose method processed it; it moves weights offloaded to the CPU onto the GPU for the
+    attention hooks, so with any weight off `device` the list is that function itself. vLLM 0.32 and 0.33 run
+    the attention layers' hooks, then the model's own.
     """
     weight_utils = importlib.import_module("vllm.model_executor.model_loader.weight_utils")
     finalize = getattr(weight_utils, "finalize_model_weights", None)
-    if finalize is not None:
-        finalize(model, device)
-        return
-    is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
-    for module in model.modules():
-        if is_deferred(module):
-            module.process_weights_after_loading(model_config.dtype)
-    if hasattr(model, "process_weights_after_loading"):
-        model.process_weights_after_loading()
+    if finalize is None:
+        is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
+        hooks = [attention_post_load_hook(module, model_config) for module in model.modules() if is_deferred(module)]
+        return hooks + (
+            [model.process_weights_after_loading] if hasattr(model, "process_weights_after_loading") else []
+        )
+    if any(p.device != device for p in model.parameters()):
+        return [functools.partial(finalize, model, device)]
+    QuantizeMethodBase = internal("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase")
+    seen: set[torch.nn.Module] = set()
+
+    def children_first(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        quantized = isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+        for child in [] if quantized else module.children():
+            if child not in seen:  # A module shared by several parents runs once, before all of them.
+                seen.add(child)
+                yield from children_first(child)
+        yield module
+
+    return [
+        hook
+        for module in children_first(model)
+        if not isinstance(module, QuantizeMethodBase)
+        and callable(hook := getattr(module, "process_weights_after_loading", None))
+    ]
+
+
+def attention_post_load_hook(layer: torch.nn.Module, model_config) -> Callable[[], None]:
+    """Return an attention layer's own post-load hook, ready to call.
+
+    vLLM 0.34's takes no argument; 0.32's and 0.33's take the dtype the model computes in.
+    """
+    hook = layer.process_weights_after_loading
+    return functools.partial(hook, model_config.dtype) if inspect.signature(hook).parameters else hook
 
 
 class TrainerSource(WeightSource):
