@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -533,15 +534,20 @@ def release_kv_cache(sock: str) -> dict:
 
 
 def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
-    """Pause serving for a sync and return whether the KV cache was freed; level 0 frees it if `free_kv_cache`."""
+    """Pause serving for a sync and return whether the KV cache was freed; level 0 frees it if `free_kv_cache`.
+
+    Else, at level 0, the prefix cache, computed with the old weights, is reset beside the sync, which saves a
+    round trip; wake_to_serve waits for the reset before vLLM serves again."""
     sleep(sock, level)
-    if level == 0:
-        release_kv_cache(sock) if free_kv_cache else reset_prefix_cache(sock)
+    if level == 0 and free_kv_cache:
+        release_kv_cache(sock)
+    elif level == 0:
+        _resetting[sock] = _beside_the_sync.submit(request, sock, "POST", "/reset_prefix_cache")
     return level > 0 or free_kv_cache
 
 
-def reset_prefix_cache(sock: str) -> None:
-    request(sock, "POST", "/reset_prefix_cache")
+_beside_the_sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-reset")
+_resetting: dict[str, Future] = {}  # by socket: the prefix cache's reset, until wake_to_serve waits for it
 
 
 def wake_weights(sock: str, level: int) -> None:
@@ -556,6 +562,8 @@ def wake_up(sock: str, tags: Iterable[str] | None = None) -> dict:
 
 def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
     """Map the KV cache back if it was freed, resume scheduling, and raise unless the server is awake."""
+    if (reset := _resetting.pop(sock, None)) is not None:
+        reset.result()  # the prefix cache is empty before anything is served with the new weights
     try:
         state = wake_up(sock, ["kv_cache", "scheduling"] if kv_cache else ["scheduling"])
     except ServerError as e:

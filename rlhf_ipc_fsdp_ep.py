@@ -10,14 +10,14 @@ proof in proof/rounds.py wraps every step and does step 7 after the round:
 
   1. generate                               vLLM samples; the trainer and vLLM score the tokens
   2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for the
-     + /release_kv_cache_memory             step, else it resets its prefix cache; its weights stay
-                                            on the GPU unless --sleep-level is 1 or 2
+     + /release_kv_cache_memory             step, else it resets its prefix cache beside the send; its
+                                            weights stay on the GPU unless --sleep-level is 1 or 2
   3. train                                  with --train: one policy-gradient step in the freed memory
   4. /wake_up?tags=weights                  at --sleep-level 1 and 2 only: vLLM maps its weights back
   5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads the buffer on
                                             its own GPU, and the direct loader sends it its own experts
   6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again, after the trainers empty PyTorch's cache
-                                            if its KV cache was freed
+                                            if its KV cache was freed, or its prefix cache's reset
   7. exact check and gate                   every DP engine holds what its GPU's trainer rank sent, bit
                                             for bit, and vLLM's logprobs on every engine match the trainer's
 

@@ -303,6 +303,63 @@ Server(sys.argv[sys.argv.index("--uds") + 1], Route).serve_forever()
 """
 
 
+# A stand-in that answers a sync's calls as vLLM's server does, the prefix cache's reset slowly, and lists when
+# each call began and ended (GET /calls).
+ORDER_SERVER = """
+import json, socketserver, sys, time
+from http.server import BaseHTTPRequestHandler
+calls = []
+
+class Route(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def reply(self, value):
+        body = json.dumps(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        route = self.path.split("?")[0]
+        calls.append("begin " + route)
+        time.sleep(2 if route == "/reset_prefix_cache" else 0)
+        calls.append("end " + route)
+        self.reply({"status": "awake"} if route == "/wake_up" else {})
+
+    def do_GET(self):
+        self.reply(calls)
+
+    def address_string(self):
+        return "local"
+
+class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+Server(sys.argv[sys.argv.index("--uds") + 1], Route).serve_forever()
+"""
+
+
+def test_the_prefix_cache_is_reset_beside_the_sync_and_before_vllm_serves_again(tmp_path):
+    """At sleep level 0 with the KV cache kept, sleep_for_sync returns once vLLM is paused, and its prefix cache
+    is reset beside the send; wake_to_serve resumes serving only once the reset is through."""
+    server = helpers.start_server(
+        [], socket_path=private_socket_path(), log_path=tmp_path / "log", launcher=(sys.executable, "-c", ORDER_SERVER)
+    )
+    try:
+        sock = healthy_or_stopped(server, timeout_s=120).socket_path
+        assert helpers.sleep_for_sync(sock, 0, free_kv_cache=False) is False
+        assert "end /sleep" in helpers.request(sock, "GET", "/calls")
+        assert "end /reset_prefix_cache" not in helpers.request(sock, "GET", "/calls")  # (it takes 2 s there)
+        helpers.wake_to_serve(sock, kv_cache=False)
+        calls = helpers.request(sock, "GET", "/calls")
+        assert calls.index("end /sleep") < calls.index("begin /reset_prefix_cache")
+        assert calls.index("end /reset_prefix_cache") < calls.index("begin /wake_up")
+    finally:
+        helpers.stop_server(server)
+
+
 def _counting_server(tmp_path) -> helpers.Server:
     """Start COUNTING_SERVER as a server and wait until it is healthy."""
     server = helpers.start_server(
@@ -355,7 +412,11 @@ def test_a_failed_call_leaves_no_connection_open(tmp_path):
                 helpers.collective_rpc(sock, "exact_check")
             with pytest.raises(helpers.ServerError, match="HTTP 404"):
                 helpers.post_completions(sock, model="tiny", prompt=[1, 2], max_tokens=1)
-        assert helpers.request(sock, "GET", "/connections")["open"] == 1
+        # The server's thread sees a closed connection a moment after the client closes it.
+        deadline = time.monotonic() + 5
+        while (open_now := helpers.request(sock, "GET", "/connections")["open"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert open_now == 1
         in_thread = ThreadPoolExecutor(1).submit(helpers.request, sock, "GET", "/connections")
         assert in_thread.result(timeout=60)["open"] == 2  # its own connection; the main thread's stays
     finally:
