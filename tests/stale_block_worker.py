@@ -7,7 +7,7 @@ name that parameter and that engine; nothing else in the run changes."""
 from proof.exact_check_engine import ExactCheckWorker
 from weight_sync import direct_load
 
-_copy_local_experts = direct_load._copy_local_experts
+_copies = direct_load._copies
 
 
 class StaleBlockWorker(ExactCheckWorker):
@@ -16,12 +16,16 @@ class StaleBlockWorker(ExactCheckWorker):
         stale = self._syncs >= 2 and self.vllm_config.parallel_config.data_parallel_rank == 0
         skipped = []
 
-        def copy(experts, name, *args):
-            if stale and not skipped:
-                skipped.append(name)
-                print(f"[stale_block_worker] sync {self._syncs}: left {name} as it was", flush=True)
-                return
-            _copy_local_experts(experts, name, *args)
+        def copies(session, tensors, trainer_rank):
+            found = _copies(session, tensors, trainer_rank)
+            blocks = found.blocks or found.fp8_blocks  # in the order of the tensors
+            if stale and not skipped and blocks:
+                layers = session.layout.expert_layers
+                skipped.append(next(n for n, _ in tensors if n.rpartition(".")[0] in layers))
+                blocks.pop(0)
+                print(f"[stale_block_worker] sync {self._syncs}: left {skipped[0]} as it was", flush=True)
+            return found
 
-        direct_load._copy_local_experts = copy
+        direct_load._copies = copies
+        self._in_place_copies = None  # work the copies out again, through `copies`
         return super().direct_load_start(in_place)  # (which copies the experts held in place)

@@ -234,17 +234,30 @@ def test_the_experts_an_engine_holds_come_from_vllms_expert_map():
     assert direct_load.local_expert_ids(_experts(0, 1, 8, (8, 6, 5))) == list(range(8))  # no EP: no map
 
 
+def _load_block(experts, block, trainer_rank: int) -> None:
+    """Load `block` as the trainer rank's gate_up_proj block of expert layer "x", through the direct loader's
+    _load; nothing else is sent."""
+    layout = direct_load._Layout(
+        model=None,
+        expert_layers={"x": experts},
+        held_experts={"x": direct_load.local_expert_ids(experts)},
+        param_owner={},
+    )
+    session = direct_load._Session(layout=layout, importer=None, device=torch.device("cpu"), gpu_uuid="")
+    direct_load._load(session, [("x.gate_up_proj", block)], trainer_rank, vllm_config=None)
+
+
 def test_only_the_engines_own_block_of_experts_is_accepted():
     block = torch.randn(4, 6, 5).to(torch.bfloat16)
     experts = _experts(1, 2, 8, (4, 6, 5))  # this engine holds experts 4..7
     with pytest.raises(ValueError, match=r"holds experts 4\.\.7 .* sends experts 0\.\.3.*--weight-loader vllm"):
-        direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
+        _load_block(experts, block, trainer_rank=0)
     assert not experts.w13_weight.any()
-    direct_load._copy_local_experts(experts, "x.gate_up_proj", "w13_weight", block, trainer_rank=1)
+    _load_block(experts, block, trainer_rank=1)
     assert torch.equal(experts.w13_weight, block)
     sharded = _experts(0, 2, 8, (4, 3, 5))  # tensor parallel halves each expert
     with pytest.raises(ValueError, match="tensor parallel size 1"):
-        direct_load._copy_local_experts(sharded, "x.gate_up_proj", "w13_weight", block, trainer_rank=0)
+        _load_block(sharded, block, trainer_rank=0)
 
 
 def test_fingerprints_see_a_single_changed_value():

@@ -154,11 +154,16 @@ class DirectLoadWorker:
             unfinished.importer.close()  # A send failed part way; start afresh.
         session = self._direct_session = _session(self._model_layout(), PackedBufferImporter())
         if not in_place:
-            self._opened_storage, self._in_place = {}, None  # Release trainer storage opened for an earlier sync.
+            # Release trainer storage opened for an earlier sync.
+            self._opened_storage, self._in_place, self._in_place_copies = {}, None, None
             return {"tensors": 0, "bytes": 0}
         update = _unpickle(in_place) if isinstance(in_place, str) else in_place
         tensors = self._in_place_tensors(update, session)
-        _load(session, tensors, update["trainer_gpu_uuids"].index(session.gpu_uuid), self.vllm_config)
+        # The same tensors as the last sync's, into parameters where they were: the same copies.
+        kept = getattr(self, "_in_place_copies", None)
+        copies = kept[1] if kept is not None and kept[0] is tensors and kept[1].unchanged() else None
+        trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
+        self._in_place_copies = (tensors, _load(session, tensors, trainer_rank, self.vllm_config, copies)[0])
         session.tensors += len(tensors)
         session.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
         # Copies are launched; finish waits for them. The key names the expert blocks; it times every tensor in place.
@@ -316,7 +321,7 @@ class DirectLoadWorker:
             dtypes = [getattr(torch, name) for name in update["dtype_names"]]
             tensors = unpack_tensor(buffer, update["names"], update["shapes"], dtypes, sizes)
 
-        experts_done, load_done = _load(session, tensors, trainer_rank, self.vllm_config)
+        _, experts_done, load_done = _load(session, tensors, trainer_rank, self.vllm_config)
         # The trainer refills this buffer as soon as this returns, so finish reading it now.
         # After the last chunk, direct_load_finish waits for every copy instead.
         if session.device.type == "cuda" and not update.get("last"):
@@ -454,47 +459,106 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
     return {**seconds, "attention_post_load": 0.0}
 
 
-def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[float, float]:
-    """Write one chunk's tensors into the engine's model.
+@dataclass
+class _Copies:
+    """How a chunk's tensors are written, worked out before any is.
 
-    Each expert block from the trainer rank on this GPU is one copy into its layer's fused
-    parameter. Each tensor that vLLM's loader is known to write unchanged into a block of rows of
-    one parameter, layout.plain, is one copy there, and all such copies are launched together.
-    The rest go through the model's own `load_weights` in one call. A name not seen before is
-    first probed alone to learn which kind it is, because the loader's Python per tensor costs
-    more than the copy. Record the written layers for direct_load_finish, and return the
-    perf_counter times when the copies and the loads were launched.
+    Working it out is the Python per tensor, which costs more than the copies, so for the tensors in place,
+    the same from one sync to the next, it is kept and made again while every parameter it writes is where it
+    was (`unchanged`)."""
+
+    blocks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (expert parameter, bf16 block)
+    fp8_blocks: list[tuple] = field(default_factory=list)  # fp8_experts.fp8_quantize_blocks' arguments, per block
+    rows: list[torch.Tensor] = field(default_factory=list)  # the rows of layout.plain's tensors, copied from
+    rows_from: list[torch.Tensor] = field(default_factory=list)  # these in one launch
+    through_loader: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # the model's load_weights
+    first_seen: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # learned first
+    touched: dict[int, torch.nn.Module] = field(default_factory=dict)  # the layers written, for the finish
+    written: list[tuple[torch.nn.Module, str, tuple]] = field(default_factory=list)  # (owner, name, _where())
+
+    def unchanged(self) -> bool:
+        """Return whether these copies can be made again as they are: each directly, into parameters still
+        where they were."""
+        return not (self.through_loader or self.first_seen) and all(
+            _where(owner, name) == where for owner, name, where in self.written
+        )
+
+
+def _where(owner: torch.nn.Module, name: str) -> tuple:
+    """Where a module's parameter is: the object, its storage, shape and strides."""
+    param = getattr(owner, name, None)
+    return (id(param), param.data_ptr(), param.shape, param.stride()) if param is not None else ()
+
+
+def _copies(session: _Session, tensors, trainer_rank: int | None) -> _Copies:
+    """Work out how each tensor of a chunk is written; raise before any is, naming a block this engine cannot take.
+
+    Each expert block from the trainer rank on this GPU is one copy into its layer's fused parameter, quantized
+    on the way if vLLM serves it in FP8. Each tensor that vLLM's loader is known to write unchanged into a
+    block of rows of one parameter, layout.plain, is one copy there. The rest go through the model's own
+    `load_weights`, and a name not seen before is learned first.
+    """
+    layout, copies = session.layout, _Copies()
+    for name, tensor in tensors:
+        layer_name, _, tensor_name = name.rpartition(".")
+        experts = layout.expert_layers.get(layer_name)
+        if experts is not None and tensor_name in EXPERT_TENSORS:
+            param_name = EXPERT_TENSORS[tensor_name]
+            param, held = getattr(experts, param_name), layout.held_experts[layer_name]
+            if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank, held):
+                raise ValueError(problem)
+            if (scales := fp8_scales(experts, param_name)) is not None:
+                shards = _fp8_experts().fp8_shards(experts, param_name)
+                copies.fp8_blocks.append((tensor, shards, param.data, scales.data))
+                copies.written.append((experts, f"{param_name}_scale_inv", _where(experts, f"{param_name}_scale_inv")))
+            else:
+                copies.blocks.append((param.data, tensor))
+            copies.written.append((experts, param_name, _where(experts, param_name)))
+            copies.touched[id(experts)] = experts
+        elif name in layout.plain:
+            rows = _plain_rows(layout, name, tensor)
+            if rows is None:  # Its parameter changed shape or dtype, so learn it again.
+                del layout.plain[name]
+                copies.first_seen.append((name, tensor))
+                continue
+            copies.rows.append(rows)
+            copies.rows_from.append(tensor)
+            param_name = layout.plain[name][0]
+            owner = layout.param_owner[param_name]
+            copies.written.append((owner, param_name.rpartition(".")[2], _where(owner, param_name.rpartition(".")[2])))
+            copies.touched[id(owner)] = owner
+        elif name in layout.through_loader:
+            copies.through_loader.append((name, tensor))
+        else:
+            copies.first_seen.append((name, tensor))
+    return copies
+
+
+def _load(session: _Session, tensors, trainer_rank: int | None, vllm_config, copies: _Copies | None = None):
+    """Write one chunk's tensors into the engine's model as _copies works out, or as `copies` says.
+
+    The copies are launched first, all of layout.plain's rows at once; then each name not seen before is
+    probed alone through vLLM's loader, to learn whether it writes the tensor unchanged, and the rest go
+    through `load_weights` in one call. Record the written layers for direct_load_finish. Return the copies
+    made, and the perf_counter times when the copies and the loads were launched.
     """
     set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
     layout = session.layout
-    others, first_seen, targets, sources = [], [], [], []
+    copies = copies or _copies(session, tensors, trainer_rank)
     with torch.no_grad():
-        for name, tensor in tensors:
-            layer_name, _, tensor_name = name.rpartition(".")
-            experts = layout.expert_layers.get(layer_name)
-            if experts is not None and tensor_name in EXPERT_TENSORS:
-                _copy_local_experts(
-                    experts, name, EXPERT_TENSORS[tensor_name], tensor, trainer_rank, layout.held_experts[layer_name]
-                )
-                session.touched[id(experts)] = experts
-            elif name in layout.plain:
-                target = _plain_rows(layout, name, tensor)
-                if target is None:  # Its parameter changed shape or dtype, so learn it again.
-                    del layout.plain[name]
-                    first_seen.append((name, tensor))
-                    continue
-                targets.append(target)
-                sources.append(tensor)
-                _touch(session, [layout.plain[name][0]])
-            elif name in layout.through_loader:
-                others.append((name, tensor))
-            else:
-                first_seen.append((name, tensor))
-        if targets:
-            torch._foreach_copy_(targets, sources)  # One launch for many small tensors.
+        for param, block in copies.blocks:
+            param.copy_(block)
+        for args in copies.fp8_blocks:
+            _fp8_experts().fp8_quantize_blocks(*args)
+        if copies.rows:
+            torch._foreach_copy_(copies.rows, copies.rows_from)  # One launch for many small tensors.
+        session.touched.update(copies.touched)
         experts_done = time.perf_counter()
+        if not (copies.first_seen or copies.through_loader):
+            return copies, experts_done, experts_done
+        others = list(copies.through_loader)
         with set_current_vllm_config(vllm_config):
-            for name, tensor in first_seen:  # Once per name: does vLLM's loader write it unchanged?
+            for name, tensor in copies.first_seen:  # Once per name: does vLLM's loader write it unchanged?
                 if (learned := _learn(layout, name, tensor)) is not None:
                     layout.plain[name] = learned
                     _plain_rows(layout, name, tensor).copy_(tensor)
@@ -504,7 +568,7 @@ def _load(session: _Session, tensors, trainer_rank: int, vllm_config) -> tuple[f
                     others.append((name, tensor))
             if others:
                 _touch(session, layout.model.load_weights(others) or ())
-    return experts_done, time.perf_counter()
+    return copies, experts_done, time.perf_counter()
 
 
 def _learn(layout: _Layout, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
@@ -660,23 +724,6 @@ def _block_problem(
             f"trainer rank r on the GPU of DP rank r; otherwise {USE_VLLMS_LOADER}"
         )
     return None
-
-
-def _copy_local_experts(
-    experts, name: str, param_name: str, tensor: torch.Tensor, trainer_rank: int, held: list[int] | None = None
-) -> None:
-    """Copy the trainer rank's block of experts into the engine's fused parameter.
-
-    Raise first unless it is the block this engine holds; `held` is as for _block_problem.
-    """
-    param = getattr(experts, param_name)
-    if problem := _block_problem(experts, name, param, tuple(tensor.shape), tensor.dtype, trainer_rank, held):
-        raise ValueError(problem)
-    if (scales := fp8_scales(experts, param_name)) is not None:
-        fp8 = _fp8_experts()
-        fp8.fp8_quantize_blocks(tensor, fp8.fp8_shards(experts, param_name), param.data, scales.data)
-    else:
-        param.data.copy_(tensor)
 
 
 def _unpickle(payload: str) -> dict:
