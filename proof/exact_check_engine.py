@@ -173,8 +173,7 @@ class ExactCheckWorker(DirectLoadWorker):
         params = dict(model.named_parameters())
         names = checked_parameters(model, targets)
         fingerprints = self._held_fingerprints.start(params[n] for n in names)
-        derived = set(self._exact_comparisons["derived"])
-        self._exact_started = (fingerprints, derived_problems(model, self.vllm_config.model_config, derived))
+        self._exact_started = (fingerprints, self._derived_problems(model))
         return {"parameters": len(names)}
 
     def exact_check(self, expected: str) -> dict:
@@ -206,9 +205,7 @@ class ExactCheckWorker(DirectLoadWorker):
         )
         unaccounted = getattr(self, "_exact_unaccounted", [])
         derived = self._exact_comparisons["derived"]
-        stale = (
-            started[1] if started is not None else derived_problems(model, self.vllm_config.model_config, set(derived))
-        )
+        stale = started[1] if started is not None else self._derived_problems(model)
         if problems or unaccounted or stale:
             fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
@@ -239,6 +236,15 @@ class ExactCheckWorker(DirectLoadWorker):
             "not_compared": {k: v for k, v in compared.items() if k not in ("bit_for_bit", "derived") and v},
             "casts": self._exact_casts,
         }
+
+    def _derived_problems(self, model: torch.nn.Module) -> list[str]:
+        """derived_problems for the parameters prepared as derived, in the layers that own them, found once."""
+        names = set(self._exact_comparisons["derived"])
+        layers = getattr(self, "_exact_derived_layers", None)
+        if layers is None or layers[0] is not model:
+            owners = [(prefix, layer) for prefix, layer in model.named_modules() if _owns(layer, prefix, names)]
+            self._exact_derived_layers = layers = (model, owners)
+        return derived_problems(layers[1], self.vllm_config.model_config, names)
 
     def _exact_targets_or_raise(self) -> list[list[str]]:
         targets = getattr(self, "_exact_targets", None)
@@ -582,18 +588,23 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def derived_problems(model: torch.nn.Module, model_config, names: set[str]) -> list[str]:
+def _owns(layer: torch.nn.Module, prefix: str, names: set[str]) -> bool:
+    return any(f"{prefix}.{n}" in names for n, _ in layer.named_parameters(recurse=False))
+
+
+def derived_problems(layers: list[tuple[str, torch.nn.Module]], model_config, names: set[str]) -> list[str]:
     """Derive the parameters in `names` again from what this engine holds now; name each that differs.
 
-    Each attention layer that owns one of them runs its own post-load hook again, as vLLM does after a load.
-    Every such parameter must come out bit for bit as it was: a sync whose post-load processing did not run,
-    or ran before its sources were written, left it derived from other weights. The parameters are then put
-    back as they were, in their own storage, so the check changes nothing the engine serves with.
+    `layers` holds (name, layer) of the attention layers that own them. Each runs its own post-load hook
+    again, as vLLM does after a load, and each such parameter must come out bit for bit as it was: a sync
+    whose post-load processing did not run, or ran before its sources were written, left it derived from
+    other weights. The parameters are then put back as they were, in their own storage, so the check changes
+    nothing the engine serves with. A parameter in `names` that no layer derives again is named too.
     """
     is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
-    problems = []
+    problems, derived_again = [], set()
     with torch.no_grad():
-        for prefix, layer in model.named_modules():
+        for prefix, layer in layers:
             own = {n: p for n, p in layer.named_parameters(recurse=False) if f"{prefix}.{n}" in names}
             if not own or not is_deferred(layer):
                 continue
@@ -606,7 +617,10 @@ def derived_problems(model: torch.nn.Module, model_config, names: set[str]) -> l
                         problems.append(f"{prefix}.{n}: not what vLLM derives from the weights held")
                     param.data = storage
                     storage.copy_(before)
-    return problems
+                    derived_again.add(f"{prefix}.{n}")
+    return problems + [
+        f"{n}: derived by vLLM after loading, and no layer here derives it again" for n in sorted(names - derived_again)
+    ]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1106,3 +1106,20 @@ def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check
     experts = {n for n, _ in vllm_model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))}
     assert len(experts) == 2 * hf.config.num_hidden_layers
     assert {problem.split(": ", 1)[0] for problem in found} == experts
+
+
+def test_a_parameter_the_exact_check_counts_as_derived_and_cannot_derive_again_is_named(vllm_models):
+    """Every parameter counted as derived is derived again, or named: the verdict counts none it did not
+    compare."""
+    from proof import exact_check_engine
+
+    vllm_model = vllm_models("deepseek_v3")
+    _sync(vllm_model, [], "vllm")  # the post-load hooks have run: MLA's W_UK_T and W_UV exist
+    derived = set(exact_check_engine.derived_parameters(vllm_model))
+    layers = [(p, m) for p, m in vllm_model.named_modules() if exact_check_engine._owns(m, p, derived)]
+    config = vllm_model.test_vllm_config.model_config
+    assert derived and exact_check_engine.derived_problems(layers, config, derived) == []
+    assert exact_check_engine.derived_problems(layers[1:], config, derived) == [
+        f"{n}: derived by vLLM after loading, and no layer here derives it again"
+        for n in sorted(n for n in derived if n.startswith(f"{layers[0][0]}."))
+    ]
