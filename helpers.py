@@ -76,10 +76,26 @@ class Server:
     healthy_after_s: float | None = None  # set from wait_until_healthy's result
     milestones_shown: set[str] = field(default_factory=set)  # the ones print_progress has printed
     watchdog_fds: tuple[int, int] | None = field(default=None, repr=False)  # our ends: `alive`'s write, `done`'s read
+    serving_after_s: float | None = None  # when a server started without flags was given them, since its start
 
     @property
     def pgid(self) -> int:
         return self.proc.pid  # start_new_session=True makes the server the leader of its own group
+
+    def serve(self, serve_args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        """Give a server started without flags (start_server) its `vllm serve` flags, and `env` for its engines."""
+        argv = ["serve", *serve_args, "--uds", self.socket_path]
+        with open(self.log_path, "a") as log:
+            log.write("$ vllm " + " ".join(argv) + "\n")
+        with suppress(BrokenPipeError):  # it died: wait_until_healthy says so, with its log
+            self.proc.stdin.write((json.dumps({"argv": argv, "env": env or {}}) + "\n").encode())
+            self.proc.stdin.close()
+        self.serving_after_s = time.monotonic() - self.started_at
+
+    def also_stop(self, processes: Sequence[str]) -> None:
+        """Have the watchdog also kill `processes`, "PID:START" each, if this process dies (see start_server)."""
+        if processes and self.watchdog_fds is not None:
+            os.write(self.watchdog_fds[0], ("a" + ",".join(processes) + "\n").encode())
 
 
 KV_BLOCK_TOKENS = 16  # tokens in vLLM's smallest KV cache block
@@ -159,7 +175,7 @@ def serve_args(
 
 
 def start_server(
-    serve_args: Sequence[str],
+    serve_args: Sequence[str] | None,
     *,
     socket_path: str | os.PathLike,
     log_path: str | os.PathLike,
@@ -170,7 +186,10 @@ def start_server(
     """Start `vllm serve <serve_args>` on the Unix socket `socket_path`, without waiting for it to be healthy.
 
     The socket's directory must be yours alone (0700): anyone who reaches the server can run code in it. A watchdog
-    stops the server once this process is gone, however it ended, and kills the processes in `also_stop`."""
+    stops the server once this process is gone, however it ended, and kills the processes in `also_stop`.
+    With `serve_args` None the server imports vLLM, the first third of its start, and waits for Server.serve()
+    to give it its flags: it touches no GPU before, so its start overlaps whatever comes first, such as placing
+    the trainers and allocating their models."""
     socket_path = os.fspath(socket_path)
     folder = os.path.dirname(os.path.abspath(socket_path))
     if os.stat(folder).st_uid != os.getuid() or stat.S_IMODE(os.stat(folder).st_mode) & 0o077:
@@ -187,15 +206,39 @@ def start_server(
     # vLLM's ZMQ sockets unpickle what they receive: keep them out of /tmp, in the private directory, with its
     # other temporary files (the engines' FileStore, which a stopped engine leaves behind), to go with it.
     full_env["VLLM_RPC_BASE_PATH"] = full_env["TMPDIR"] = folder
-    cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
+    if serve_args is None:
+        cmd = [launcher[0], "-c", _WAIT_FOR_FLAGS, *launcher[1:]]
+    else:
+        cmd = [*launcher, "serve", *serve_args, "--uds", socket_path]
     if shutil.which(cmd[0], path=os.pathsep.join(os.get_exec_path(full_env))) is None:
         # Raise what Popen would: started through the watchdog, a missing program fails only in the child.
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop)
+    told_later = " ".join(launcher) + ", importing vLLM until Server.serve() gives it its flags"
+    Path(log_path).write_text("$ " + (" ".join(cmd) if serve_args is not None else told_later) + "\n")
+    with open(log_path, "a") as log:  # appending, as Server.serve does
+        proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop, serve_args is None)
     return Server(proc=proc, socket_path=socket_path, log_path=Path(log_path), watchdog_fds=watchdog_fds)
+
+
+# A server started without flags: `python -c _WAIT_FOR_FLAGS -m MODULE` or `... SCRIPT` imports what `vllm serve`
+# imports, then runs the launcher with the flags and environment Server.serve() writes to its standard input.
+_WAIT_FOR_FLAGS = """
+import json, os, runpy, sys
+launcher = sys.argv[1:]
+if launcher[0] == "-m":
+    try:  # the slow part of a start, which needs no GPU
+        import vllm.entrypoints.cli.main, vllm.entrypoints.cli.serve  # noqa: F401
+    except Exception:  # only the head start is lost: the launcher imports what it needs once told
+        pass
+told = json.loads(sys.stdin.readline() or "null")
+if told is not None:
+    os.environ.update(told["env"])  # read by the engines it starts, such as GLOO_SOCKET_IFNAME
+    sys.argv = [launcher[-1], *told["argv"]]
+    if launcher[0] == "-m":
+        runpy.run_module(launcher[1], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(launcher[0], run_name="__main__")
+"""
 
 
 _WATCHDOG_GRACE_S = 10.0  # the watchdog's wait between SIGTERM and SIGKILL
@@ -203,7 +246,7 @@ WATCHDOG_MARKER = "helpers.server_watchdog"  # its first argument, which marks i
 
 
 def _start_watched(
-    cmd: list[str], log, env: dict[str, str], also_stop: Sequence[str] = ()
+    cmd: list[str], log, env: dict[str, str], also_stop: Sequence[str] = (), stdin: bool = False
 ) -> tuple[subprocess.Popen, tuple[int, int]]:
     """Popen `cmd` as a new process group's leader, under a watchdog; return it and our ends of the pipes."""
     alive_r, alive_w = os.pipe()
@@ -226,7 +269,7 @@ def _start_watched(
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env=env,
             start_new_session=True,
             pass_fds=(alive_r, done_w),
@@ -331,6 +374,8 @@ def server_watchdog() -> None:
                 data = b""
                 with suppress(OSError):
                     data = os.read(alive_fd, 4096)
+                for line in data.split(b"\n"):  # Server.also_stop writes "aPID:START,...", a line each
+                    also += line[1:].decode().split(",") if line.startswith(b"a") else []
                 released = released or b"r" in data  # stop_server writes "r" before it closes the pipe
                 if not data:  # EOF: the caller is gone, or stop_server released us
                     if group_members(pgid):
@@ -448,7 +493,7 @@ def stop_server(server: Server, grace_s: float = 20.0) -> None:
 
 
 @contextmanager
-def serving(serve_args: Sequence[str], **start_kwargs):
+def serving(serve_args: Sequence[str] | None, **start_kwargs):
     """Yield start_server's server, still starting, and stop it on the way out; call wait_until_healthy inside."""
     server = start_server(serve_args, **start_kwargs)
     try:
@@ -953,7 +998,8 @@ def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check
     if not filling:  # else the server exited first, and wait_until_healthy reports how
         print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
     server.healthy_after_s = wait_until_healthy(server, timeout_s - filled_after_s, also_check=also_check)
-    print(f"[server] healthy after {server.healthy_after_s:.1f} s at {server.socket_path}", flush=True)
+    told = f", given its flags at {server.serving_after_s:.1f} s" if server.serving_after_s is not None else ""
+    print(f"[server] healthy after {server.healthy_after_s:.1f} s{told} at {server.socket_path}", flush=True)
     return filled_after_s
 
 

@@ -377,47 +377,48 @@ def colocated_job(
     placed; once the job is up; and as it ends."""
     with program.hangups_unwind():  # SIGTERM and SIGHUP unwind like Ctrl-C, through every finally
         workdir = Path(tempfile.mkdtemp(prefix="rlhf-ipc-"))  # 0700, private: the server's socket goes here
-        pg, started_ray, node_servers = None, not ray.is_initialized(), []
+        pg, started_ray, node_servers, job = None, not ray.is_initialized(), [], None
         try:
             model_path = models.resolve_model(args.model, workdir)
             if proof:
                 proof.before_gpu_work(model_path, loaders or [args.weight_loader])
-            if started_ray:
-                program.init_ray()
-            print(f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True)
-            trainers, pg = start_trainers(
-                trainer_cls or RLTrainer,
-                args.num_gpus,
-                args.num_nodes,
-                placement_timeout_s=args.placement_timeout,
-                rendezvous=TCPRendezvous,  # used only on more than one node
-            )
-            ranks = placements(trainers)
-            if proof:
-                proof.trainers_placed(ranks)
-            filling = build_models(trainers, args, model_path)
             # The servers' workers import the direct loader and the exact check from this directory.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-            network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
-            flags = serve_plan(args, ranks, model_path)
-            node_model = args.model if args.model in models.PRESETS else str(model_path)  # a preset, or this path
-            node_servers = start_node_servers(
-                pg, node_model, args.server_log, env, flags[1:], resolve_model=models.resolve_model
-            )
-            print(f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}")
-            with helpers.serving(
-                [str(model_path), *flags[0]],
-                socket_path=workdir / "vllm.sock",
-                log_path=args.server_log,
-                env={**env, **network},
-                # Stop a local Ray we started even if we are SIGKILLed, since its agents would linger for
-                # minutes. With the trainers started, all its processes are up by now.
-                also_stop=program.descendants(os.getpid(), os.path.dirname(ray.__file__)) if started_ray else (),
-            ) as server:
-                weights_in_after_s = wait_until_ready(
-                    server, filling, args.server_timeout, also_check=partial(raise_node_failure, node_servers)
-                )
+            # vLLM imports itself, a third of its start, while Ray starts and places the trainers and they build
+            # their models; it touches no GPU until serve() gives it its flags, the GPUs Ray gave them among them.
+            with helpers.serving(None, socket_path=workdir / "vllm.sock", log_path=args.server_log, env=env) as server:
                 try:
+                    if started_ray:
+                        program.init_ray()
+                    print(
+                        f"[trainers] reserving {args.num_gpus} GPUs on {args.num_nodes} node(s) through Ray", flush=True
+                    )
+                    trainers, pg = start_trainers(
+                        trainer_cls or RLTrainer,
+                        args.num_gpus,
+                        args.num_nodes,
+                        placement_timeout_s=args.placement_timeout,
+                        rendezvous=TCPRendezvous,  # used only on more than one node
+                    )
+                    if started_ray:  # Stop a local Ray we started even if we are SIGKILLed: its agents would linger.
+                        server.also_stop(program.descendants(os.getpid(), os.path.dirname(ray.__file__)))
+                    ranks = placements(trainers)
+                    if proof:
+                        proof.trainers_placed(ranks)
+                    filling = build_models(trainers, args, model_path)
+                    flags = serve_plan(args, ranks, model_path)
+                    network = gloo_interface_env(ranks[0]["node_ip"]) if args.num_nodes > 1 else {}
+                    node_model = args.model if args.model in models.PRESETS else str(model_path)  # a preset or path
+                    node_servers = start_node_servers(
+                        pg, node_model, args.server_log, env, flags[1:], resolve_model=models.resolve_model
+                    )
+                    print(
+                        f"[trainers] model sharded over {args.num_gpus} ranks; starting vllm serve: {args.server_log}"
+                    )
+                    server.serve([str(model_path), *flags[0]], env=network)
+                    weights_in_after_s = wait_until_ready(
+                        server, filling, args.server_timeout, also_check=partial(raise_node_failure, node_servers)
+                    )
                     job = Job(
                         trainers=trainers,
                         server=server,
@@ -439,7 +440,7 @@ def colocated_job(
                     raise
                 finally:  # leave Ray first, while the server's watchdog still covers a SIGKILL
                     with helpers.signals_ignored():
-                        if proof:
+                        if proof and job is not None:
                             proof.job_ending()
                         node_servers = stop_node_servers(node_servers)
                         pg = leave_ray(started_ray, pg)

@@ -291,7 +291,9 @@ def run_facts(args, job) -> dict:
         "packed_buffer_size_bytes": args.packed_buffer_size_bytes,
         "sleep_level": args.sleep_level,
         "free_kv_cache": args.free_kv_cache,  # As given; None means "with --train".
-        "server_start_s": job.server.healthy_after_s,
+        "server_start_s": job.server.healthy_after_s,  # From its process's start, which imports vLLM first.
+        # When that process was given its flags: it imported vLLM meanwhile, while the trainers started.
+        "server_flags_given_s": getattr(job.server, "serving_after_s", None),
         "weights_in_after_s": job.weights_in_after_s,  # Seconds into the server's start, which it overlaps.
         "checkpoint_bytes_read_per_rank": job.checkpoint_bytes_read_per_rank,
         # With the direct loader: whether the engines copied the experts from the trainers' memory.

@@ -1260,3 +1260,24 @@ def test_the_trainer_takes_each_pieces_row_from_the_engine_that_holds_it():
     assert exact_check_driver.engines_rows([engine_0, engine_1]) == {0: 0, 1: 64, 5: 0, 9: 0}
     with pytest.raises(RuntimeError, match="DP engine 1 places sent tensor 1 at row 32"):
         exact_check_driver.engines_rows([engine_0, {"rows": {"1": 32}}])
+
+
+def test_the_run_facts_say_when_the_servers_process_started_serving_and_was_given_its_flags():
+    """The server's process imports vLLM from the job's start and is given its flags once the trainers are placed:
+    the JSON has both times, from the process's start."""
+    from types import SimpleNamespace
+
+    server = SimpleNamespace(healthy_after_s=50.0, serving_after_s=20.0)
+    job = SimpleNamespace(
+        gpu_name="NVIDIA H200",
+        rank_nodes=["n"],
+        dp_size=1,
+        architecture="Qwen3MoeForCausalLM",
+        server=server,
+        weights_in_after_s=21.0,
+        checkpoint_bytes_read_per_rank=[0],
+        experts_in_place=None,
+        tensors_in_place=None,
+    )
+    facts = report.run_facts(script.parse_args(["--model", "tiny", "--num-gpus", "1"]), job)
+    assert (facts["server_start_s"], facts["server_flags_given_s"]) == (50.0, 20.0)

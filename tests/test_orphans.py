@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 import helpers
 from conftest import private_socket_path
 from proof import program
@@ -318,12 +320,16 @@ def test_sigterm_still_unwinds_after_ray_starts():
         driver.kill()
 
 
-def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
+@pytest.mark.parametrize("told_later", [False, True])
+def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path, told_later):
     """A driver that started its own local Ray (as the script does when none
     is running) and a server under the watchdog, with Ray's processes in
     `also_stop` (as colocated_job passes them): SIGKILL the driver, and every
     one of them is gone within seconds. (Without it, Ray's dashboard and
-    runtime-env agents live on for minutes, waiting on the dead GCS.)"""
+    runtime-env agents live on for minutes, waiting on the dead GCS.) The
+    same with a server started without flags before Ray placed anything,
+    and told of Ray's processes later (Server.also_stop), as colocated_job
+    does."""
     sock = str(private_socket_path())
     driver = _driver(f"""
         import os, sys, time
@@ -332,6 +338,12 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         from proof import program
         from pathlib import Path
         ray.init(num_cpus=1, include_dashboard=False)
+        stand_in = dict(
+            socket_path={sock!r}, log_path=Path({str(tmp_path)!r}) / "server.log",
+            launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
+        )
+        if {told_later!r}:
+            server = helpers.start_server(None, **stand_in)
 
         @ray.remote
         class Worker:
@@ -346,10 +358,10 @@ def test_a_sigkilled_driver_leaves_no_ray_process_it_started(tmp_path):
         deadline = time.monotonic() + 120
         while not agents_up(ray_processes := program.descendants(os.getpid())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        server = helpers.start_server(
-            [], socket_path={sock!r}, log_path=Path({str(tmp_path)!r}) / "server.log",
-            launcher=(sys.executable, "-c", "import time; time.sleep(600)"), also_stop=ray_processes,
-        )
+        if {told_later!r}:
+            server.also_stop(ray_processes)
+        else:
+            server = helpers.start_server([], also_stop=ray_processes, **stand_in)
         print("pgid", server.pgid, flush=True)
         print("ray", ",".join(ray_processes), flush=True)
         time.sleep(600)

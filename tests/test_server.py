@@ -16,8 +16,10 @@ import pytest
 
 import helpers
 from conftest import (
+    CPU_LAUNCHER,
     SERVED_NAME,
     as_another_user,
+    cpu_serve_args,
     healthy_or_stopped,
     listening_tcp,
     private_socket_path,
@@ -513,3 +515,48 @@ def test_the_benchmarks_generation_throughput_counts_every_token_it_asked_for(cp
     result = benchmark.generation_throughput(job, 3, 5, repeats=2)
     assert result["generated_tokens"] == 15 and len(result["seconds"]) == 2, result
     assert result["tokens_per_s"] == pytest.approx(15 / statistics.median(result["seconds"]))
+
+
+def test_a_server_started_without_flags_runs_its_launcher_only_once_given_them(tmp_path):
+    """start_server(None) starts the process, which waits until Server.serve() gives it the `vllm serve` flags, and
+    then runs the launcher module with them, in the environment it was started with and the one given then.
+    Stopped before, it leaves nothing."""
+    tests = str(Path(__file__).parent)
+    start = dict(
+        socket_path=private_socket_path(),
+        env={"PYTHONPATH": tests, "GIVEN_AT_START": "yes"},
+        launcher=(sys.executable, "-m", "env_echo"),
+    )
+    server = helpers.start_server(None, log_path=tmp_path / "told.log", **start)
+    try:
+        time.sleep(1)
+        assert server.proc.poll() is None and "ECHO" not in (tmp_path / "told.log").read_text()
+        server.serve(["model", "--flag", "1"], env={"GIVEN_LATER": "yes"})
+        assert server.proc.wait(timeout=120) == 0
+    finally:
+        helpers.stop_server(server)
+    echoed = next(line for line in (tmp_path / "told.log").read_text().splitlines() if line.startswith("ECHO "))
+    sock = str(start["socket_path"])
+    assert json.loads(echoed[5:]) == {"argv": ["serve", "model", "--flag", "1", "--uds", sock], "env": ["yes", "yes"]}
+    assert f"$ vllm serve model --flag 1 --uds {sock}" in (tmp_path / "told.log").read_text()
+    never_told = helpers.start_server(None, log_path=tmp_path / "never.log", **start)
+    helpers.stop_server(never_told)
+    assert helpers.group_members(never_told.pgid) == [] and never_told.proc.poll() is not None
+
+
+def test_a_cpu_vllm_server_started_without_flags_serves_once_given_them(tiny_checkpoint, tmp_path):
+    """The same with vLLM itself, through the CPU launcher: healthy and serving once told."""
+    server = helpers.start_server(
+        None,
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "server.log",
+        env={"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])},
+        launcher=CPU_LAUNCHER,
+    )
+    try:
+        server.serve(cpu_serve_args(tiny_checkpoint))
+        healthy_or_stopped(server, timeout_s=300)
+        assert 0 < server.serving_after_s < time.monotonic() - server.started_at
+        assert len(helpers.completions(server.socket_path, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    finally:
+        helpers.stop_server(server)
