@@ -126,44 +126,31 @@ def serve_args(
         raise ValueError("pass kv_cache_memory_bytes or kv_cache_tokens, not both")
     dp_size = len(gpu_ids) * num_nodes // tensor_parallel_size
     flags = [
-        "--served-model-name",
-        served_name,
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--data-parallel-size",
-        str(dp_size),
+        *("--served-model-name", served_name),
+        *("--tensor-parallel-size", str(tensor_parallel_size)),
+        *("--data-parallel-size", str(dp_size)),
         *(["--enable-expert-parallel"] if experts else []),
-        "--device-ids",
-        ",".join(gpu_ids),
+        *("--device-ids", ",".join(gpu_ids)),
         "--enable-sleep-mode",
-        "--load-format",
-        "dummy",
-        "--weight-transfer-config",
-        json.dumps({"backend": "ipc"}),
-        "--gpu-memory-utilization",
-        str(gpu_memory_utilization),
+        *("--load-format", "dummy"),
+        *("--weight-transfer-config", json.dumps({"backend": "ipc"})),
+        *("--gpu-memory-utilization", str(gpu_memory_utilization)),
     ]
     flags += ["--worker-extension-cls", worker_extension] if worker_extension else []
     if num_nodes > 1:
         local = dp_size // num_nodes
         flags += [
-            "--data-parallel-size-local",
-            str(local),
-            "--data-parallel-address",
-            head[0],
-            "--data-parallel-rpc-port",
-            str(head[1]),
+            *("--data-parallel-size-local", str(local)),
+            *("--data-parallel-address", head[0]),
+            *("--data-parallel-rpc-port", str(head[1])),
         ]
         if node > 0:  # engines only, reaching node 0's API server at `head`
             flags += ["--headless", "--data-parallel-start-rank", str(node * local)]
     if rollout_dtype == "fp8":  # vLLM quantizes the routed experts it receives to block-wise FP8
         flags += [
-            "--quantization",
-            "online",
-            "--quantization-config",
-            json.dumps({"moe": "fp8_per_block"}),
-            "--moe-backend",
-            "triton",
+            *("--quantization", "online"),
+            *("--quantization-config", json.dumps({"moe": "fp8_per_block"})),
+            *("--moe-backend", "triton"),
         ]
     elif rollout_dtype != "bf16":
         raise ValueError(f"rollout_dtype must be 'bf16' or 'fp8', not {rollout_dtype!r}")
@@ -252,21 +239,10 @@ def _start_watched(
     alive_r, alive_w = os.pipe()
     done_r, done_w = os.pipe()
     try:
+        also = [",".join(also_stop)] if also_stop else []
+        watchdog = [WATCHDOG_MARKER, str(alive_r), str(done_w), str(_WATCHDOG_GRACE_S), *also]  # server_watchdog's
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _watchdog_program(),
-                WATCHDOG_MARKER,
-                str(alive_r),
-                str(done_w),
-                str(_WATCHDOG_GRACE_S),
-                *([",".join(also_stop)] if also_stop else []),
-                "--",
-                *cmd,
-            ],
+            [sys.executable, "-I", "-S", "-c", _watchdog_program(), *watchdog, "--", *cmd],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
@@ -288,15 +264,12 @@ def _watchdog_program() -> str:
     import inspect
 
     parts = [inspect.getsource(f) for f in (proc_stat, start_time, group_members, stop_group, server_watchdog)]
-    return "\n".join(
-        [
-            "from __future__ import annotations",
-            "import os, select, signal, sys, time",
-            "from contextlib import suppress",
-            *parts,
-            "server_watchdog()",
-        ]
-    )
+    imports = [
+        "from __future__ import annotations",
+        "import os, select, signal, sys, time",
+        "from contextlib import suppress",
+    ]
+    return "\n".join([*imports, *parts, "server_watchdog()"])
 
 
 def _release_watchdog(server: Server, timeout_s: float = 10.0) -> None:
