@@ -461,10 +461,11 @@ def _sync(vllm_model, sent, loader: str, layout=None, hooks: bool = True) -> Non
         # loaded; the GPU runs check the whole route).
         session = direct_load._session(layout or direct_load._layout(vllm_model), importer=None)
         direct_load._load(session, sent, 0, vllm_model.test_vllm_config)
-    config = vllm_model.test_vllm_config
-    with torch.no_grad(), vllm_adapter.internal("vllm.config", "set_current_vllm_config")(config):
-        for hook in vllm_adapter.post_load_hooks(vllm_model, config.model_config, torch.device("cpu")) if hooks else []:
-            hook()
+    if hooks:
+        config = vllm_model.test_vllm_config
+        with vllm_adapter.internal("vllm.config", "set_current_vllm_config")(config):
+            for hook in vllm_adapter.post_load_hooks(vllm_model, config.model_config, torch.device("cpu")):
+                hook()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
