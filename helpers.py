@@ -213,10 +213,11 @@ _WAIT_FOR_FLAGS = """
 import json, os, runpy, sys
 launcher = sys.argv[1:]
 if launcher[0] == "-m":
-    try:  # the slow part of a start, which needs no GPU
-        import vllm.entrypoints.cli.main, vllm.entrypoints.cli.serve  # noqa: F401
-    except Exception:  # only the head start is lost: the launcher imports what it needs once told
-        pass
+    try:  # the slow part of a start, which needs no GPU: the launcher's imports, then those of `vllm serve`
+        __import__(launcher[1])
+        import vllm.entrypoints.cli.serve  # noqa: F401
+    except Exception as e:  # only the head start is lost: the launcher imports what it needs once told
+        print(f"[wait for flags] importing vLLM before the flags failed, so it imports once given them: {e!r}")
 told = json.loads(sys.stdin.readline() or "null")
 if told is not None:
     os.environ.update(told["env"])  # read by the engines it starts, such as GLOO_SOCKET_IFNAME

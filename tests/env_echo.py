@@ -5,5 +5,6 @@ import json
 import os
 import sys
 
-env = [os.environ.get("GIVEN_AT_START"), os.environ.get("GIVEN_LATER")]
-print("ECHO " + json.dumps({"argv": sys.argv[1:], "env": env}), flush=True)
+if __name__ == "__main__":  # run, not imported
+    env = [os.environ.get("GIVEN_AT_START"), os.environ.get("GIVEN_LATER")]
+    print("ECHO " + json.dumps({"argv": sys.argv[1:], "env": env}), flush=True)

@@ -545,17 +545,19 @@ def test_a_server_started_without_flags_runs_its_launcher_only_once_given_them(t
 
 
 def test_a_cpu_vllm_server_started_without_flags_serves_once_given_them(tiny_checkpoint, tmp_path):
-    """The same with vLLM itself, through the CPU launcher: healthy and serving once told."""
+    """The same with vLLM itself, its CPU launcher run as a module as vLLM's CLI is (`python -m`): it imports the
+    launcher and what `vllm serve` imports first, and is healthy and serving once told."""
     server = helpers.start_server(
         None,
         socket_path=private_socket_path(),
         log_path=tmp_path / "server.log",
         env={"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])},
-        launcher=CPU_LAUNCHER,
+        launcher=(sys.executable, "-m", Path(CPU_LAUNCHER[1]).stem),
     )
     try:
         server.serve(cpu_serve_args(tiny_checkpoint))
         healthy_or_stopped(server, timeout_s=300)
+        assert "importing vLLM before the flags failed" not in server.log_path.read_text()
         assert 0 < server.serving_after_s < time.monotonic() - server.started_at
         assert len(helpers.completions(server.socket_path, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
     finally:
