@@ -217,7 +217,7 @@ if launcher[0] == "-m":
         __import__(launcher[1])
         import vllm.entrypoints.cli.serve  # noqa: F401
     except Exception as e:  # only the head start is lost: the launcher imports what it needs once told
-        print(f"[wait for flags] importing vLLM before the flags failed, so it imports once given them: {e!r}")
+        print(f"[wait for flags] importing vLLM early failed; it imports once given its flags: {e!r}", flush=True)
 told = json.loads(sys.stdin.readline() or "null")
 if told is not None:
     os.environ.update(told["env"])  # read by the engines it starts, such as GLOO_SOCKET_IFNAME
