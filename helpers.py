@@ -213,8 +213,8 @@ _WAIT_FOR_FLAGS = """
 import json, os, runpy, sys
 launcher = sys.argv[1:]
 if launcher[0] == "-m":
-    try:  # the slow part of a start, which needs no GPU: the launcher's imports, then those of `vllm serve`
-        __import__(launcher[1])
+    try:  # the slow part of a start, which needs no GPU: the launcher's own code, then what `vllm serve` imports
+        runpy.run_module(launcher[1])  # as a module, not as __main__: it does not run yet
         import vllm.entrypoints.cli.serve  # noqa: F401
     except Exception as e:  # only the head start is lost: the launcher imports what it needs once told
         print(f"[wait for flags] importing vLLM early failed; it imports once given its flags: {e!r}", flush=True)
