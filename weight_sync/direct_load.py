@@ -103,7 +103,7 @@ class _Layout:
     through_loader: set[str] = field(default_factory=set)
     processed: bool = False  # vLLM's post-load function has run over this model once, after a direct sync
     post_load_hooks: list = field(default_factory=list)  # the modules' own hooks, found once it has run
-    # name -> (parameter, its data_ptr, shape and strides, the rows a `plain` name is copied into).
+    # name -> (where its parameter is, _where(), and the rows a `plain` name is copied into).
     # Kept while the parameter's storage is unchanged, because slicing a vLLM parameter costs
     # more than the copy. If vLLM gives the parameter new storage, the kept view holds the old
     # storage alive until the next sync replaces it.
@@ -474,19 +474,23 @@ class _Copies:
     through_loader: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # the model's load_weights
     first_seen: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # learned first
     touched: dict[int, torch.nn.Module] = field(default_factory=dict)  # the layers written, for the finish
-    written: list[tuple[torch.nn.Module, str, tuple]] = field(default_factory=list)  # (owner, name, _where())
+    # Each parameter written, once however many tensors it takes: (id(owner), name) -> (owner, name, _where()).
+    written: dict[tuple[int, str], tuple[torch.nn.Module, str, tuple]] = field(default_factory=dict)
+
+    def write(self, owner: torch.nn.Module, name: str) -> None:
+        """Record that these copies write `owner`'s parameter `name`, where it is now."""
+        self.written[id(owner), name] = (owner, name, _where(getattr(owner, name, None)))
 
     def unchanged(self) -> bool:
         """Return whether these copies can be made again as they are: each directly, into parameters still
         where they were."""
         return not (self.through_loader or self.first_seen) and all(
-            _where(owner, name) == where for owner, name, where in self.written
+            _where(getattr(owner, name, None)) == where for owner, name, where in self.written.values()
         )
 
 
-def _where(owner: torch.nn.Module, name: str) -> tuple:
-    """Where a module's parameter is: the object, its storage, shape and strides."""
-    param = getattr(owner, name, None)
+def _where(param: torch.Tensor | None) -> tuple:
+    """Where a parameter is: the object, its storage, shape and strides."""
     return (id(param), param.data_ptr(), param.shape, param.stride()) if param is not None else ()
 
 
@@ -510,10 +514,10 @@ def _copies(session: _Session, tensors, trainer_rank: int | None) -> _Copies:
             if (scales := fp8_scales(experts, param_name)) is not None:
                 shards = _fp8_experts().fp8_shards(experts, param_name)
                 copies.fp8_blocks.append((tensor, shards, param.data, scales.data))
-                copies.written.append((experts, f"{param_name}_scale_inv", _where(experts, f"{param_name}_scale_inv")))
+                copies.write(experts, f"{param_name}_scale_inv")
             else:
                 copies.blocks.append((param.data, tensor))
-            copies.written.append((experts, param_name, _where(experts, param_name)))
+            copies.write(experts, param_name)
             copies.touched[id(experts)] = experts
         elif name in layout.plain:
             rows = _plain_rows(layout, name, tensor)
@@ -524,8 +528,8 @@ def _copies(session: _Session, tensors, trainer_rank: int | None) -> _Copies:
             copies.rows.append(rows)
             copies.rows_from.append(tensor)
             param_name = layout.plain[name][0]
-            owner, attribute = layout.param_owner[param_name], param_name.rpartition(".")[2]
-            copies.written.append((owner, attribute, _where(owner, attribute)))
+            owner = layout.param_owner[param_name]
+            copies.write(owner, param_name.rpartition(".")[2])
             copies.touched[id(owner)] = owner
         elif name in layout.through_loader:
             copies.through_loader.append((name, tensor))
@@ -607,15 +611,14 @@ def _plain_rows(layout: _Layout, name: str, tensor: torch.Tensor) -> torch.Tenso
     """Return the parameter rows that the plain copy of `name` writes, or None if they no longer fit."""
     param_name, row = layout.plain[name]
     param = _parameter(layout, param_name)
-    kept = layout.views.get(name)
-    where = (param.data_ptr(), param.shape, param.stride()) if param is not None else None
-    if kept is not None and kept[0] is param and kept[1] == where and kept[2].shape == tensor.shape:
-        return kept[2]
+    kept, where = layout.views.get(name), _where(param)
+    if kept is not None and kept[0] == where and kept[1].shape == tensor.shape:
+        return kept[1]
     rows = _rows(param, row, tensor)
     if rows is None:
         layout.views.pop(name, None)
     else:
-        layout.views[name] = (param, where, rows)
+        layout.views[name] = (where, rows)
     return rows
 
 
