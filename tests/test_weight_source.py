@@ -66,21 +66,28 @@ def _consume_as_vllm_does(trainer, ckpt, out_dir):
         report[f"{loader}_want"] = [exact_check_engine.exact_fingerprint(t) for t in held]
         report[f"{loader}_uncast"] = [exact_check_engine.exact_fingerprint(t) for _, t in sent]
         report[f"{loader}_from_model"] = len(source._from_model)
-    # InPlace reads a tensor's storage again only where its module holds another tensor. Across a forward,
-    # in which FSDP2 swaps in the gathered parameters and back, what it keeps is what the model holds.
+    # InPlace exports a tensor's handle again only if it moved. Across a forward, in which FSDP2 swaps in the
+    # gathered parameters and back, what it reads is what the model keeps, and nothing moved; a parameter
+    # replaced, or its storage reallocated in place, moved.
     held = [n.rpartition(".") for n, _ in trainer.model.named_parameters()]
     in_place = sources.InPlace({f"{m}.{a}": (trainer.model.get_submodule(m), a) for m, _, a in held})
-    first, read = in_place.local_tensors()
-    assert read and all(t.data_ptr() == sources._local(p).data_ptr() for t, p in zip(first, trainer.model.parameters()))
+    first = in_place.local_tensors()
+    assert [t.data_ptr() for t in first] == [sources._local(p).data_ptr() for p in trainer.model.parameters()]
+    assert all(not t.requires_grad for t in first) and (where := in_place.moved(first)) is not None
+    in_place._exported = (where, "handles")  # as gather() keeps them
     trainer.token_logprobs([[1, 2, 3]])
-    kept, read = in_place.local_tensors()
-    assert not read and [t.data_ptr() for t in kept] == [
-        sources._local(p).data_ptr() for p in trainer.model.parameters()
-    ]
+    kept = in_place.local_tensors()
+    assert [t.data_ptr() for t in kept] == [t.data_ptr() for t in first] and in_place.moved(kept) is None
     module, attribute = in_place._where[0]
     setattr(module, attribute, torch.nn.Parameter(getattr(module, attribute).detach().clone()))
-    moved, read = in_place.local_tensors()
-    assert read and moved[0].data_ptr() == sources._local(getattr(module, attribute)).data_ptr() != first[0].data_ptr()
+    replaced = in_place.local_tensors()
+    assert replaced[0].data_ptr() == sources._local(getattr(module, attribute)).data_ptr() != first[0].data_ptr()
+    assert in_place.moved(replaced) is not None
+    in_place._exported = (in_place.moved(replaced), "handles")
+    # The same tensor in new storage, as FSDP2 reallocates what it gathers (larger here, so surely elsewhere):
+    storage = in_place.local_tensors()[1].untyped_storage()
+    storage.resize_(2 * storage.nbytes())
+    assert in_place.moved(in_place.local_tensors()) is not None
     torch.save(report, out_dir / f"rank{trainer.rank}.pt")
 
 

@@ -522,8 +522,6 @@ class InPlace:
     def __init__(self, where: dict[str, tuple[torch.nn.Module, str]]) -> None:
         self.names = list(where)  # the names they are sent under, in send order
         self._where = list(where.values())  # the module and attribute that hold each
-        self._held: list[torch.Tensor] | None = None  # the tensors the modules held when last read
-        self._local: list[torch.Tensor] = []  # the rank's own storage of each, read from those
         self._exported: tuple[list, list] | None = None  # where the tensors were, and their handles
         self._gpu_uuid: str | None = None
         self.gathered: dict[str, list] | None = None  # every rank's handles by GPU, used on rank 0
@@ -547,17 +545,19 @@ class InPlace:
         `source` must yield these tensors last; a source wrapped around it works too."""
         return PackedPart(source, len(source.metadata) - len(self.names))
 
-    def local_tensors(self) -> tuple[list[torch.Tensor], bool]:
-        """Return each tensor's own storage on this rank as its module holds it now, and whether it was read again.
+    def local_tensors(self) -> list[torch.Tensor]:
+        """Return each tensor's own storage on this rank, as its module holds it now."""
+        with torch.no_grad():  # where DTensor.to_local() returns the shard itself, without autograd's bookkeeping
+            held = [getattr(module, attribute) for module, attribute in self._where]
+            return [t.to_local() if hasattr(t, "to_local") else t for t in held]
 
-        Reading a shard's storage out of its DTensor costs more than the rest of a send's handshake, so it is
-        read again only if a module holds another tensor than last time, as FSDP2 does during a forward. Between
-        steps FSDP2 keeps each shard, and the optimizer steps it in place."""
-        held = [getattr(module, attribute) for module, attribute in self._where]
-        if self._held is not None and all(a is b for a, b in zip(held, self._held, strict=True)):
-            return self._local, False
-        self._held, self._local = held, [_local(t) for t in held]
-        return self._local, True
+    def moved(self, local: list[torch.Tensor]) -> list[tuple] | None:
+        """Return where the tensors are now if any moved since their handles were exported, else None.
+
+        A module may hold another tensor, as FSDP2 does during a forward, or the same tensor in new storage, as
+        FSDP2 does for the parameters it gathers; either moves it."""
+        where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
+        return where if self._exported is None or self._exported[0] != where else None
 
     def gather(self) -> None:
         """Synchronize this rank's GPU and share its handles with every rank; all ranks call it at once.
@@ -565,11 +565,10 @@ class InPlace:
         A tensor's handle is exported again only if the tensor moved."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        local, read_again = self.local_tensors()
-        if read_again:
-            where = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in local]
-            if self._exported is None or self._exported[0] != where:
-                self._exported = (where, [(n, reduce_tensor(t)[1]) for n, t in zip(self.names, local, strict=True)])
+        local = self.local_tensors()
+        if (where := self.moved(local)) is not None:
+            handles = [(n, reduce_tensor(t.detach())[1]) for n, t in zip(self.names, local, strict=True)]
+            self._exported = (where, handles)
             self._gpu_uuid = str(torch.cuda.get_device_properties(local[0].device).uuid)
         torch.cuda.synchronize()  # the step's last writes, before rank 0 tells the engines to read
         mine = {self._gpu_uuid: self._exported[1]}
