@@ -131,10 +131,13 @@ class ExactCheck:
     # {exact_accounting.NOT_COMPARED key: count} of those not compared bit for bit, and their names.
     not_compared: dict[str, int] | None = None
     not_compared_parameters: dict[str, list[str]] | None = None
-    # Parameters vLLM derives after loading from others, such as MLA's W_UK_T and W_UV, each compared bit for bit
-    # with what vLLM derives again from what the engine holds: how many, and their names.
+    # Parameters vLLM derives after loading from others, such as MLA's W_UK_T and W_UV: how many, and their names.
+    # Each is a view into a parameter compared bit for bit (derived_views: how many, and {derived: that one}),
+    # or else compared bit for bit with what vLLM derives again from what the engine holds.
     derived: int | None = None
     derived_parameters: list[str] | None = None
+    derived_views: int | None = None
+    derived_view_of: dict[str, str] | None = None
     # Sent tensors held in another dtype by a cast that keeps every bit or that the example asks for.
     held_in_other_dtype: list[str] | None = None
 
@@ -266,5 +269,7 @@ def _both_halves(job, call_timeout_s: float) -> ExactCheck:
         not_compared_parameters=not_compared,
         derived=len(answer.get("derived", [])),
         derived_parameters=answer.get("derived", []),
+        derived_views=len(answer.get("derived_views", {})),
+        derived_view_of=answer.get("derived_views", {}),
         held_in_other_dtype=answer["casts"],
     )

@@ -23,6 +23,7 @@ import json
 import math
 import re
 import time
+from collections import defaultdict
 
 import torch
 
@@ -173,7 +174,7 @@ class ExactCheckWorker(DirectLoadWorker):
         params = dict(model.named_parameters())
         names = checked_parameters(model, targets)
         fingerprints = self._held_fingerprints.start(params[n] for n in names)
-        self._exact_started = (fingerprints, self._derived_problems(model))
+        self._exact_started = (fingerprints, *self._derived_problems(model))
         return {"parameters": len(names)}
 
     def exact_check(self, expected: str) -> dict:
@@ -205,7 +206,7 @@ class ExactCheckWorker(DirectLoadWorker):
         )
         unaccounted = getattr(self, "_exact_unaccounted", [])
         derived = self._exact_comparisons["derived"]
-        stale = started[1] if started is not None else self._derived_problems(model)
+        stale, views = started[1:] if started is not None else self._derived_problems(model)
         if problems or unaccounted or stale:
             fp8_parameters = fp8_parameter_names(model)
             if any(problem.split(": ", 1)[0] in fp8_parameters for problem in problems):
@@ -233,18 +234,22 @@ class ExactCheckWorker(DirectLoadWorker):
             "held": sum(map(len, compared.values())),
             "bit_for_bit": len(compared["bit_for_bit"]),
             "derived": derived,
+            "derived_views": views,
             "not_compared": {k: v for k, v in compared.items() if k not in ("bit_for_bit", "derived") and v},
             "casts": self._exact_casts,
         }
 
-    def _derived_problems(self, model: torch.nn.Module) -> list[str]:
-        """derived_problems for the parameters prepared as derived, in the layers that own them, found once."""
+    def _derived_problems(self, model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+        """Return derived_problems for the parameters prepared as derived, less derived_views, and those views.
+
+        The layers that own derived parameters are found once."""
         names = set(self._exact_comparisons["derived"])
+        views = derived_views(model, names, set(self._exact_comparisons["bit_for_bit"]))
         layers = getattr(self, "_exact_derived_layers", None)
         if layers is None or layers[0] is not model:
             owners = [(prefix, layer) for prefix, layer in model.named_modules() if _owns(layer, prefix, names)]
             self._exact_derived_layers = layers = (model, owners)
-        return derived_problems(layers[1], self.vllm_config.model_config, names)
+        return derived_problems(layers[1], self.vllm_config, names - set(views)), views
 
     def _exact_targets_or_raise(self) -> list[list[str]]:
         targets = getattr(self, "_exact_targets", None)
@@ -592,31 +597,64 @@ def _owns(layer: torch.nn.Module, prefix: str, names: set[str]) -> bool:
     return any(f"{prefix}.{n}" in names for n, _ in layer.named_parameters(recurse=False))
 
 
-def derived_problems(layers: list[tuple[str, torch.nn.Module]], model_config, names: set[str]) -> list[str]:
+def derived_views(model: torch.nn.Module, derived: set[str], compared: set[str]) -> dict[str, str]:
+    """Return each derived parameter that is a view into a compared parameter's memory, with that one's name.
+
+    vLLM keeps MLA's W_UK_T and W_UV as views of kv_b_proj's weight where their dtypes match: their bits are
+    that weight's, compared bit for bit, and nothing is derived again. A derived parameter with memory of its
+    own, as after a load that gave kv_b_proj new storage, is not a view, and is derived again."""
+    params = dict(model.named_parameters())
+    by_storage: dict[int, list[str]] = defaultdict(list)
+    for name in compared:
+        if name in params and params[name].numel():
+            by_storage[params[name].untyped_storage().data_ptr()].append(name)
+    views = {}
+    for name in sorted(derived):
+        param = params[name]
+        candidates = by_storage.get(param.untyped_storage().data_ptr(), []) if param.numel() else []
+        if within := [c for c in sorted(candidates) if _within(_span(param), _span(params[c]))]:
+            views[name] = within[0]
+    return views
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Return the first and one past the last byte address a tensor's elements occupy."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _within(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def derived_problems(layers: list[tuple[str, torch.nn.Module]], vllm_config, names: set[str]) -> list[str]:
     """Derive the parameters in `names` again from what this engine holds now; name each that differs.
 
     `layers` holds (name, layer) of the attention layers that own them. Each runs its own post-load hook
     again, as vLLM does after a load, and each such parameter must come out bit for bit as it was: a sync
     whose post-load processing did not run, or ran before its sources were written, left it derived from
-    other weights. The parameters are then put back as they were, in their own storage, so the check changes
-    nothing the engine serves with. A parameter in `names` that no layer derives again is named too.
+    other weights. A parameter that differs is put back as it was, and each is kept in its own storage, so
+    the check changes nothing the engine serves with. A parameter in `names` that no layer derives again is
+    named too.
     """
     is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
+    set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
     problems, derived_again = [], set()
-    with torch.no_grad():
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
         for prefix, layer in layers:
             own = {n: p for n, p in layer.named_parameters(recurse=False) if f"{prefix}.{n}" in names}
             if not own or not is_deferred(layer):
                 continue
             held = {n: (p.data, p.detach().clone()) for n, p in own.items()}  # (its storage, its values)
-            attention_post_load_hook(layer, model_config)()
+            attention_post_load_hook(layer, vllm_config.model_config)()
             for n, param in layer.named_parameters(recurse=False):
                 if n in held:
                     storage, before = held[n]
-                    if not _same_bits(param.detach(), before):
-                        problems.append(f"{prefix}.{n}: not what vLLM derives from the weights held")
+                    same = _same_bits(param.detach(), before)
                     param.data = storage
-                    storage.copy_(before)
+                    if not same:
+                        problems.append(f"{prefix}.{n}: not what vLLM derives from the weights held")
+                        storage.copy_(before)
                     derived_again.add(f"{prefix}.{n}")
     return problems + [
         f"{n}: derived by vLLM after loading, and no layer here derives it again" for n in sorted(names - derived_again)

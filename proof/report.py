@@ -124,7 +124,10 @@ def exact_line(exact: dict | None, not_run: str | None = None) -> str:
     of = f" of {held}" if held is not None else ""
     line = f"[exact] {exact['parameters_per_engine']}{of} vLLM parameters bit for bit on each of {engines}"
     if exact.get("derived"):
-        line += f", and {exact['derived']} derived by vLLM after loading, bit for bit as vLLM derives them again"
+        views = exact.get("derived_views") or 0
+        how = [f"{exact['derived'] - views} bit for bit as vLLM derives them again"] if exact["derived"] > views else []
+        how += [f"{views} views into parameters compared above"] if views else []
+        line += f", and {exact['derived']} derived by vLLM after loading ({'; '.join(how)})"
     if skipped := {k: n for k, n in (exact.get("not_compared") or {}).items() if n}:
         why = ", ".join(f"{n} {NOT_COMPARED.get(k, k)}" for k, n in skipped.items())
         line += f"; {sum(skipped.values())} not compared ({why})"

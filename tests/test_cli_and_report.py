@@ -980,15 +980,17 @@ def test_the_exact_checks_line_table_and_json_say_what_was_not_compared_and_when
             parameters_held=430,
             not_compared={"fp8_requantized": 16, "by_value": 0},
             not_compared_parameters={"fp8_requantized": ["a"] * 16},
-            derived=2,
-            derived_parameters=["b.W_UK_T", "b.W_UV"],
+            derived=3,
+            derived_parameters=["b.W_UK_T", "b.W_UV", "c.W_UV"],
+            derived_views=2,
+            derived_view_of={"b.W_UK_T": "b.kv_b_proj.weight", "b.W_UV": "b.kv_b_proj.weight"},
             held_in_other_dtype=["x.gate.weight: bfloat16 sent, float32 held"] * 2,
         )
     )
     report.print_round(record, TOLERANCES)
     assert (
-        "[exact] 412 of 430 vLLM parameters bit for bit on each of 2 DP engines, and 2 derived by vLLM after "
-        "loading, bit for bit as vLLM derives them again; 16 not compared (16 FP8 experts re-quantized by vLLM's "
+        "[exact] 412 of 430 vLLM parameters bit for bit on each of 2 DP engines, and 3 derived by vLLM after "
+        "loading (1 bit for bit as vLLM derives them again; 2 views into parameters compared above); 16 not compared (16 FP8 experts re-quantized by vLLM's "
         "loader); 2 held in another dtype (bfloat16 sent, float32 held) (0.50 s)"
     ) in capsys.readouterr().out
     not_run = _record()
@@ -999,7 +1001,7 @@ def test_the_exact_checks_line_table_and_json_say_what_was_not_compared_and_when
     failed.exact_check = asdict(exact_check_driver.ExactCheck(False, 0.5, None, 1, "DP engine 0: x"))
     rows = [r.to_json() for r in (record, not_run, failed)]
     assert rows[1]["exact_check"] is None and rows[1]["exact_check_not_run"] == "--tensor-parallel-size 2"
-    assert rows[0]["exact_check_not_run"] is None and rows[0]["exact_check"]["derived"] == 2
+    assert rows[0]["exact_check_not_run"] is None and rows[0]["exact_check"]["derived"] == 3
     cells = [report._exact_cell(r) for r in rows]
     assert cells == ["pass 412/430", "not run", "FAIL"]
     result = {"rounds": rows, "coverage": None, "memory_growth_gib": 0.0}

@@ -168,3 +168,17 @@ def test_every_familys_true_sync_is_accounted_for(family, vllm_models):  # noqa:
     targets, casts, _, _ = exact_check_engine.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     problems, _ = exact_accounting.unaccounted(vllm_model, metas, targets, casts, None, {})
     assert problems == []
+
+
+def test_a_derived_parameter_is_a_view_only_inside_the_memory_of_a_parameter_compared():
+    """A derived parameter is counted as a view of a compared one only if its elements lie inside that one's:
+    sharing a storage with it, as parameters cut from one buffer do, is not enough."""
+    buffer = torch.arange(32.0)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(buffer[:16].view(4, 4), requires_grad=False)
+    layer.inside = torch.nn.Parameter(buffer[:16].view(4, 4).t()[1:, :2], requires_grad=False)
+    layer.beside = torch.nn.Parameter(buffer[16:20], requires_grad=False)  # same storage, other memory
+    layer.own = torch.nn.Parameter(buffer[:16].clone(), requires_grad=False)
+    derived = {"inside", "beside", "own"}
+    assert exact_check_engine.derived_views(layer, derived, {"weight"}) == {"inside": "weight"}
+    assert exact_check_engine.derived_views(layer, derived, set()) == {}  # nothing compared, nothing viewed

