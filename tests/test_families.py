@@ -605,7 +605,7 @@ def test_the_last_chunk_also_finishes_the_sync(vllm_models, monkeypatch):
         worker.direct_load_finish()
 
 
-def test_tensors_in_place_load_as_the_packed_ones_do_and_are_kept_between_syncs(vllm_models, monkeypatch):
+def test_tensors_in_place_load_as_the_packed_ones_do_and_are_kept_between_syncs(vllm_models, monkeypatch, capsys):
     """The worker's route for tensors in place (sources.InPlace): a send
     whose start carries every tensor's handle and no chunk writes what the
     same tensors packed write, in one call that also finishes the sync. A
@@ -667,8 +667,11 @@ def test_tensors_in_place_load_as_the_packed_ones_do_and_are_kept_between_syncs(
         assert mine.keys() == theirs.keys()
         written = [n for n in mine if ".experts." not in n]  # (each model's experts: its own dummy weights)
         assert len(written) > 10 and [n for n in written if not torch.equal(mine[n], theirs[n])] == []
-        # The copies worked out for these tensors are made again (the first sync's learned each name first).
+        # The copies worked out for these tensors are made again (the first sync's learned each name first),
+        # and the engine's log says which.
         assert (copies is not None and in_place._in_place_copies[1] is copies[1]) == (mean == 7.0)
+        said = "in-place copies kept" if mean == 7.0 else "in-place copies worked out"
+        assert f"[direct_load] DP rank 0: {len(sent)} tensors" in (out := capsys.readouterr().out) and said in out
     with pytest.raises(RuntimeError, match="holds no trainer handles of version 7"):
         in_place_send(in_place, {"trainer_gpu_uuids": [""], "version": 7})
 

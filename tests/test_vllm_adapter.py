@@ -277,7 +277,9 @@ def test_the_hooks_a_sync_lists_once_are_those_vllm_0_34_runs_after_a_load_in_it
     finalize(model)
     assert listed == ran and len(ran) >= sum(type(m).__name__ == "MLAAttention" for m in vllm_model.modules()) > 0
     assert listed[-3:] == [m.process_weights_after_loading for m in (shared, model.outer, model.other)]
-    (whole,) = vllm_adapter.post_load_hooks(model, config, torch.device("meta"))  # "offloaded": not on it
+    model.placeholder = torch.nn.Parameter(torch.empty(2, device="meta"), requires_grad=False)  # never moved
+    assert vllm_adapter.post_load_hooks(model, config, torch.device("cpu")) == listed
+    (whole,) = vllm_adapter.post_load_hooks(model, config, torch.device("meta"))  # "offloaded": on the CPU
     ran.clear()
     whole()
     assert ran == listed

@@ -131,6 +131,7 @@ class _Session:
     tensors: int = 0
     bytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # this engine's time in the chunks, by part
+    copies_kept: bool | None = None  # whether the copies of the tensors in place were the last sync's
 
 
 class DirectLoadWorker:
@@ -164,6 +165,7 @@ class DirectLoadWorker:
         copies = kept[1] if kept is not None and kept[0] is tensors and kept[1].unchanged() else None
         trainer_rank = update["trainer_gpu_uuids"].index(session.gpu_uuid)
         self._in_place_copies = (tensors, _load(session, tensors, trainer_rank, self.vllm_config, copies)[0])
+        session.copies_kept = copies is not None
         session.tensors += len(tensors)
         session.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
         # Copies are launched; finish waits for them. The key names the expert blocks; it times every tensor in place.
@@ -365,9 +367,11 @@ class DirectLoadWorker:
         seconds["copies_done"] = time.perf_counter() - launched
         # /collective_rpc returns only DP rank 0's answer, so every engine logs its own.
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
+        # Copies worked out again on a later sync mean vLLM moved a parameter the last ones wrote.
+        copies = {None: "", True: "; in-place copies kept", False: "; in-place copies worked out"}[session.copies_kept]
         print(
-            f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB; seconds in "
-            "the chunks: " + ", ".join(f"{k} {v:.3f}" for k, v in session.seconds.items()),
+            f"[direct_load] DP rank {dp_rank}: {session.tensors} tensors, {session.bytes / 1e9:.2f} GB{copies}; "
+            "seconds in the chunks: " + ", ".join(f"{k} {v:.3f}" for k, v in session.seconds.items()),
             flush=True,
         )
         return {

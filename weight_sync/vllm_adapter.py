@@ -182,7 +182,7 @@ def post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) 
     the next, so the direct loader walks once, after the first sync's full post-load processing, and keeps the
     list. vLLM 0.34's `finalize_model_weights` runs every module's hook, children first, except inside a
     quantized layer, whose method processed it; it moves weights offloaded to the CPU onto the GPU for the
-    attention hooks, so with any weight off `device` the list is that function itself. vLLM 0.32 and 0.33 run
+    attention hooks, so with any weight offloaded the list is that function itself. vLLM 0.32 and 0.33 run
     the attention layers' hooks, then the model's own.
     """
     weight_utils = importlib.import_module("vllm.model_executor.model_loader.weight_utils")
@@ -193,7 +193,8 @@ def post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) 
         return hooks + (
             [model.process_weights_after_loading] if hasattr(model, "process_weights_after_loading") else []
         )
-    if any(p.device != device for p in model.parameters()):
+    if any(_moved_for_hooks(p, device) for p in model.parameters()):
+        print(f"[direct_load] a weight is off {device}: each sync runs vLLM's finalize_model_weights", flush=True)
         return [functools.partial(finalize, model, device)]
     QuantizeMethodBase = internal("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase")
     seen: set[torch.nn.Module] = set()
@@ -212,6 +213,12 @@ def post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) 
         if not isinstance(module, QuantizeMethodBase)
         and callable(hook := getattr(module, "process_weights_after_loading", None))
     ]
+
+
+def _moved_for_hooks(param: torch.Tensor, device: torch.device) -> bool:
+    """Return whether vLLM 0.34's finalize_model_weights moves `param` onto `device` for a hook: offloaded to
+    the CPU, or through unified memory (`_vllm_is_uva_offloaded`). A placeholder on the meta device is not."""
+    return (param.device.type == "cpu" and device.type != "cpu") or getattr(param, "_vllm_is_uva_offloaded", False)
 
 
 def attention_post_load_hook(layer: torch.nn.Module, model_config) -> Callable[[], None]:
