@@ -852,6 +852,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
         with pytest.raises(RuntimeError, match="exact_check_prepare was not called"):
             call()
     _sync(vllm_model, [], loader)  # as the server's dummy load ends: the hooks run, MLA's W_UK_T and W_UV exist
+    _derived_afresh(vllm_model)  # as vLLM's first load leaves them, whatever earlier tests did to the model
     prepared = worker.exact_check_prepare(json.dumps(metas))
     probed = exact_check_engine.probed_parameters(metas, worker._exact_targets)
     left = [n for n, p in vllm_model.named_parameters() if n in probed and p.count_nonzero()]
@@ -900,6 +901,22 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     for name, param in ((n, p) for n, p in vllm_model.named_parameters() if n in derived):
         param.data = views[name]  # views again, as the model is shared with other tests
     assert worker.exact_check(expected)["derived_views"] == sources_of
+
+
+def _derived_afresh(vllm_model) -> None:
+    """Drop MLA's derived weights and derive them as vLLM's first load does: views of kv_b_proj's weight."""
+    from proof import exact_check_engine
+    from weight_sync import vllm_adapter
+
+    config = vllm_model.test_vllm_config
+    derived = set(exact_check_engine.derived_parameters(vllm_model))
+    with torch.no_grad(), vllm_adapter.internal("vllm.config", "set_current_vllm_config")(config):
+        for prefix, layer in list(vllm_model.named_modules()):
+            own = [n for n, _ in layer.named_parameters(recurse=False) if f"{prefix}.{n}" in derived]
+            for name in own:
+                delattr(layer, name)
+            if own:
+                vllm_adapter.attention_post_load_hook(layer, config.model_config)()
 
 
 # Mutation tests: the exact check sees where each piece of a stacked parameter
