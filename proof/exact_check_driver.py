@@ -33,11 +33,14 @@ def prepare_exact_check(job) -> dict:
     # With one engine it must hold every tensor; with more, each expert where the trainer's own layout puts it.
     holders = expert_holders([n for n, *_ in sent], measured(job.trainers, "own_experts")) if job.dp_size > 1 else {}
     view = {"trainer_gpu_uuids": list(job.gpu_uuids), "holders": holders}
-    answers = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent), json.dumps(view))
-    answer = answers[0]
+    # /collective_rpc returns the first DP engine's answer; another engine's problems fail its own checks.
+    answer = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent), json.dumps(view))[
+        0
+    ]
     # Tensors vLLM holds in another dtype are fingerprinted after the same cast; JSON made the indices strings.
     # The trainer fingerprints each piece of a stacked parameter at the rows where it lands.
-    rows = rows_on_every_engine(engines_rows(answers), [name for name, *_ in sent], job.dp_size)
+    rows = {int(index): row for index, row in answer.get("rows", {}).items()}
+    rows = rows_on_every_engine(rows, [name for name, *_ in sent], job.dp_size)
     measured(job.trainers, "set_exact_casts", {int(i): d for i, d in answer["casts"].items()}, rows)
     if answer.get("by_value"):
         print(
@@ -52,32 +55,13 @@ def prepare_exact_check(job) -> dict:
             "compares them with the direct loader's)",
             flush=True,
         )
-    for dp_rank, each in enumerate(answers):
-        if each.get("unaccounted"):
-            print(
-                f"[exact] DP engine {dp_rank} cannot account for {len(each['unaccounted'])} sent tensors, so "
-                f"every exact check fails: {each['unaccounted'][:4]}",
-                flush=True,
-            )
+    if answer.get("unaccounted"):
+        print(
+            f"[exact] DP engine 0 cannot account for {len(answer['unaccounted'])} sent tensors, so every exact "
+            f"check fails: {answer['unaccounted'][:4]}",
+            flush=True,
+        )
     return answer
-
-
-def engines_rows(answers: list[dict]) -> dict[int, int]:
-    """Collect the row each piece of a stacked parameter lands at from every DP engine's prepare answer.
-
-    Each engine places the pieces it holds, since vLLM's loader gives each engine its own experts' tensors.
-    The trainer ranks' fingerprints of a tensor add up over the ranks, so they need one row per tensor, and
-    two engines that place a tensor at different rows raise an error.
-    """
-    rows: dict[int, int] = {}
-    for dp_rank, answer in enumerate(answers):
-        for index, row in answer.get("rows", {}).items():
-            if rows.setdefault(int(index), row) != row:
-                raise RuntimeError(
-                    f"exact check: DP engine {dp_rank} places sent tensor {index} at row {row}, "
-                    f"another engine at row {rows[int(index)]}"
-                )
-    return rows
 
 
 # One expert's tensor as vLLM's own loader takes it: `<layer>.experts.<id>.<name>`.
@@ -85,7 +69,7 @@ _ONE_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
 
 
 def rows_on_every_engine(rows: dict[int, int], names: list[str], dp_size: int) -> dict[int, int]:
-    """Extend `rows` from engines_rows with the rows of expert tensors held by DP engines other than the first.
+    """Extend `rows`, the first DP engine's, with the rows of expert tensors held by DP engines other than the first.
 
     /collective_rpc returns only the first engine's prepare answer, which places only its own experts. With
     E experts in a layer and D DP engines, vLLM's linear expert placement gives engine k experts

@@ -1252,18 +1252,6 @@ def test_the_rows_of_experts_other_engines_hold_follow_the_linear_placement():
     assert exact_check_driver.rows_on_every_engine({0: 0}, names[:1], 2) == {0: 0}
 
 
-def test_the_trainer_takes_each_pieces_row_from_the_engine_that_holds_it():
-    """With DP > 1 through vLLM's loader each engine holds, and places, only
-    its own experts' tensors: the trainer gets every engine's rows, not the
-    first engine's alone; an engine that places a tensor elsewhere than
-    another is an error, not a silent choice."""
-    engine_0 = {"rows": {"0": 0, "1": 64, "5": 0}}  # q/k/v, and its expert 0's gate
-    engine_1 = {"rows": {"0": 0, "1": 64, "9": 0}}  # the same q/k/v; its expert 4's gate, its own slot 0
-    assert exact_check_driver.engines_rows([engine_0, engine_1]) == {0: 0, 1: 64, 5: 0, 9: 0}
-    with pytest.raises(RuntimeError, match="DP engine 1 places sent tensor 1 at row 32"):
-        exact_check_driver.engines_rows([engine_0, {"rows": {"1": 32}}])
-
-
 def test_the_run_facts_say_when_the_servers_process_started_serving_and_was_given_its_flags():
     """The server's process imports vLLM from the job's start and is given its flags once the trainers are placed:
     the JSON has both times, from the process's start."""
