@@ -174,9 +174,9 @@ def start_server(
 
     The socket's directory must be yours alone (0700): anyone who reaches the server can run code in it. A watchdog
     stops the server once this process is gone, however it ended, and kills the processes in `also_stop`.
-    With `serve_args` None the server imports vLLM, the first third of its start, and waits for Server.serve()
-    to give it its flags: it touches no GPU before, so its start overlaps whatever comes first, such as placing
-    the trainers and allocating their models."""
+    With `serve_args` None the server waits for Server.serve() to give it its flags; with a `-m` launcher, such
+    as the default, it imports vLLM meanwhile, the first third of its start. It touches no GPU before, so its
+    start overlaps whatever comes first, such as placing the trainers and allocating their models."""
     socket_path = os.fspath(socket_path)
     folder = os.path.dirname(os.path.abspath(socket_path))
     if os.stat(folder).st_uid != os.getuid() or stat.S_IMODE(os.stat(folder).st_mode) & 0o077:
@@ -210,12 +210,14 @@ def start_server(
 # A server started without flags: `python -c _WAIT_FOR_FLAGS -m MODULE` or `... SCRIPT` imports what `vllm serve`
 # imports, then runs the launcher with the flags and environment Server.serve() writes to its standard input.
 _WAIT_FOR_FLAGS = """
-import json, os, runpy, sys
+import json, os, runpy, sys, time
 launcher = sys.argv[1:]
 if launcher[0] == "-m":
     try:  # the slow part of a start, which needs no GPU: the launcher's own code, then what `vllm serve` imports
+        start = time.monotonic()
         runpy.run_module(launcher[1])  # as a module, not as __main__: it does not run yet
         import vllm.entrypoints.cli.serve  # noqa: F401
+        print(f"[wait for flags] vLLM imported in {time.monotonic() - start:.1f} s", flush=True)
     except Exception as e:  # only the head start is lost: the launcher imports what it needs once told
         print(f"[wait for flags] importing vLLM early failed; it imports once given its flags: {e!r}", flush=True)
 told = json.loads(sys.stdin.readline() or "null")
