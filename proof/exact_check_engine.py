@@ -3,12 +3,12 @@
 
 This is the engine's half of the exact check, and its fingerprint. `ExactCheckWorker` is the direct
 loader's worker extension from direct_load.py with the exact check's calls added. rlhf_ipc_fsdp_ep.py
-starts the server with `--worker-extension-cls exact_check_engine.ExactCheckWorker`. Its calls, made
+starts the server with `--worker-extension-cls proof.exact_check_engine.ExactCheckWorker`. Its calls, made
 through `/collective_rpc` on every engine, are:
 
     exact_check_prepare(sent)   once: which parameters each sent tensor is written into, at which rows
     exact_check_start()         after a sync: fingerprint what the engine holds, beside serving
-    exact_check(expected)       compare with the trainer's fingerprints, derive again what vLLM derives after
+    exact_check(expected)       compare with the trainer's fingerprints, and check what vLLM derives after
                                 loading; raise naming what differs
     direct_load_fingerprint(a)  'store' / 'compare' every parameter, for benchmark.py's loaders_agree
 

@@ -173,6 +173,28 @@ def test_the_readmes_headline_and_version_table_numbers_are_those_of_the_json_th
     )
 
 
+def test_the_readmes_exact_check_time_and_fault_matrix_are_those_of_the_json_they_link():
+    """The proof section's exact-check time, through the direct loader, and the fault matrix's count and what
+    it left are those of the JSON files they link."""
+    import json
+
+    readme = (ROOT / "README.md").read_text().replace("\n", " ")
+    proof = readme.split("## The proof", 1)[1].split("\n## ", 1)[0]
+    (link,) = re.findall(r"\[JSON\]\((docs/benchmarks/[^)]+\.json)\)", proof)
+    run = json.loads((ROOT / link).read_text())
+    (direct,) = [v for v in run["variants"] if v["weight_loader"] == "direct"]
+    seconds = [r["exact_check"]["seconds"] for r in direct["rounds"]]
+    said = f"{min(seconds[1:]):.2f}-{max(seconds[1:]):.2f} s a round on the Moonlight shape through the direct loader"
+    commit = re.search(r"-([0-9a-f]{7})\.json$", link)[1]  # the benchmarks' files are named by their commit
+    assert f"{said}, {seconds[0]:.2f} s the first" in proof and f"commit {commit}" in proof
+    faults = readme.split("## Failure handling", 1)[1].split("\n## ", 1)[0]
+    (link,) = re.findall(r"\[JSON\]\((docs/faults/[^)]+\.json)\)", faults)
+    matrix = json.loads((ROOT / link).read_text())
+    left = {c["leftover_processes"] for c in matrix["cases"]} | {matrix["gpu_mib_used_at_the_end"]}
+    assert f"{len(matrix['cases'])}-case fault matrix" in faults and left == {0}
+    assert f"{matrix['started'][:10]}, commit {matrix['commit']}" in faults
+
+
 def test_help_lists_every_flag_and_exits_0(capsys):
     """--help formats every flag's help (argparse reads a lone % there as a format) and exits 0."""
     with pytest.raises(SystemExit) as exit_:

@@ -3,16 +3,16 @@
 
 This is the server side of rlhf_ipc_fsdp_ep.py's fast sync. vLLM's own receive
 path, /update_weights, hands every tensor to the model's `load_weights`, which
-loads a fused expert tensor one expert at a time through vLLM's layer-wise
-reload wrappers. On Qwen3-30B-A3B that is 48 layers x 128 experts x 3
-projections of Python calls per engine per sync, non-local experts included.
-On 2 H200 the server spends 26 of a sync's 27 s receiving; the same weights
-take 0.75 s through this loader, so the time goes to those calls, not to the
-copying. docs/BENCHMARKS.md has the numbers.
+loads a fused expert tensor one expert at a time, non-local experts included:
+Python calls per expert and projection, per engine and sync. On the
+Moonlight-16B-A3B shape from a checkpoint, on one H200 (vLLM 0.34.0,
+2026-12-04, commit 98b6f75), a sync takes 0.53-0.76 s through vLLM's fastest
+mode of its own and 0.034-0.039 s through this loader; the README links the
+JSON.
 
 This loader is a vLLM worker extension. Start the server with
-`--worker-extension-cls direct_load.DirectLoadWorker` and drive it through
-`/collective_rpc`. It reads the same packed CUDA IPC buffer as vLLM's IPC
+`--worker-extension-cls weight_sync.direct_load.DirectLoadWorker` and drive it
+through `/collective_rpc`. It reads the same packed CUDA IPC buffer as vLLM's IPC
 engine, with these differences:
   * Each engine receives only its own experts. The trainer rank on the same
     GPU sends its FSDP shard of each fused expert tensor, which under vLLM's
@@ -37,20 +37,23 @@ engine, with these differences:
     parameter and nothing else. If it does, this loader copies the tensor
     there itself from then on, launching all such copies at once, because
     the loader's Python per tensor costs more than the copy.
-  * At the end, vLLM's own post-load function,
+  * At the end of the first sync, vLLM's own post-load function,
     `process_weights_after_loading` of vLLM's model loader, runs over the
-    model as it does after a load.
+    model as it does after a load. Later syncs run only what must see the
+    weights again: the modules' own hooks, listed once, and the quantization
+    methods of the layers written that need it (`_finish`).
 
 It supports bf16 models, and routed experts that vLLM serves in block-wise
 FP8 with `--quantization-config '{"moe": "fp8_per_block"}'`. In that case
 each expert block is quantized into vLLM's FP8 weight and scales as it is
-written, which needs fp8_experts.py beside this file. exact_check_engine.py
-adds the engine side of the proof: every parameter is compared bit for bit
-with what the trainer sent and with what vLLM's own loader produces.
+written, which needs fp8_experts.py beside this file. The engine side of
+the proof, proof/exact_check_engine.py, compares what each engine holds with
+what the trainer sent; scripts/benchmark.py compares this loader's result
+with vLLM's own loader's, parameter by parameter.
 
-Call it between /sleep and /wake_up, as rlhf_ipc_fsdp_ep.py does. Sleeping
-pauses scheduling and clears the prefix cache, whose entries were computed
-with the old weights.
+Call it between /sleep and /wake_up, as rlhf_ipc_fsdp_ep.py does: the sleep
+pauses scheduling, and helpers.sleep_for_sync resets the prefix cache, whose
+entries were computed with the old weights, before vLLM serves again.
 
 vllm_adapter.py holds everything that differs between the vLLM versions this
 example is tested on, 0.32, 0.33 and 0.34, including TrainerSource and
