@@ -1012,8 +1012,9 @@ def test_the_exact_checks_line_table_and_json_say_what_was_not_compared_and_when
     report.print_round(record, TOLERANCES)
     assert (
         "[exact] 412 of 430 vLLM parameters bit for bit on each of 2 DP engines, and 3 derived by vLLM after "
-        "loading (1 bit for bit as vLLM derives them again; 2 views into parameters compared above); 16 not compared (16 FP8 experts re-quantized by vLLM's "
-        "loader); 2 held in another dtype (bfloat16 sent, float32 held) (0.50 s)"
+        "loading (1 bit for bit as vLLM derives them again; 2 views into parameters compared above); 16 not "
+        "compared (16 FP8 experts re-quantized by vLLM's loader); 2 held in another dtype (bfloat16 sent, float32 "
+        "held) (0.50 s)"
     ) in capsys.readouterr().out
     not_run = _record()
     not_run.exact_check_not_run = "--tensor-parallel-size 2"
