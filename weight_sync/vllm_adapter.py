@@ -150,7 +150,7 @@ ATTRIBUTES = (
         "the one-shot guard on a quantization method's post-load processing, cleared so that a rewritten layer "
         "is processed again",
         "0.32.0, 0.33.0, 0.34.0",
-        "the layer is not processed again; the exact check names a parameter that leaves stale",
+        "the layer is not processed again: what its method derives from the weights stays as it was",
     ),
     Attribute(
         "a fused expert layer",
@@ -178,7 +178,8 @@ ATTRIBUTES = (
         "unquantized_backend, fp8_backend, old_quant_method, moe_quant_config",
         "the MoE kernel's backend, and the scale tensors an FP8 kernel reads",
         "0.32.0, 0.33.0, 0.34.0",
-        "post-load processing runs as vLLM runs it; FP8 experts are refused at setup, naming the backend",
+        "post-load processing runs as vLLM runs it; FP8 experts are refused at setup, naming the backend; "
+        "without moe_quant_config nothing is copied into the kernel's scale tensors",
     ),
     Attribute(
         "a parameter",
