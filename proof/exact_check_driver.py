@@ -34,9 +34,8 @@ def prepare_exact_check(job) -> dict:
     holders = expert_holders([n for n, *_ in sent], measured(job.trainers, "own_experts")) if job.dp_size > 1 else {}
     view = {"trainer_gpu_uuids": list(job.gpu_uuids), "holders": holders}
     # /collective_rpc returns the first DP engine's answer; another engine's problems fail its own checks.
-    answer = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent), json.dumps(view))[
-        0
-    ]
+    answers = helpers.collective_rpc(job.server.socket_path, "exact_check_prepare", json.dumps(sent), json.dumps(view))
+    answer = answers[0]
     # Tensors vLLM holds in another dtype are fingerprinted after the same cast; JSON made the indices strings.
     # The trainer fingerprints each piece of a stacked parameter at the rows where it lands.
     rows = {int(index): row for index, row in answer.get("rows", {}).items()}

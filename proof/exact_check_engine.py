@@ -166,8 +166,8 @@ class ExactCheckWorker(DirectLoadWorker):
     def exact_check_start(self) -> dict:
         """Start fingerprinting what this engine holds after a sync, on its own CUDA stream.
 
-        It runs beside whatever the engine serves next. Also derive again, now, what vLLM derives after loading.
-        exact_check judges both, or does both then if this was not called.
+        It runs beside whatever the engine serves next. Also check, now, what vLLM derives after loading
+        (_derived_problems). exact_check judges both, or does both then if this was not called.
         """
         targets = self._exact_targets_or_raise()
         model = self.model_runner.get_model()
@@ -581,7 +581,8 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
 
     These belong to attention layers that process their weights after the load, such as MLA's absorbed
     W_UK_T and W_UV derived from kv_b_proj. direct_load_finish runs that processing, as vLLM's loader does.
-    The exact check proves their sources, then derived_problems derives them again from those.
+    The exact check proves their sources; each is a view into one of those (derived_views), or else
+    derived_problems derives it again from them.
     """
     is_deferred_attention_layer = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
 

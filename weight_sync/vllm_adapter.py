@@ -94,7 +94,7 @@ INTERNALS = (
     Internal(
         "vllm.model_executor.layers.attention",
         "is_deferred_attention_layer",
-        "attention layers that derive weights from others after a load (MLA's W_UK_T / W_UV); the exact check derives them again",
+        "attention layers that derive weights from others after a load (MLA's W_UK_T / W_UV); the exact check checks them",
         "0.32.0, 0.33.0, 0.34.0",
         ("layer",),
     ),
