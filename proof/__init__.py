@@ -7,6 +7,8 @@ logprob_gate        vLLM's log-probabilities against the trainer's, the toleranc
 rank_measurement    in each trainer rank: its sends timed and fingerprinted (the exact check's trainer half)
 exact_check_driver  the exact check from the driver: prepare, start beside the gate, verdict
 exact_check_engine  the exact check's engine half (the server's worker extension)
+exact_placement     where each sent tensor lands in an engine's vLLM parameters, learned before the first sync
+exact_derived       the parameters vLLM derives after loading, checked on each engine after a sync
 exact_accounting    every sent tensor accounted for on an engine; which parameters are compared in place
 fingerprint         the fingerprint both halves compare: three exact sums of a tensor's elements, on any device
 coverage            --check-coverage: did a sync write every vLLM parameter

@@ -107,7 +107,7 @@ def comparisons(
     "bit_for_bit" are compared with what the trainer sent on all three sums, element by element in their
     place: `in_place` less `values_only`. "derived" are those no sent tensor writes, which vLLM derives from
     others after loading; each is a view into a parameter compared bit for bit, or is compared bit for bit with
-    what vLLM derives again from what the engine holds (exact_check_engine.derived_views, derived_problems).
+    what vLLM derives again from what the engine holds (exact_derived.derived_views, derived_problems).
     The others are sorted by NOT_COMPARED's keys: written but compared on fewer sums ("by_value"), and FP8
     layers that vLLM's loader quantizes ("fp8_requantized"). A parameter in none is one exact_problems names as
     written by nothing.

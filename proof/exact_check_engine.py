@@ -12,6 +12,8 @@ through `/collective_rpc` on every engine, are:
                                 loading; raise naming what differs
     direct_load_fingerprint(a)  'store' / 'compare' every parameter, for benchmark.py's loaders_agree
 
+exact_placement.py finds where each sent tensor lands; exact_derived.py checks what vLLM derives after loading.
+
 The trainer's half, rank_measurement.FingerprintedSource, fingerprints what each rank sent with the same
 function, `exact_fingerprint`. It uses integer arithmetic that gives the same result on a GPU and a CPU,
 so the two sides' sums match exactly.
@@ -20,38 +22,31 @@ so the two sides' sums match exactly.
 from __future__ import annotations
 
 import json
-import math
-import re
 import time
-from collections import defaultdict
 
 import torch
 
 from proof import exact_accounting
+from proof.exact_derived import _owns, derived_parameters, derived_problems, derived_views
+from proof.exact_placement import (
+    FP8_BLOCKS,
+    _fp8_layers,
+    _fp8_layers_by_vllms_loader,
+    exact_targets,
+    piece_rows,
+    probed_parameters,
+)
 from proof.fingerprint import (
-    FINGERPRINT_CHUNK,
     FINGERPRINT_MODULUS,
     HeldFingerprints,
-    columns_of,
     exact_fingerprint,
     exact_fingerprint_sums,
     exact_fingerprints,
     fingerprint_sums,
 )
 from weight_sync import fp8_experts
-from weight_sync.direct_load import (
-    EXPERT_TENSORS,
-    DirectLoadWorker,
-    _expert_layers,
-    _gpu_uuid,
-    _no_trainer_rank,
-    fp8_scales,
-    local_expert_ids,
-)
-from weight_sync.fp8_experts import fp8_reference, fp8_shards
-from weight_sync.vllm_adapter import attention_post_load_hook, internal
-
-_ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # Captures the expert id of one expert's checkpoint tensor.
+from weight_sync.direct_load import DirectLoadWorker, _gpu_uuid, _no_trainer_rank
+from weight_sync.fp8_experts import fp8_reference
 
 
 class ExactCheckWorker(DirectLoadWorker):
@@ -277,176 +272,6 @@ def _fingerprint(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)}:{tensor.dtype}:{':'.join(map(str, exact_fingerprint(tensor)))}"
 
 
-def exact_targets(
-    model: torch.nn.Module, sent: list, vllm_config
-) -> tuple[list[list[str]], dict[int, str], list[str], list[str]]:
-    """Find the parameters of `model` that each sent tensor is written into, and how to compare them.
-
-    `sent` lists [name, dtype, shape, is a direct-loader expert block] in send order. Each tensor is loaded
-    once as its own constant through the model's own `load_weights`, so whatever the model family stacks or
-    renames is followed; piece_rows then reads the constants back. An expert block maps to its layer's fused
-    parameter. A tensor of an expert that another engine holds is written nowhere here.
-
-    Return four things: the targets per sent tensor; {index: dtype} of the tensors vLLM holds in another
-    dtype than they are sent in, such as a router kept in fp32, which the trainer fingerprints after the same
-    cast vLLM's loader makes; the parameters to compare by value alone, from _relaid_out; and the parameters
-    written whole from one tensor of their shape, compared element by element.
-    """
-    set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
-
-    device = next(model.parameters()).device
-    layers = _expert_layers(model)  # By vLLM's layer name.
-    where = {id(module): prefix for prefix, module in model.named_modules()}  # Each module's parameter prefix.
-    by_prefix = {where[id(layer)]: layer for layer in layers.values()}
-    targets, quantized = [], {}
-    # vLLM names an expert layer as the checkpoint does, e.g. model.layers.0.mlp.experts, but its
-    # parameters may sit deeper, e.g. model.layers.0.mlp.experts.routed_experts.w13_weight.
-    unchecked_layers = tuple(f"{layer.layer_name}." for _, layer in _fp8_layers_by_vllms_loader(model, sent))
-    with torch.no_grad(), set_current_vllm_config(vllm_config):
-        for index, (name, dtype, shape, block) in enumerate(sent):
-            if block:
-                layer_name, _, tensor_name = name.rpartition(".")
-                layer, param_name = layers[layer_name], EXPERT_TENSORS[tensor_name]
-                targets.append([f"{where[id(layer)]}.{param_name}"])
-                if fp8_scales(layer, param_name) is not None:  # FP8 writes its weight and its scales, each whole.
-                    targets[-1].append(f"{targets[-1][0]}_scale_inv")
-                    quantized[index] = f"{FP8_BLOCKS}{fp8_shards(layer, param_name)}"
-                continue
-            if unchecked_layers and name.startswith(unchecked_layers):  # FP8 expert layers are not probed.
-                targets.append([])
-                continue
-            # Use a distinct constant, not zeros, so piece_rows can read back where each piece landed.
-            loaded = sorted(model.load_weights([(name, _probe(index, shape, dtype, device))]) or ())
-            targets.append([t for t in loaded if not _held_elsewhere(name, by_prefix.get(t.rpartition(".")[0]))])
-    params = dict(model.named_parameters())
-    casts = {}
-    for index, ((_, dtype, _, _), names) in enumerate(zip(sent, targets, strict=True)):
-        held = {str(params[n].dtype).removeprefix("torch.") for n in names if n in params}
-        if index in quantized:
-            casts[index] = quantized[index]
-        elif held and held != {dtype}:
-            casts[index] = held.pop()
-    pieces: dict[str, list[int]] = {}
-    for index, names in enumerate(targets):
-        for n in names:
-            pieces.setdefault(n, []).append(index)
-    whole = sorted(
-        n
-        for n, idx in pieces.items()
-        if len(idx) == 1 and n in params and (tuple(sent[idx[0]][2]) == tuple(params[n].shape) or idx[0] in quantized)
-    )
-    return targets, casts, _relaid_out(sent, targets, by_prefix), whole
-
-
-def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[str]:
-    """Return the fused-expert parameters that can only be compared by their values.
-
-    vLLM's own loader lays out its own way what it fills from a fused checkpoint tensor or from GPT-OSS's
-    per-expert tensors; GPT-OSS's become [E, H, 2I], transposed. The direct loader's blocks are copied
-    unchanged and other families' per-expert tensors are stacked, so those are compared whole.
-    """
-    out = set()
-    for (name, _, _, block), names in zip(sent, targets, strict=True):
-        gpt_oss_expert = re.search(r"\.experts\.\d+\.w(13|2)_(weight|bias)$", name)  # vLLM transposes these.
-        if block or (_ONE_EXPERT.search(name) and not gpt_oss_expert):
-            continue
-        out |= {t for t in names if t.rpartition(".")[0] in by_prefix}
-    return sorted(out)
-
-
-# The probe loaded in place of each piece has every element equal to a bf16 value of its own,
-# 0x3F81 + k, which is 1.0078125 and up, finite and exact in fp32. So each row of the parameter
-# tells piece_rows which piece wrote it.
-_PROBE_BITS, _PROBES = 0x3F81, 0x7F7F - 0x3F81
-
-
-def _probe(index: int, shape, dtype: str, device) -> torch.Tensor:
-    if not getattr(torch, dtype).is_floating_point:  # No stacked parameter is written from these.
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-    value = torch.tensor(_PROBE_BITS + index % _PROBES, dtype=torch.int16).view(torch.bfloat16).item()
-    return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)
-
-
-def piece_rows(
-    model: torch.nn.Module, sent: list, targets: list[list[str]], whole=(), values_only=()
-) -> tuple[dict[int, int], list[str], list[str]]:
-    """Find where each piece of a parameter written from several sent tensors lands in it.
-
-    Examples are q/k/v into qkv_proj, gate and up, and each expert's tensors into a fused w13 or w2. Call it
-    right after exact_targets, with that function's arguments and answer: exact_targets loaded each piece
-    through the model's own `load_weights` as its own constant, and this reads back which rows of the
-    parameter hold that constant, seeing the parameter as the fingerprint does, [rows, last dim].
-
-    Return three things: {sent index: the dim-0 row the piece starts at}, for fingerprint_sums' row_offset;
-    the parameters whose pieces were all placed, compared element by element in their place like a `whole`
-    one; and the parameters compared by their values alone, which are `values_only` and any whose pieces do
-    not each land on one block of whole rows.
-    """
-    params = dict(model.named_parameters())
-    pieces: dict[str, list[int]] = {}
-    for index, names in enumerate(targets):
-        for n in names:
-            pieces.setdefault(n, []).append(index)
-    skip = set(whole) | set(values_only)
-    stacked = {
-        n: idx for n, idx in pieces.items() if n in params and n not in skip and not any(sent[i][3] for i in idx)
-    }
-    at_start = {i for n in whole for i in pieces.get(n, ())}  # Also written whole into another, so at row 0.
-    rows: dict[int, int] = {}
-    placed, by_value = [], set(values_only) & params.keys()
-    for name, idx in stacked.items():
-        found = _rows_of_pieces(params[name], idx, sent)
-        if found is None or any(rows.get(i, 0 if i in at_start else r) != r for i, r in found.items()):
-            by_value.add(name)
-            continue
-        rows.update(found)
-        placed.append(name)
-    return rows, sorted(placed), sorted(by_value)
-
-
-@torch.no_grad()
-def _rows_of_pieces(param: torch.Tensor, indices: list[int], sent: list) -> dict[int, int] | None:
-    """Return {sent index: its dim-0 row offset} for the pieces `indices` of `param`, or None.
-
-    Each piece must be found as one block of whole rows holding its probe. Return None if any piece is not,
-    such as a piece with another last dim or one that vLLM lays out again.
-    """
-    columns = columns_of(param)
-    view = param.detach().reshape(-1, columns)
-    codes = torch.full((view.shape[0],), -1, dtype=torch.int64)
-    step = max(1, FINGERPRINT_CHUNK // columns)
-    for start in range(0, view.shape[0], step):
-        chunk = view[start : start + step]
-        first = chunk[:, :1]
-        same = (chunk == first).all(1)
-        bits = first[:, 0].to(torch.bfloat16).view(torch.int16).to(torch.int64) - _PROBE_BITS
-        codes[start : start + step] = torch.where(same & (bits >= 0) & (bits < _PROBES), bits, -1).cpu()
-    out = {}
-    for index in indices:
-        _, _, shape, _ = sent[index]
-        piece = torch.empty(shape, device="meta")
-        if columns_of(piece) != columns:
-            return None
-        at = (codes == index % _PROBES).nonzero().flatten()
-        count = piece.numel() // columns
-        if len(at) != count or count == 0 or int(at[-1] - at[0]) != count - 1:
-            return None
-        per_row = math.prod(piece.shape[1:-1]) if piece.dim() >= 2 else 1
-        if int(at[0]) % per_row:
-            return None
-        out[index] = int(at[0]) // per_row
-    return out
-
-
-def probed_parameters(sent: list, targets: list[list[str]]) -> list[str]:
-    """Return the parameters exact_targets loaded a probe into.
-
-    Those are the parameters written by any sent tensor except a direct-loader block, which is copied, not
-    probed.
-    """
-    return sorted({n for (_, _, _, block), names in zip(sent, targets, strict=True) if not block for n in names})
-
-
 def sent_fingerprints(tensors, casts: dict, rows: dict | None = None) -> list:
     """Fingerprint (name, tensor) pairs in send order as the trainer's half does.
 
@@ -465,10 +290,6 @@ def as_held(tensors, casts: dict):
 def held_as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
     """Cast `tensor` to `dtype`, the name of the torch dtype vLLM holds it in; None keeps its own."""
     return tensor.to(getattr(torch, dtype)) if dtype else tensor
-
-
-# exact_targets' cast for an expert block that vLLM holds in FP8: "fp8_blocks:<shards>".
-FP8_BLOCKS = "fp8_blocks:"
 
 
 def held_fingerprint_sums(tensor: torch.Tensor, held: str | None, row_offset: int = 0) -> torch.Tensor:
@@ -497,17 +318,6 @@ def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
 def fp8_parameter_names(model: torch.nn.Module) -> set[str]:
     """Return the names of the weights and scales of every expert layer vLLM serves in FP8."""
     return set(_parameter_names(_fp8_layers(model)))
-
-
-def _fp8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Return (module prefix, layer) of each expert layer vLLM serves in FP8."""
-    return [(prefix, m) for prefix, m in model.named_modules() if fp8_scales(m, "w13_weight") is not None]
-
-
-def _fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:
-    """Return (module prefix, layer) of each FP8 expert layer that no direct-loader block is sent to."""
-    blocks = {name.rpartition(".")[0] for name, _, _, block in sent if block}
-    return [(prefix, layer) for prefix, layer in _fp8_layers(model) if layer.layer_name not in blocks]
 
 
 def _parameter_names(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:
@@ -574,107 +384,3 @@ def checked_parameters(model: torch.nn.Module, targets: list[list[str]]) -> list
     """
     written = {n for names in targets for n in names}
     return [n for n, _ in model.named_parameters() if n in written]
-
-
-def derived_parameters(model: torch.nn.Module) -> list[str]:
-    """Return the parameters no sent tensor writes, which vLLM computes from others after loading.
-
-    These belong to attention layers that process their weights after the load, such as MLA's absorbed
-    W_UK_T and W_UV derived from kv_b_proj. direct_load_finish runs that processing, as vLLM's loader does.
-    The exact check proves their sources; each is a view into one of those (derived_views), or else
-    derived_problems derives it again from them.
-    """
-    is_deferred_attention_layer = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
-
-    return [
-        f"{prefix}.{name}"
-        for prefix, module in model.named_modules()
-        if is_deferred_attention_layer(module)
-        for name, _ in module.named_parameters(recurse=False)
-    ]
-
-
-def _owns(layer: torch.nn.Module, prefix: str, names: set[str]) -> bool:
-    return any(f"{prefix}.{n}" in names for n, _ in layer.named_parameters(recurse=False))
-
-
-def derived_views(model: torch.nn.Module, derived: set[str], compared: set[str]) -> dict[str, str]:
-    """Return each derived parameter that is a view into a compared parameter's memory, with that one's name.
-
-    vLLM keeps MLA's W_UK_T and W_UV as views of kv_b_proj's weight where their dtypes match: their bits are
-    that weight's, compared bit for bit, and nothing is derived again. A derived parameter with memory of its
-    own, as after a load that gave kv_b_proj new storage, is not a view, and is derived again."""
-    params = dict(model.named_parameters())
-    by_storage: dict[int, list[str]] = defaultdict(list)
-    for name in compared:
-        if name in params and params[name].numel():
-            by_storage[params[name].untyped_storage().data_ptr()].append(name)
-    views = {}
-    for name in sorted(derived):
-        param = params[name]
-        candidates = by_storage.get(param.untyped_storage().data_ptr(), []) if param.numel() else []
-        if within := [c for c in sorted(candidates) if _within(_span(param), _span(params[c]))]:
-            views[name] = within[0]
-    return views
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Return the first and one past the last byte address a tensor's elements occupy."""
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _within(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
-    return outer[0] <= inner[0] and inner[1] <= outer[1]
-
-
-def derived_problems(layers: list[tuple[str, torch.nn.Module]], vllm_config, names: set[str]) -> list[str]:
-    """Derive the parameters in `names` again from what this engine holds now; name each that differs.
-
-    `layers` holds (name, layer) of the attention layers that own them. Each runs its own post-load hook
-    again, as vLLM does after a load, and each such parameter must come out bit for bit as it was: a sync
-    whose post-load processing did not run, or ran before its sources were written, left it derived from
-    other weights. A parameter that differs is put back as it was, and each is kept in its own storage, so
-    the check changes nothing the engine serves with. A parameter in `names` that no layer derives again is
-    named too.
-    """
-    is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
-    set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
-    problems, derived_again = [], set()
-    with torch.no_grad(), set_current_vllm_config(vllm_config):
-        for prefix, layer in layers:
-            own = {n: p for n, p in layer.named_parameters(recurse=False) if f"{prefix}.{n}" in names}
-            if not own or not is_deferred(layer):
-                continue
-            held = {n: (p.data, p.detach().clone()) for n, p in own.items()}  # (its storage, its values)
-            attention_post_load_hook(layer, vllm_config.model_config)()
-            for n, param in layer.named_parameters(recurse=False):
-                if n in held:
-                    storage, before = held[n]
-                    same = _same_bits(param.detach(), before)
-                    param.data = storage
-                    if not same:
-                        problems.append(f"{prefix}.{n}: not what vLLM derives from the weights held")
-                        storage.copy_(before)
-                    derived_again.add(f"{prefix}.{n}")
-    return problems + [
-        f"{n}: derived by vLLM after loading, and no layer here derives it again" for n in sorted(names - derived_again)
-    ]
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Return whether `a` and `b` hold the same bits in the same shape and dtype (NaNs and signed zeros included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
-    """Return whether `sent_name` is the checkpoint tensor of an expert that another engine holds.
-
-    `experts` is the fused expert layer `sent_name` is written into, or None if it is not an expert layer.
-    Checkpoint names look like `...experts.<id>....`. vLLM's loader skips such tensors, so they add nothing
-    here.
-    """
-    found = _ONE_EXPERT.search(sent_name)
-    return experts is not None and found is not None and int(found.group(1)) not in local_expert_ids(experts)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from proof import exact_check_engine
+from proof import exact_check_engine, exact_placement
 from weight_sync.direct_load import TrainerSource
 
 
@@ -116,7 +116,7 @@ class RankMeasurement:
         kinds = {
             (casts.get(i, dtype), tuple(shape[-1:]) if len(shape) > 1 else ())
             for i, (_, dtype, shape, _) in enumerate(self.sent_metadata())
-            if not casts.get(i, "").startswith(exact_check_engine.FP8_BLOCKS)
+            if not casts.get(i, "").startswith(exact_placement.FP8_BLOCKS)
         }
         exact_check_engine.exact_fingerprints(
             torch.zeros(16, *width, dtype=getattr(torch, dtype), device=self.device) for dtype, width in kinds
@@ -404,7 +404,7 @@ class FingerprintedSource(SourceWrapper):
                     continue
                 local, offset, is_partial = local[mine, first : first + rows], 0, False
             held = self.casts.get(index)
-            if held and held.startswith(exact_check_engine.FP8_BLOCKS):  # Own block, quantized as vLLM does.
+            if held and held.startswith(exact_placement.FP8_BLOCKS):  # Own block, quantized as vLLM does.
                 self._apart[index] = exact_check_engine.held_fingerprint_sums(local, held)
                 continue
             tensors.append(local)

@@ -28,6 +28,8 @@ NOT_COPIED = [
     "proof/rank_measurement.py",
     "proof/exact_check_driver.py",
     "proof/exact_check_engine.py",
+    "proof/exact_placement.py",
+    "proof/exact_derived.py",
     "proof/exact_accounting.py",
     "proof/fingerprint.py",
     "proof/coverage.py",

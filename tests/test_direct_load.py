@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import helpers
-from proof import exact_check_engine
+from proof import exact_check_engine, exact_placement
 from weight_sync import direct_load, fp8_experts, sources
 
 
@@ -580,7 +580,7 @@ def test_the_exact_check_compares_each_fp8_target_with_its_own_fingerprint():
     model = torch.nn.Module()
     model.experts = layer
     targets = [["experts.w13_weight", "experts.w13_weight_scale_inv"]]
-    sent = [exact_check_engine.held_fingerprint_sums(block, f"{exact_check_engine.FP8_BLOCKS}2").tolist()]
+    sent = [exact_check_engine.held_fingerprint_sums(block, f"{exact_placement.FP8_BLOCKS}2").tolist()]
     whole = ["experts.w13_weight", "experts.w13_weight_scale_inv"]
 
     def problems():

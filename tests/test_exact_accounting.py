@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_families import FAMILIES, _sent, _sync, build_model, vllm_models  # noqa: F401  (the fixture)
 
-from proof import exact_accounting, exact_check_engine, rank_measurement
+from proof import exact_accounting, exact_check_engine, exact_derived, exact_placement, rank_measurement
 from weight_sync import sources
 from weight_sync.direct_load import _expert_layers
 
@@ -112,7 +112,7 @@ def test_each_expert_is_held_where_the_trainers_layout_puts_it(qwen3_moe):
     with pytest.raises(RuntimeError, match=r"3 sent tensors not held as sent: .*experts\.1\.gate_proj.* puts expert"):
         _round(worker, vllm_model, sent, view)
     metas = _metas(sent)
-    targets, casts, _, _ = exact_check_engine.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
+    targets, casts, _, _ = exact_placement.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     manager = _expert_layers(vllm_model)["model.layers.1.mlp.experts"].expert_map_manager
     kept = manager._expert_map
     try:  # vLLM's map as another engine's: expert 1 of layer 1 not held here
@@ -143,7 +143,7 @@ def test_a_cast_that_loses_bits_fails_and_one_that_keeps_them_is_listed(qwen3_mo
     # GLM-4.5 keeps its routers in fp32: bf16 sent, every bit kept, listed.
     glm = vllm_models("glm4_moe")
     metas = _metas(_sent(build_model("glm4_moe", device="cpu"), "vllm"))
-    targets, casts, _, _ = exact_check_engine.exact_targets(glm, metas, glm.test_vllm_config)
+    targets, casts, _, _ = exact_placement.exact_targets(glm, metas, glm.test_vllm_config)
     problems, kept = exact_accounting.unaccounted(glm, metas, targets, casts, None, {})
     assert problems == [] and kept == [f"model.layers.{i}.mlp.gate.weight: bfloat16 sent, float32 held" for i in (1, 2)]
 
@@ -165,7 +165,7 @@ def test_every_familys_true_sync_is_accounted_for(family, vllm_models):  # noqa:
     none unaccounted for on one engine, so none of its rules fails a true sync."""
     vllm_model = vllm_models(family)
     metas = _metas(_sent(build_model(family, device="cpu"), "vllm"))
-    targets, casts, _, _ = exact_check_engine.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
+    targets, casts, _, _ = exact_placement.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     problems, _ = exact_accounting.unaccounted(vllm_model, metas, targets, casts, None, {})
     assert problems == []
 
@@ -180,5 +180,5 @@ def test_a_derived_parameter_is_a_view_only_inside_the_memory_of_a_parameter_com
     layer.beside = torch.nn.Parameter(buffer[16:20], requires_grad=False)  # same storage, other memory
     layer.own = torch.nn.Parameter(buffer[:16].clone(), requires_grad=False)
     derived = {"inside", "beside", "own"}
-    assert exact_check_engine.derived_views(layer, derived, {"weight"}) == {"inside": "weight"}
-    assert exact_check_engine.derived_views(layer, derived, set()) == {}  # nothing compared, nothing viewed
+    assert exact_derived.derived_views(layer, derived, {"weight"}) == {"inside": "weight"}
+    assert exact_derived.derived_views(layer, derived, set()) == {}  # nothing compared, nothing viewed

@@ -427,9 +427,9 @@ def test_uneven_shards_a_rank_without_experts_and_fp32_master_weights_load_too(t
         assert not wrong, (rank, wrong)
 
 
-# The exact check (exact_check_engine.exact_targets / exact_problems), on each
-# family's real vLLM model: a true sync through either loader's route passes;
-# each kind of wrong sync is named.
+# The exact check (exact_placement.exact_targets, exact_check_engine.exact_problems),
+# on each family's real vLLM model: a true sync through either loader's route
+# passes; each kind of wrong sync is named.
 
 
 def _sent(hf, loader: str) -> list[tuple[str, torch.Tensor]]:
@@ -481,7 +481,7 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
     vLLM's own loader writes it into. What is learned is learned from random
     probes, not from the tensors sent (here all ones in the first sync, in
     which no row shows where it belongs)."""
-    from proof import exact_check_engine
+    from proof import exact_check_engine, exact_placement
     from weight_sync import direct_load
 
     hf = build_model(family, device="cpu")
@@ -496,10 +496,10 @@ def test_the_direct_loader_copies_itself_what_vllms_loader_writes_as_it_is(famil
         sent = _sent(hf, "direct")
         blocks = set(sources.expert_block_names(hf).values())
         metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
-        targets, casts, values_only, whole = exact_check_engine.exact_targets(
+        targets, casts, values_only, whole = exact_placement.exact_targets(
             vllm_model, metas, vllm_model.test_vllm_config
         )
-        at_rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+        at_rows, placed, _ = exact_placement.piece_rows(vllm_model, metas, targets, whole, values_only)
         prints = exact_check_engine.sent_fingerprints(sent, casts, at_rows)  # each piece at its rows
         if mean == 5.0:  # vLLM's post-load processing may give a parameter new storage (replace_parameter)
             for param in vllm_model.parameters():
@@ -736,7 +736,7 @@ def test_the_direct_loader_leaves_to_vllms_loader_what_it_does_not_write_as_it_i
 @pytest.mark.parametrize("loader", ["vllm", "direct"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loader, vllm_models):
-    from proof import exact_check_engine
+    from proof import exact_check_engine, exact_derived, exact_placement
 
     hf = build_model(family, device="cpu")
     if loader == "direct" and not direct_loader_takes(family, hf, world_size=1):
@@ -754,11 +754,11 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     blocks = set(sources.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     config = vllm_model.test_vllm_config
-    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
+    targets, casts, values_only, whole = exact_placement.exact_targets(vllm_model, metas, config)
     assert bool(values_only) == (family == "gpt_oss" and loader == "vllm")  # vLLM transposes its experts
     # Each piece of a stacked parameter (q/k/v, gate/up, an expert's tensors) fingerprinted where it lands:
     # every parameter but those vLLM re-lays out is compared element by element in its place.
-    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+    rows, placed, by_value = exact_placement.piece_rows(vllm_model, metas, targets, whole, values_only)
     assert by_value == values_only and placed, (by_value, placed)
     in_place = sorted(set(whole) | set(placed))
     prints = exact_check_engine.sent_fingerprints(sent, casts, rows)
@@ -822,7 +822,7 @@ def test_the_exact_check_passes_a_true_sync_and_names_each_wrong_one(family, loa
     assert len(problems()) == len(targets[left_out]) >= 1
     # Nothing synced at all: every parameter is named, but those vLLM derives (their sources are named).
     _sync(vllm_model, [], loader)
-    assert len(problems()) == checked - len(exact_check_engine.derived_parameters(vllm_model))
+    assert len(problems()) == checked - len(exact_derived.derived_parameters(vllm_model))
 
 
 @pytest.mark.parametrize("loader", ["vllm", "direct"])
@@ -838,7 +838,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     import json
     import types
 
-    from proof import exact_check_engine
+    from proof import exact_check_engine, exact_placement
 
     hf = build_model("deepseek_v3", device="cpu")
     vllm_model = vllm_models("deepseek_v3")
@@ -854,7 +854,7 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
     _sync(vllm_model, [], loader)  # as the server's dummy load ends: the hooks run, MLA's W_UK_T and W_UV exist
     _derived_afresh(vllm_model)  # as vLLM's first load leaves them, whatever earlier tests did to the model
     prepared = worker.exact_check_prepare(json.dumps(metas))
-    probed = exact_check_engine.probed_parameters(metas, worker._exact_targets)
+    probed = exact_placement.probed_parameters(metas, worker._exact_targets)
     left = [n for n, p in vllm_model.named_parameters() if n in probed and p.count_nonzero()]
     assert probed and left == []  # no probe's constant left where the engine serves before the first sync
     casts = {int(i): d for i, d in prepared["casts"].items()}
@@ -905,11 +905,11 @@ def test_the_engines_exact_check_calls_started_after_the_sync_and_compared_later
 
 def _derived_afresh(vllm_model) -> None:
     """Drop MLA's derived weights and derive them as vLLM's first load does: views of kv_b_proj's weight."""
-    from proof import exact_check_engine
+    from proof import exact_derived
     from weight_sync import vllm_adapter
 
     config = vllm_model.test_vllm_config
-    derived = set(exact_check_engine.derived_parameters(vllm_model))
+    derived = set(exact_derived.derived_parameters(vllm_model))
     with torch.no_grad(), vllm_adapter.internal("vllm.config", "set_current_vllm_config")(config):
         for prefix, layer in list(vllm_model.named_modules()):
             own = [n for n, _ in layer.named_parameters(recurse=False) if f"{prefix}.{n}" in derived]
@@ -921,7 +921,7 @@ def _derived_afresh(vllm_model) -> None:
 
 # Mutation tests: the exact check sees where each piece of a stacked parameter
 # lands. The trainer fingerprints what its model holds, at the rows of the
-# parameter each piece lands at (exact_check_engine.piece_rows, learned when
+# parameter each piece lands at (exact_placement.piece_rows, learned when
 # the check is prepared); the sync sends a stream with one fault, in one layer
 # only. Every parameter the fault writes wrong must be named, and no other.
 
@@ -929,7 +929,7 @@ def _derived_afresh(vllm_model) -> None:
 def _prepared_check(family: str, loader: str, vllm_models):
     """(the vLLM model, the true stream, the sent metadata, a function of a
     sync's stream -> the names of the parameters the exact check finds wrong)."""
-    from proof import exact_check_engine
+    from proof import exact_check_engine, exact_placement
 
     hf = build_model(family, device="cpu")
     with torch.no_grad():
@@ -940,8 +940,8 @@ def _prepared_check(family: str, loader: str, vllm_models):
     blocks = set(sources.expert_block_names(hf).values()) if loader == "direct" else set()
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
     config = vllm_model.test_vllm_config
-    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
-    rows, placed, by_value = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+    targets, casts, values_only, whole = exact_placement.exact_targets(vllm_model, metas, config)
+    rows, placed, by_value = exact_placement.piece_rows(vllm_model, metas, targets, whole, values_only)
     assert by_value == [], by_value  # every parameter of these families is compared in its place
     prints = exact_check_engine.sent_fingerprints(sent, casts, rows)  # the trainer's: its model's tensors
 
@@ -1036,7 +1036,7 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
     each from the model itself, the slice its checkpoint name says (expert,
     gate, up or down), so a conversion that cuts or names one wrong fails.
     Mixtral's router, only renamed by the conversion, is read from the model too."""
-    from proof import exact_check_engine, rank_measurement
+    from proof import exact_check_engine, exact_placement, rank_measurement
 
     hf = build_model(family, device="cpu")
     with torch.no_grad():
@@ -1048,8 +1048,8 @@ def test_the_trainer_fingerprints_each_experts_tensor_from_its_own_fused_tensor(
     assert from_stream == [], from_stream  # every tensor read back from the model
     metas = [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), False] for m in source.metadata]
     config = vllm_model.test_vllm_config
-    targets, casts, values_only, whole = exact_check_engine.exact_targets(vllm_model, metas, config)
-    rows, placed, _ = exact_check_engine.piece_rows(vllm_model, metas, targets, whole, values_only)
+    targets, casts, values_only, whole = exact_placement.exact_targets(vllm_model, metas, config)
+    rows, placed, _ = exact_placement.piece_rows(vllm_model, metas, targets, whole, values_only)
     fingerprinted = rank_measurement.FingerprintedSource(source)
     fingerprinted.casts, fingerprinted.rows = casts, rows
     true_stream = source.tensors
@@ -1143,15 +1143,15 @@ def test_the_gpu_fault_worker_that_swaps_two_experts_is_named_by_the_exact_check
 def test_a_parameter_the_exact_check_counts_as_derived_and_cannot_derive_again_is_named(vllm_models):
     """Every parameter counted as derived is derived again, or named: the verdict counts none it did not
     compare."""
-    from proof import exact_check_engine
+    from proof import exact_derived
 
     vllm_model = vllm_models("deepseek_v3")
     _sync(vllm_model, [], "vllm")  # the post-load hooks have run: MLA's W_UK_T and W_UV exist
-    derived = set(exact_check_engine.derived_parameters(vllm_model))
-    layers = [(p, m) for p, m in vllm_model.named_modules() if exact_check_engine._owns(m, p, derived)]
+    derived = set(exact_derived.derived_parameters(vllm_model))
+    layers = [(p, m) for p, m in vllm_model.named_modules() if exact_derived._owns(m, p, derived)]
     config = vllm_model.test_vllm_config
-    assert derived and exact_check_engine.derived_problems(layers, config, derived) == []
-    assert exact_check_engine.derived_problems(layers[1:], config, derived) == [
+    assert derived and exact_derived.derived_problems(layers, config, derived) == []
+    assert exact_derived.derived_problems(layers[1:], config, derived) == [
         f"{n}: derived by vLLM after loading, and no layer here derives it again"
         for n in sorted(n for n in derived if n.startswith(f"{layers[0][0]}."))
     ]

@@ -12,7 +12,7 @@ import torch
 from test_families import _CPUBuffer, _sent, _sync, build_model, packed_chunk, vllm_models  # noqa: F401  (the fixture)
 
 import rlhf_ipc_fsdp_ep as script
-from proof import exact_check_engine
+from proof import exact_check_engine, exact_placement
 from weight_sync import direct_load, sources, vllm_adapter
 
 ROOT = Path(__file__).parent.parent
@@ -30,7 +30,13 @@ def test_the_direct_loaders_code_reaches_vllm_internals_only_through_the_adapter
     from pathlib import Path
 
     root = Path(script.__file__).parent
-    for path in ["weight_sync/direct_load.py", "weight_sync/fp8_experts.py", "proof/exact_check_engine.py"]:
+    for path in [
+        "weight_sync/direct_load.py",
+        "weight_sync/fp8_experts.py",
+        "proof/exact_check_engine.py",
+        "proof/exact_placement.py",
+        "proof/exact_derived.py",
+    ]:
         for line in (root / path).read_text().splitlines():
             if line.strip().startswith(("from vllm", "import vllm")):
                 assert "vllm.distributed.weight_transfer.base" in line, f"{path}: {line.strip()}"
@@ -107,9 +113,7 @@ def test_without_an_internal_the_default_run_syncs_through_vllms_loader_exactly(
     vllm_model = vllm_models("qwen3_moe")
     sent = _sent(hf, args.weight_loader)
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), False] for n, t in sent]
-    targets, casts, values_only, whole = exact_check_engine.exact_targets(
-        vllm_model, metas, vllm_model.test_vllm_config
-    )
+    targets, casts, values_only, whole = exact_placement.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
     _sync(vllm_model, sent, args.weight_loader)
     checked, problems = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)
@@ -164,9 +168,7 @@ def test_the_layout_learned_before_the_first_sync_is_what_the_first_sync_learns(
     assert learned["plain"] == len(layout.plain)
 
     metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
-    targets, casts, values_only, whole = exact_check_engine.exact_targets(
-        vllm_model, metas, vllm_model.test_vllm_config
-    )
+    targets, casts, values_only, whole = exact_placement.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
     prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
     probed = []
     original = direct_load._learn
