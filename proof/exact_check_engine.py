@@ -27,12 +27,12 @@ import time
 import torch
 
 from proof import exact_accounting
-from proof.exact_derived import _owns, derived_parameters, derived_problems, derived_views
+from proof.exact_derived import derived_parameters, derived_problems, derived_views, owns_any
 from proof.exact_placement import (
     FP8_BLOCKS,
-    _fp8_layers,
-    _fp8_layers_by_vllms_loader,
     exact_targets,
+    fp8_layers,
+    fp8_layers_by_vllms_loader,
     piece_rows,
     probed_parameters,
 )
@@ -120,7 +120,7 @@ class ExactCheckWorker(DirectLoadWorker):
         self._exact_whole = sorted(set(whole) | set(placed))  # Every element is compared in its place.
         view = json.loads(trainer_view) if trainer_view else {}
         ranks, uuid = view.get("trainer_gpu_uuids", []), _gpu_uuid(next(model.parameters()).device)
-        not_probed = tuple(f"{layer.layer_name}." for _, layer in _fp8_layers_by_vllms_loader(model, sent))
+        not_probed = tuple(f"{layer.layer_name}." for _, layer in fp8_layers_by_vllms_loader(model, sent))
         self._exact_unaccounted, self._exact_casts = exact_accounting.unaccounted(
             model,
             sent,
@@ -242,7 +242,7 @@ class ExactCheckWorker(DirectLoadWorker):
         views = derived_views(model, names, set(self._exact_comparisons["bit_for_bit"]))
         layers = getattr(self, "_exact_derived_layers", None)
         if layers is None or layers[0] is not model:
-            owners = [(prefix, layer) for prefix, layer in model.named_modules() if _owns(layer, prefix, names)]
+            owners = [(prefix, layer) for prefix, layer in model.named_modules() if owns_any(layer, prefix, names)]
             self._exact_derived_layers = layers = (model, owners)
         return derived_problems(layers[1], self.vllm_config, names - set(views)), views
 
@@ -312,12 +312,12 @@ def quantized_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[str]:
     are not compared with the trainer's. benchmark.py's loaders_agree instead compares them with the direct
     loader's, which the exact check proves.
     """
-    return _parameter_names(_fp8_layers_by_vllms_loader(model, sent))
+    return _parameter_names(fp8_layers_by_vllms_loader(model, sent))
 
 
 def fp8_parameter_names(model: torch.nn.Module) -> set[str]:
     """Return the names of the weights and scales of every expert layer vLLM serves in FP8."""
-    return set(_parameter_names(_fp8_layers(model)))
+    return set(_parameter_names(fp8_layers(model)))
 
 
 def _parameter_names(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:

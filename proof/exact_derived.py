@@ -35,7 +35,8 @@ def derived_parameters(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _owns(layer: torch.nn.Module, prefix: str, names: set[str]) -> bool:
+def owns_any(layer: torch.nn.Module, prefix: str, names: set[str]) -> bool:
+    """Say whether `layer` (named `prefix`) holds, as its own, any of the parameters `names`."""
     return any(f"{prefix}.{n}" in names for n, _ in layer.named_parameters(recurse=False))
 
 

@@ -5,7 +5,7 @@ ExactCheckWorker.exact_check_prepare in exact_check_engine.py calls this before 
 `exact_targets` loads each sent tensor as a constant of its own through the model's own `load_weights` and
 names the parameters it is written into; `piece_rows` reads those constants back to learn at which rows each
 piece of a parameter written from several tensors lands. The FP8 expert layers that vLLM's own loader
-quantizes are not probed (`_fp8_layers_by_vllms_loader`). The exact check compares each parameter with the
+quantizes are not probed (`fp8_layers_by_vllms_loader`). The exact check compares each parameter with the
 tensors written into it, at those rows.
 """
 
@@ -51,7 +51,7 @@ def exact_targets(
     targets, quantized = [], {}
     # vLLM names an expert layer as the checkpoint does, e.g. model.layers.0.mlp.experts, but its
     # parameters may sit deeper, e.g. model.layers.0.mlp.experts.routed_experts.w13_weight.
-    unchecked_layers = tuple(f"{layer.layer_name}." for _, layer in _fp8_layers_by_vllms_loader(model, sent))
+    unchecked_layers = tuple(f"{layer.layer_name}." for _, layer in fp8_layers_by_vllms_loader(model, sent))
     with torch.no_grad(), set_current_vllm_config(vllm_config):
         for index, (name, dtype, shape, block) in enumerate(sent):
             if block:
@@ -197,15 +197,15 @@ def probed_parameters(sent: list, targets: list[list[str]]) -> list[str]:
     return sorted({n for (_, _, _, block), names in zip(sent, targets, strict=True) if not block for n in names})
 
 
-def _fp8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def fp8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Return (module prefix, layer) of each expert layer vLLM serves in FP8."""
     return [(prefix, m) for prefix, m in model.named_modules() if fp8_scales(m, "w13_weight") is not None]
 
 
-def _fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:
+def fp8_layers_by_vllms_loader(model: torch.nn.Module, sent: list) -> list[tuple[str, torch.nn.Module]]:
     """Return (module prefix, layer) of each FP8 expert layer that no direct-loader block is sent to."""
     blocks = {name.rpartition(".")[0] for name, _, _, block in sent if block}
-    return [(prefix, layer) for prefix, layer in _fp8_layers(model) if layer.layer_name not in blocks]
+    return [(prefix, layer) for prefix, layer in fp8_layers(model) if layer.layer_name not in blocks]
 
 
 def _held_elsewhere(sent_name: str, experts: torch.nn.Module | None) -> bool:
