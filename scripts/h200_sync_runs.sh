@@ -16,8 +16,10 @@
 # b3: side by side, eager: every preset family through each loader it takes (2 syncs each, then both bit for
 #    bit), tiny-mixtral in FP8 with --train, and a stale engine (tests/stale_block_worker.py: from the second
 #    sync on, one expert block left as it was), which the exact check must fail, named.
+# c1: the FP8 run of b2 alone (the checkpoint written first if a1 has not run on this machine): the FP8 sync
+#    against a2's bf16 one without other jobs on the GPU.
 set -u
-stage=${1:?a1, a2, b1 or b2}; R=${2:?OUT}; mkdir -p "$R/logs"
+stage=${1:?a1, a2, b1, b2, b3 or c1}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
 CKPT=/root/ckpt-moonlight
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T.%N | cut -c1-12)" "$line"; done; }
@@ -65,6 +67,11 @@ elif [ "$stage" = b3 ]; then
   run stale-engine 330 scripts/with_worker.py stale_block_worker.StaleBlockWorker --model tiny --num-gpus 1 --train \
     --rounds 3 $E &
   wait
+elif [ "$stage" = c1 ]; then
+  [ -f "$CKPT/config.json" ] || python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" \
+    > "$R/logs/checkpoint-write.out" 2>&1
+  run moonlight-checkpoint-fp8 520 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
+    --rollout-dtype fp8 --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824
 elif [ "$stage" = b1 ]; then
   run tiny-warm 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
 else
