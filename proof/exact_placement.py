@@ -76,16 +76,22 @@ def exact_targets(
             casts[index] = quantized[index]
         elif held and held != {dtype}:
             casts[index] = held.pop()
-    pieces: dict[str, list[int]] = {}
-    for index, names in enumerate(targets):
-        for n in names:
-            pieces.setdefault(n, []).append(index)
+    pieces = _pieces(targets)
     whole = sorted(
         n
         for n, idx in pieces.items()
         if len(idx) == 1 and n in params and (tuple(sent[idx[0]][2]) == tuple(params[n].shape) or idx[0] in quantized)
     )
     return targets, casts, _relaid_out(sent, targets, by_prefix), whole
+
+
+def _pieces(targets: list[list[str]]) -> dict[str, list[int]]:
+    """Return {parameter: the indices of the sent tensors written into it}, from exact_targets' targets."""
+    pieces: dict[str, list[int]] = {}
+    for index, names in enumerate(targets):
+        for n in names:
+            pieces.setdefault(n, []).append(index)
+    return pieces
 
 
 def _relaid_out(sent: list, targets: list[list[str]], by_prefix: dict) -> list[str]:
@@ -133,10 +139,7 @@ def piece_rows(
     not each land on one block of whole rows.
     """
     params = dict(model.named_parameters())
-    pieces: dict[str, list[int]] = {}
-    for index, names in enumerate(targets):
-        for n in names:
-            pieces.setdefault(n, []).append(index)
+    pieces = _pieces(targets)
     skip = set(whole) | set(values_only)
     stacked = {
         n: idx for n, idx in pieces.items() if n in params and n not in skip and not any(sent[i][3] for i in idx)

@@ -6,8 +6,8 @@ path, /update_weights, hands every tensor to the model's `load_weights`, which
 loads a fused expert tensor one expert at a time, non-local experts included:
 Python calls per expert and projection, per engine and sync. On the
 Moonlight-16B-A3B shape from a checkpoint, on one H200 (vLLM 0.34.0,
-2026-12-04, commit 98b6f75), a sync takes 0.53-0.76 s through vLLM's fastest
-mode of its own and 0.034-0.039 s through this loader; the README links the
+2026-12-05, commit 8ef489d), a sync takes 0.71-0.87 s through vLLM's fastest
+mode of its own and 0.031-0.033 s through this loader; the README links the
 JSON.
 
 This loader is a vLLM worker extension. Start the server with
