@@ -62,7 +62,7 @@ class RankMeasurement:
             sender.packed_buffer_size_bytes,
         )
         if measured.in_place is not None:
-            measured.in_place = TimedHandshake(measured.in_place, self.send_seconds)
+            measured.in_place = TimedHandshake(measured.in_place, self.send_seconds, self.device)
         trainer.sender = TimedSender(measured, self.send_seconds, self.device, unmeasured=sender)
         if getattr(trainer, "optimizer", None) is not None and not isinstance(trainer.optimizer, StepWatch):
             trainer.optimizer = StepWatch(trainer.optimizer, trainer.model, self.device)
@@ -128,6 +128,8 @@ class RankMeasurement:
         `source` is host time producing the tensors; see TimedSource. `server_*` is time waiting on the
         server, on rank 0 only, and `engine_*` is the direct loader's own split of DP engine 0's part of it.
         `total` is the whole send; the rest is packing, the GPU's gathers and the trainer ranks' handshakes.
+        `started_at` and `ended_at` are the send's start and end by the machine's clock, which
+        rounds.ray_call_split turns into Ray's share of the driver's call.
         """
         return dict(self.send_seconds)
 
@@ -182,10 +184,12 @@ class TimedSender:
 
     def send(self) -> None:
         self._seconds.clear()
+        self._seconds["started_at"] = time.time()  # by the machine's clock; see rounds.ray_call_split
         start = time.perf_counter()
         self._sender.send()
         _synchronize(self._device)
         self._seconds["total"] = time.perf_counter() - start
+        self._seconds["ended_at"] = time.time()
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -197,16 +201,20 @@ class TimedHandshake:
     """Wrap a sources.InPlace so that its gather() adds its seconds to seconds["in_place_handshake"].
 
     That is the rank's handshake before a send: waiting for its GPU, exporting the handles of tensors that
-    moved, and gathering every rank's handles to rank 0.
+    moved, and gathering every rank's handles to rank 0. The wait for the GPU is also kept on its own, as
+    seconds["in_place_gpu_wait"].
     """
 
-    def __init__(self, in_place, seconds: dict[str, float]) -> None:
-        self._in_place, self._seconds = in_place, seconds
+    def __init__(self, in_place, seconds: dict[str, float], device: torch.device) -> None:
+        self._in_place, self._seconds, self._device = in_place, seconds, device
 
     def gather(self) -> None:
         start = time.perf_counter()
+        _synchronize(self._device)  # what gather() waits for first, timed on its own; its own wait is then short
+        waited = time.perf_counter() - start
         self._in_place.gather()
-        self._seconds["in_place_handshake"] = self._seconds.get("in_place_handshake", 0.0) + time.perf_counter() - start
+        for key, seconds in (("in_place_handshake", time.perf_counter() - start), ("in_place_gpu_wait", waited)):
+            self._seconds[key] = self._seconds.get(key, 0.0) + seconds
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

@@ -39,19 +39,24 @@ from proof.report import RoundRecord, print_round, report, round_record, run_res
 
 
 class PhaseTimer:
-    """Time named phases in wall-clock seconds: `with timer.phase("sleep"): ...`."""
+    """Time named phases in wall-clock seconds: `with timer.phase("sleep"): ...`.
+
+    `wall` keeps each phase's start and end by the machine's clock, which the trainer ranks on this machine share,
+    so that ray_call_split can tell Ray's share of the send from the rank's."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.wall: dict[str, tuple[float, float]] = {}
 
     @contextmanager
     def phase(self, name: str):
         print(f"[{name}] ...", flush=True)
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         try:
             yield
         finally:
             self.seconds[name] = time.perf_counter() - start
+            self.wall[name] = (wall_start, time.time())
             print(f"[{name}] {self.seconds[name]:.2f} s", flush=True)
 
 
@@ -68,6 +73,7 @@ def judged_round(
     training: dict | None = None,
     server_pgids: list | None = None,
     kernel_noise: KernelNoise | None = None,
+    send_wall: tuple[float, float] | None = None,
 ) -> RoundRecord:
     """Build and print a round's record as the JSON stores it, with the checks' verdicts.
 
@@ -75,7 +81,8 @@ def judged_round(
     sync, and the exact check. `noise` is the gap on identical weights, which is this round's `before` when the
     previous sync was proven exact. With --train, `training` is {"reward_mean", "loss"}, with loss None when no
     step was taken. `server_pgids` is as `memory` takes it, and `kernel_noise` is as measured before the first
-    sync. The round passes only if both the gate and the exact check pass; see failed_checks.
+    sync. `send_wall` is the send phase's start and end by the machine's clock; see ray_call_split. The round
+    passes only if both the gate and the exact check pass; see failed_checks.
     """
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
@@ -83,7 +90,7 @@ def judged_round(
         before, after, tolerances, weights_updated, noise=noise, stepped=stepped, exact_check_runs=exact is not None
     )
     synced = measured(trainers[:1], "sync_bytes")[0]
-    send_per_rank = measured(trainers, "send_breakdown")
+    send_per_rank = ray_call_split(measured(trainers, "send_breakdown"), send_wall)
     record = round_record(
         phases, send_per_rank, synced, before, after, verdict, memory(trainers, server_pgids), weights_updated
     )
@@ -111,6 +118,19 @@ def judged_round(
             record.unchanged_by_step = measured(trainers[:1], "unchanged_by_last_step")[0]
     print_round(record, tolerances)
     return record
+
+
+def ray_call_split(send_per_rank: list[dict], send_wall: tuple[float, float] | None) -> list[dict]:
+    """Return the ranks' send breakdowns with rank 0's Ray call split out, and no clock readings left in them.
+
+    Rank 0 runs on the driver's machine, so their clocks agree: `ray_call` is the time from the driver's call to
+    the rank's send starting, and `ray_return` from its end to the driver having the answer. Another machine's
+    clock may differ, so other ranks get neither."""
+    for rank, seconds in enumerate(send_per_rank):
+        started, ended = seconds.pop("started_at", None), seconds.pop("ended_at", None)
+        if rank == 0 and send_wall is not None and started is not None:
+            seconds["ray_call"], seconds["ray_return"] = started - send_wall[0], send_wall[1] - ended
+    return send_per_rank
 
 
 class RoundProof:
@@ -182,6 +202,7 @@ class RoundProof:
             training=self.training,
             server_pgids=self.server_pgids,
             kernel_noise=self.kernel_noise,
+            send_wall=self.timer.wall.get("send"),
         )
 
 

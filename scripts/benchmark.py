@@ -250,6 +250,11 @@ def print_send_breakdown(send_per_rank: list[dict]) -> None:
             + f" + packing and handshakes {s['total'] - s.get('source', 0) - server:.2f} s",
             flush=True,
         )
+        if "ray_call" in s:
+            print(
+                f"[send]   Ray's call into rank {rank}: {s['ray_call']:.4f} s, its return {s['ray_return']:.4f} s",
+                flush=True,
+            )
         if engine := {k.removeprefix("engine_"): v for k, v in s.items() if k.startswith("engine_")}:
             print(
                 "[send]   of the server's, inside DP engine 0: "

@@ -1109,7 +1109,52 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
     )
     trainer.sender = rank_measurement.TimedSender(sender, seconds, trainer.device)
     assert trainer.send_weights() is None
-    assert list(seconds) == ["total"] and seconds["total"] >= 0.02
+    assert list(seconds) == ["started_at", "total", "ended_at"] and seconds["total"] >= 0.02
+    # By the machine's clock, which the driver shares, for rounds.ray_call_split.
+    assert seconds["ended_at"] - seconds["started_at"] == pytest.approx(seconds["total"], abs=0.005)
+
+
+def test_rank_0s_send_is_split_from_rays_call_and_no_clock_reading_is_left(capsys):
+    """rounds.ray_call_split: of the driver's send phase, `ray_call` is the time
+    before rank 0's send started and `ray_return` the time after it ended; a
+    rank on another machine, whose clock may differ, gets neither, and no rank
+    keeps the clock readings themselves."""
+    ranks = [
+        {"started_at": 100.25, "total": 0.5, "ended_at": 100.75},
+        {"started_at": 7.0, "total": 0.5, "ended_at": 7.5},
+    ]
+    split = rounds.ray_call_split(ranks, (100.0, 101.0))
+    assert split[0] == {"total": 0.5, "ray_call": 0.25, "ray_return": 0.25} and split[1] == {"total": 0.5}
+    assert rounds.ray_call_split([{"started_at": 1.0, "total": 0.5, "ended_at": 1.5}], None) == [{"total": 0.5}]
+    assert rounds.ray_call_split([{"total": 0.5}], (100.0, 101.0)) == [{"total": 0.5}]  # vLLM's own sends, unmeasured
+    from scripts import benchmark
+
+    benchmark.print_send_breakdown(split)
+    assert "[send]   Ray's call into rank 0: 0.2500 s, its return 0.2500 s" in capsys.readouterr().out
+
+
+def test_the_rank_handshake_keeps_its_wait_for_the_gpu_apart(monkeypatch):
+    """rank_measurement.TimedHandshake times a rank's handshake (sources.InPlace.gather) and, within it, the wait
+    for the rank's GPU, which it does first. The CPU has nothing to wait for, so a GPU's 10 ms wait is stood in
+    for here by the measurement's own _synchronize. Each send adds to both."""
+    import time
+
+    class Handshake:
+        names = ["w"]
+
+        def gather(self):
+            time.sleep(0.02)
+
+    monkeypatch.setattr(rank_measurement, "_synchronize", lambda device: time.sleep(0.01))
+    seconds = {}
+    timed = rank_measurement.TimedHandshake(Handshake(), seconds, torch.device("cpu"))
+    timed.gather()
+    assert timed.names == ["w"] and set(seconds) == {"in_place_handshake", "in_place_gpu_wait"}
+    assert seconds["in_place_handshake"] >= 0.03 and 0.01 <= seconds["in_place_gpu_wait"] < 0.02
+    first = dict(seconds)
+    timed.gather()
+    assert seconds["in_place_handshake"] >= first["in_place_handshake"] + 0.03
+    assert seconds["in_place_gpu_wait"] >= first["in_place_gpu_wait"] + 0.01
 
 
 def test_fingerprints_read_back_each_under_its_own_index():
@@ -1236,6 +1281,8 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
         proof.generated(batch)
         with proof.step("sleep"):
             pass
+        with proof.step("send"):
+            pass
         if loss != "no step":
             proof.trained(0.5, loss)
         proof.send_retries = 1
@@ -1244,7 +1291,9 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
 
     args = SimpleNamespace(tensor_parallel_size=1)
     (a, kw) = round_of(args, first_sync=True)
-    assert a[0] is args and a[1] == ["rank 0"] and list(a[2]) == ["sleep"] and a[5] == 1
+    assert a[0] is args and a[1] == ["rank 0"] and list(a[2]) == ["sleep", "send"] and a[5] == 1
+    started, ended = kw["send_wall"]  # the send phase by the machine's clock, for rounds.ray_call_split
+    assert started <= ended and ended - started == pytest.approx(a[2]["send"], abs=0.005)
     assert a[3] == ([[1, 2, 3]], "gap before") and a[4] == ([[1, 2, 3]], "gap after")
     assert kw["weights_updated"] and kw["exact"] == "verdict of started" and kw["noise"] is None
     assert kw["training"] is None and kw["server_pgids"] == [7] and kw["kernel_noise"] == "noise"
