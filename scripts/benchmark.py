@@ -13,7 +13,8 @@ It starts the trainers and the server once, then for each loader in --loaders
      recording the seconds of every phase, where the send's time went on each
      trainer rank, the memory of the trainer and the server on every GPU, and
      the round against its floor: the bytes each GPU receives, copied once at
-     the rate this job's GPUs copy at (measured once, at the start).
+     the rate this job's GPUs copy at (measured once, at the start, beside
+     what the sync's calls to vLLM and to the ranks cost, each made alone).
 With both loaders it then proves them equivalent: after a sync through vLLM's
 loader it fingerprints every vLLM parameter on every DP engine, zeroes them
 all, syncs through the direct loader, and requires every parameter to be back
@@ -144,6 +145,43 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
         flush=True,
     )
     return result
+
+
+def control_plane_seconds(job: script.Job, repeats: int = 20) -> dict:
+    """What a level-0 sync pays besides its copies, each part timed alone, in a sync's order: the median seconds
+    of vLLM's pause (`sleep`), an empty Ray call into every trainer rank (`ray_call`), an empty call into every
+    engine (`server_call`, vLLM's no-op check_health through /collective_rpc), and the resume (`wake`), each as
+    the script makes it. A sync takes at least its copy floor plus their sum (`total`)."""
+    sock, seconds = job.server.socket_path, {"sleep": [], "ray_call": [], "server_call": [], "wake": []}
+    calls = {
+        "sleep": partial(helpers.sleep, sock, 0),
+        "ray_call": lambda: script.ray_get_all(
+            [t.__ray_call__.remote(_nothing) for t in job.trainers], also_check=_no_check
+        ),
+        "server_call": partial(helpers.collective_rpc, sock, "check_health"),
+        "wake": partial(helpers.wake_up, sock, ["scheduling"]),
+    }
+    for _ in range(repeats):
+        for part, call in calls.items():
+            start = time.perf_counter()
+            call()
+            seconds[part].append(time.perf_counter() - start)
+    medians = {part: statistics.median(s) for part, s in seconds.items()}
+    print(
+        f"[floor] a sync's calls, each alone (median of {repeats}): "
+        + ", ".join(f"{part} {s * 1e3:.1f} ms" for part, s in medians.items())
+        + f"; {sum(medians.values()) * 1e3:.1f} ms in all",
+        flush=True,
+    )
+    return {**medians, "total": sum(medians.values()), "repeats": repeats}
+
+
+def _nothing(trainer) -> None:
+    pass
+
+
+def _no_check() -> None:
+    pass
 
 
 def _variant(text: str) -> tuple[str, int, int | None]:
@@ -346,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             f"[floor] device copy rate per GPU: {', '.join(f'{r:.0f}' for r in result['device_copy_gb_per_s'])} GB/s",
             flush=True,
         )
+        result["control_plane_s"] = control_plane_seconds(job)
         result["variants"] = []
         out = Path(bench.out) if bench.out else default_out(result)
         out.parent.mkdir(parents=True, exist_ok=True)

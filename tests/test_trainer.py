@@ -2,6 +2,7 @@
 """The trainer side on CPU: FSDP2 over 2 gloo processes, Ray placement, and the
 logprob gate against a real vLLM server."""
 
+import re
 import shutil
 import sys
 import time
@@ -323,6 +324,29 @@ def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
         [t.__ray_call__.remote(rank_measurement.device_copy_gb_per_s, 8 * 1024**2, 3) for t in cpu_trainers]
     )
     assert len(rates) == 2 and all(0.05 < r < 10_000 for r in rates), rates
+
+
+def test_the_benchmark_times_each_of_a_syncs_calls_alone_and_leaves_vllm_serving(cpu_server, cpu_trainers):
+    """The benchmark's floor for a sync's calls (benchmark.control_plane_seconds): vLLM's pause, an empty Ray
+    call into every rank, an empty call into every engine, and the resume, each timed alone, as often as asked,
+    the medians in the JSON; vLLM is awake and serving afterwards."""
+    from types import SimpleNamespace
+
+    from scripts import benchmark
+
+    def pauses_and_resumes() -> list[float]:  # vLLM's own count of each, from its metrics
+        text = helpers._client(cpu_server.socket_path).get("/metrics").text
+        pattern = r'vllm:sleep_mode_operation_duration_seconds_count\{operation="%s"\} (\S+)'
+        return [float((re.findall(pattern % op, text) or [0])[0]) for op in ("sleep", "wake")]
+
+    before = pauses_and_resumes()
+    got = benchmark.control_plane_seconds(SimpleNamespace(server=cpu_server, trainers=cpu_trainers), repeats=3)
+    parts = ["sleep", "ray_call", "server_call", "wake"]
+    assert list(got) == [*parts, "total", "repeats"] and got["repeats"] == 3 and all(got[p] > 0 for p in parts)
+    assert got["total"] == pytest.approx(sum(got[p] for p in parts))
+    assert pauses_and_resumes() == [before[0] + 3, before[1] + 3]
+    assert not helpers.is_sleeping(cpu_server.socket_path)
+    assert helpers.completions(cpu_server.socket_path, SERVED_NAME, ["a"], 2)[0].token_ids
 
 
 def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_server, cpu_trainers, tiny_checkpoint):
