@@ -33,7 +33,7 @@ run() {  # name seconds program flags...: one run, its output time-stamped line 
 summary() {
   for f in "$R"/logs/*.out; do
     echo "=== $(basename "$f" .out): $(tail -1 "$f")"
-    grep -E "healthy after|\[exact\]|\[gate\]|\[agree\]|\[sync\]|error:|Error|FAILED|warning:|rc=" "$f" | cut -c1-300 | tail -12
+    grep -E "healthy after|\[floor\] a sync|\[exact\]|\[gate\]|\[agree\]|\[sync\]|error:|Error|FAILED|warning:|rc=" "$f" | cut -c1-300 | tail -13
     log="${f%.out}.server.log"  # the engines' own lines: vLLM's early import, whether each sync kept its copies
     [ -f "$log" ] && grep -E "\[wait for flags\]|a weight is off" "$log" | cut -c1-200 | head -3
     [ -f "$log" ] && echo "in-place copies kept: $(grep -c 'in-place copies kept' "$log"), worked out: $(grep -c 'in-place copies worked out' "$log")"
