@@ -152,15 +152,18 @@ def control_plane_seconds(job: script.Job, repeats: int = 20) -> dict:
     of vLLM's pause (`sleep`), an empty Ray call into every trainer rank (`ray_call`), an empty call into every
     engine (`server_call`, vLLM's no-op check_health through /collective_rpc), and the resume (`wake`), each as
     the script makes it. A sync takes at least its copy floor plus their sum (`total`)."""
-    sock, seconds = job.server.socket_path, {"sleep": [], "ray_call": [], "server_call": [], "wake": []}
+    sock, trainers = job.server.socket_path, job.trainers
+
+    def empty_ray_call() -> None:  # waited on as send_all waits on the ranks, with a check every 2 s
+        script.ray_get_all([t.__ray_call__.remote(_nothing) for t in trainers], also_check=lambda: None)
+
     calls = {
         "sleep": partial(helpers.sleep, sock, 0),
-        "ray_call": lambda: script.ray_get_all(
-            [t.__ray_call__.remote(_nothing) for t in job.trainers], also_check=_no_check
-        ),
+        "ray_call": empty_ray_call,
         "server_call": partial(helpers.collective_rpc, sock, "check_health"),
         "wake": partial(helpers.wake_up, sock, ["scheduling"]),
     }
+    seconds = {part: [] for part in calls}
     for _ in range(repeats):
         for part, call in calls.items():
             start = time.perf_counter()
@@ -177,10 +180,6 @@ def control_plane_seconds(job: script.Job, repeats: int = 20) -> dict:
 
 
 def _nothing(trainer) -> None:
-    pass
-
-
-def _no_check() -> None:
     pass
 
 
