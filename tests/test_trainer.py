@@ -329,7 +329,7 @@ def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
 def test_the_benchmark_times_each_of_a_syncs_calls_alone_and_leaves_vllm_serving(cpu_server, cpu_trainers):
     """The benchmark's floor for a sync's calls (benchmark.control_plane_seconds): vLLM's pause, an empty Ray
     call into every rank, an empty call into every engine, and the resume, each timed alone, as often as asked,
-    the medians in the JSON; vLLM is awake and serving afterwards."""
+    their medians returned for the JSON; vLLM is awake and serving afterwards."""
     from types import SimpleNamespace
 
     from scripts import benchmark
