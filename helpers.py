@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import atexit
 import errno
+import http.client
 import json
 import math
 import os
 import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -502,38 +505,67 @@ def signals_ignored():
 
 
 # ---- HTTP routes: one small function each. `sock` is the server's socket path ----
-_clients: dict[tuple[int, int, str], httpx.Client] = {}  # kept open: a round's calls are milliseconds apart
+# The routes go through the standard library's HTTP client, 0.3-0.5 ms a call faster than httpx on a CPU vLLM
+# server, and a sync makes three in a row. The OpenAI client, for completions, brings httpx.
+class _Connection(http.client.HTTPConnection):
+    """HTTP/1.1 over the server's Unix socket, kept open between calls; `answered_at`: its last answer's time."""
+
+    def __init__(self, sock: str) -> None:
+        super().__init__("localhost")
+        self.socket_path, self.answered_at = sock, time.monotonic()
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
 
 
-def _client(sock: str) -> httpx.Client:
-    key = (os.getpid(), threading.get_ident(), sock)  # per thread, so a failed one can be closed at once
-    if key not in _clients:
-        # Skip TLS setup and proxies; drop idle connections at half the server's keep-alive, before it does.
-        idle_s = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2
-        transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=idle_s))
-        _clients[key] = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
-    return _clients[key]
+# Kept open, as a round's calls are milliseconds apart; per thread, so that a failed one can be closed at once.
+_connections: dict[tuple[int, int, str], _Connection] = {}
+_openai_clients: dict[tuple[int, int, str], Any] = {}
+
+
+def _idle_limit_s() -> float:
+    """Half the server's keep-alive: a connection idle for longer may be closing at the server's end."""
+    return float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")) / 2
+
+
+def _connection(sock: str) -> _Connection:
+    key = (os.getpid(), threading.get_ident(), sock)
+    if (conn := _connections.get(key)) is None:
+        conn = _connections[key] = _Connection(sock)
+    elif time.monotonic() - conn.answered_at > _idle_limit_s():
+        conn.close()  # the next request opens another
+    return conn
 
 
 def forget_client(sock: str, every_thread: bool = False) -> None:
-    """Close this thread's client for `sock`, or every thread's: after a failure, or when done with the server."""
-    for key in [k for k in _clients if k[0] == os.getpid() and k[2] == sock]:
-        if every_thread or key[1] == threading.get_ident():
-            _openai_clients.pop(id(client := _clients.pop(key)), None)
-            client.close()
+    """Close this thread's connections to `sock`, or every thread's: after a failure, or when done with the server."""
+    for table in (_connections, _openai_clients):
+        for key in [k for k in table if k[0] == os.getpid() and k[2] == sock]:
+            if every_thread or key[1] == threading.get_ident():
+                table.pop(key).close()
 
 
-def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, **kwargs) -> Any:
-    """Call `route` with httpx's keyword arguments and return its JSON; raise ServerError with the reply."""
+def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, params=None, body=None) -> Any:
+    """Call `route` with query `params` and a JSON `body`, and return its JSON; raise ServerError with the reply."""
+    conn, url = _connection(sock), f"{route}?{urllib.parse.urlencode(params)}" if params else route
+    conn.timeout = timeout
+    if conn.sock is not None:
+        conn.sock.settimeout(timeout)
+    data = None if body is None else json.dumps(body).encode()
     try:
-        resp = _client(sock).request(method, route, timeout=timeout, **kwargs)
-    except httpx.HTTPError as e:
+        conn.request(method, url, data, {"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        reply = resp.read()
+    except (OSError, http.client.HTTPException) as e:
         forget_client(sock)
         raise ServerError(f"{method} {route} failed: {e!r}") from e
-    if resp.status_code != 200:
+    if resp.status != 200:
         forget_client(sock)  # vLLM may reset the connection after an error reply: the next call opens another
-        raise ServerError(f"{method} {route} -> HTTP {resp.status_code}: {resp.text[:2000]}")
-    return resp.json() if resp.content else None
+        raise ServerError(f"{method} {route} -> HTTP {resp.status}: {reply.decode(errors='replace')[:2000]}")
+    conn.answered_at = time.monotonic()
+    return json.loads(reply) if reply else None
 
 
 def health(sock: str) -> bool:
@@ -614,18 +646,18 @@ class Completion:
     token_ids: list[int]
 
 
-_openai_clients: dict[int, Any] = {}  # by id() of the httpx client each wraps; forget_client drops both
-
-
 def openai_client(sock: str):
+    """Return this thread's OpenAI client for the server, kept open as the routes' connections are."""
     import openai
 
-    transport = _client(sock)
-    if id(transport) not in _openai_clients:
-        _openai_clients[id(transport)] = openai.OpenAI(
-            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=transport
+    key = (os.getpid(), threading.get_ident(), sock)
+    if key not in _openai_clients:  # skipping TLS setup and proxies
+        transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=_idle_limit_s()))
+        http_client = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
+        _openai_clients[key] = openai.OpenAI(
+            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=http_client
         )
-    return _openai_clients[id(transport)]
+    return _openai_clients[key]
 
 
 def post_completions(sock: str, dp_rank: int | None = None, **fields):
@@ -666,7 +698,7 @@ def completions(
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
     """POST /collective_rpc: call `method` on every engine's workers and return the first DP engine's results."""
     body = {"method": method, "args": list(args), "timeout": timeout}
-    out = request(sock, "POST", "/collective_rpc", timeout=timeout + 10, json=body)
+    out = request(sock, "POST", "/collective_rpc", timeout=timeout + 10, body=body)
     return out["results"] if out else []
 
 
@@ -677,7 +709,7 @@ def weight_sync_client(sock: str):
 
     class WeightSyncClient(HTTPVLLMWeightSyncClient):
         def _post(self, path: str, json: dict | None = None) -> None:
-            request(sock, "POST", f"/{path}", timeout=self.timeout, json=json)
+            request(sock, "POST", f"/{path}", timeout=self.timeout, body=json)
 
     return WeightSyncClient(sock, timeout=SERVER_CALL_TIMEOUT_S)
 

@@ -15,7 +15,7 @@ def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict
     'compare' checks the parameters against `baseline`.
     """
     body = {"action": action, **({"baseline": baseline} if baseline is not None else {})}
-    return helpers.request(sock, "POST", "/weight_checker", json=body)
+    return helpers.request(sock, "POST", "/weight_checker", body=body)
 
 
 def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:

@@ -85,6 +85,14 @@ def start_cpu_server(model_dir, tmp_path, *extra, wait=True, worker: str = "proo
     return healthy_or_stopped(server, timeout_s=300) if wait else server
 
 
+def metrics_text(sock: str) -> str:
+    """The server's GET /metrics, Prometheus' text: through a client of its own, as the README reaches the server."""
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost") as client:
+        return client.get("/metrics", timeout=10).text
+
+
 def healthy_or_stopped(server: helpers.Server, timeout_s: float) -> helpers.Server:
     """Wait until `server` is healthy and return it; stop it if it is not, or if the wait is interrupted."""
     try:

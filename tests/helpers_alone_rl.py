@@ -84,7 +84,7 @@ class MyTrainer:
 
 def checksums(sock: str) -> dict:
     """vLLM's digest of every parameter the server holds (its own names, after its loader)."""
-    return helpers.request(sock, "POST", "/weight_checker", json={"action": "checksum"})["checksums"]
+    return helpers.request(sock, "POST", "/weight_checker", body={"action": "checksum"})["checksums"]
 
 
 def reload_from(sock: str, folder: str) -> None:
@@ -94,7 +94,7 @@ def reload_from(sock: str, folder: str) -> None:
         ("update_config", {"overrides": {"load_config": {"load_format": "safetensors"}}}),
         ("reload_weights", {"weights_path": folder}),
     ]:
-        helpers.request(sock, "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        helpers.request(sock, "POST", "/collective_rpc", body={"method": method, "kwargs": kwargs})
 
 
 def watchdogs(socket_path: str) -> list[int]:

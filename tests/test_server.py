@@ -22,6 +22,7 @@ from conftest import (
     cpu_serve_args,
     healthy_or_stopped,
     listening_tcp,
+    metrics_text,
     private_socket_path,
     socket_inodes,
     start_cpu_server,
@@ -150,7 +151,7 @@ def test_a_kv_cache_that_cannot_be_mapped_back_is_explained():
 
 def prefix_cache_hits(sock) -> float:
     """vLLM's prefix-cache hit counter (tokens), from GET /metrics."""
-    text = helpers._client(sock).get("/metrics", timeout=10).text
+    text = metrics_text(sock)
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
 
@@ -393,7 +394,7 @@ def test_one_connection_per_server_kept_between_calls(tmp_path, monkeypatch):
         assert helpers.request(sock, "GET", "/connections")["connections"] == seen[0] + 2
     finally:
         helpers.stop_server(server)
-    assert not [key for key in helpers._clients if key[2] == server.socket_path]
+    assert not [key for key in helpers._connections if key[2] == server.socket_path]
 
 
 def test_the_servers_temporary_files_are_in_its_private_directory(cpu_server):
@@ -423,7 +424,10 @@ def test_a_failed_call_leaves_no_connection_open(tmp_path):
         assert in_thread.result(timeout=60)["open"] == 2  # its own connection; the main thread's stays
     finally:
         helpers.stop_server(server)
-    assert not [key for key in helpers._clients if key[2] == server.socket_path]  # every thread's is closed
+    # Every thread's is closed, the OpenAI client's too.
+    assert not [
+        key for t in (helpers._connections, helpers._openai_clients) for key in t if key[2] == server.socket_path
+    ]
 
 
 ENV_SERVER = """

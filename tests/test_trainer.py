@@ -13,7 +13,7 @@ import torch
 
 import helpers
 import rlhf_ipc_fsdp_ep as script
-from conftest import SERVED_NAME, listening_tcp, run_ranks
+from conftest import SERVED_NAME, listening_tcp, metrics_text, run_ranks
 from proof import exact_check_driver, logprob_gate, rank_measurement
 
 
@@ -335,7 +335,7 @@ def test_the_benchmark_times_each_of_a_syncs_calls_alone_and_leaves_vllm_serving
     from scripts import benchmark
 
     def pauses_and_resumes() -> list[float]:  # vLLM's own count of each, from its metrics
-        text = helpers._client(cpu_server.socket_path).get("/metrics").text
+        text = metrics_text(cpu_server.socket_path)
         pattern = r'vllm:sleep_mode_operation_duration_seconds_count\{operation="%s"\} (\S+)'
         return [float((re.findall(pattern % op, text) or [0])[0]) for op in ("sleep", "wake")]
 
@@ -785,7 +785,7 @@ def test_engines_that_do_not_answer_fail_the_exact_check_in_time(ray_cluster, tm
         verdict = exact_check_driver.exact_check(started)
         assert time.monotonic() - begin < 60 and not verdict.passed
         assert verdict.problem.startswith("the DP engines (0-0) did not answer exact_check_start within 1 s"), verdict
-        assert not [key for key in helpers._clients if key[2] == sock]
+        assert not [key for key in helpers._connections if key[2] == sock]
     finally:
         ray.kill(trainers[0])
         listener.close()
