@@ -547,9 +547,12 @@ def forget_client(sock: str, every_thread: bool = False) -> None:
                 table.pop(key).close()
 
 
-def request(sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, params=None, body=None) -> Any:
-    """Call `route` with query `params` and a JSON `body`, and return its JSON; raise ServerError with the reply."""
-    conn, url = _connection(sock), f"{route}?{urllib.parse.urlencode(params)}" if params else route
+def request(
+    sock: str, method: str, route: str, timeout: float = SERVER_CALL_TIMEOUT_S, params=None, body: Any = None
+) -> Any:
+    """Call `route` with query `params` (a dict or pairs) and a JSON `body`, and return its JSON; raise ServerError."""
+    url = f"{route}?{urllib.parse.urlencode(params)}" if params else route
+    conn = _connection(sock)
     conn.timeout = timeout
     if conn.sock is not None:
         conn.sock.settimeout(timeout)
