@@ -6,7 +6,8 @@ bit for bit, on expert blocks of the presets' shapes (padded and not) filled
 with normal values, with zeros, with values too small for e4m3's normal range,
 with a few large outliers, and on fp8_experts.fp8_every_case_block (every
 case of the arithmetic, up to sign and powers of two); and the time of each: the kernel where the
-engine quantizes as it writes (the direct loader), vLLM's function, the bf16
+engine quantizes as it writes (the direct loader; and each of its variants: the GPU's own e4m3 cast or the
+written-out one, 4, 8 or 16 warps), vLLM's function, the bf16
 copy the sync makes otherwise, and quantizing on the trainer's side instead
 (the kernel into the send's buffer, then the engine's copy of the FP8 bytes
 and scales; fewer bytes through IPC, one more pass over them).
@@ -57,6 +58,29 @@ def timed(fn, repeats=5) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def variants(block, shards, want) -> list[dict]:
+    """The kernel with the GPU's own e4m3 cast or the written-out one, at each thread count: whether its bytes
+    are vLLM's, and its time against the bf16 copy of the same block."""
+    rows = []
+    for native in (False, True):
+        for num_warps in (4, 8, 16):
+            got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+
+            def launch(got=got, native=native, num_warps=num_warps):
+                fp8_experts._launch_fp8_blocks(block, shards, *got, native=native, num_warps=num_warps)
+
+            seconds = timed(launch, repeats=20)
+            rows.append(
+                {
+                    "native": native,
+                    "num_warps": num_warps,
+                    "identical": fp8_experts._same_bytes(got, want),
+                    "kernel_s": seconds,
+                }
+            )
+    return rows
+
+
 def compared(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """(FP8 weight, fp32 scales) pairs compared byte for byte: whether each is identical, and how many
     of its elements differ."""
@@ -102,6 +126,7 @@ def main() -> int:
                     got_s.copy_(other_s)
 
                 row["trainer_side_s"] = timed(trainer_side)
+                row["kernel_variants"] = variants(block, shards, (want_w, want_s))
             failures += not (row["weight_identical"] and row["scales_identical"])
             results.append(row)
             print(json.dumps(row), flush=True)
