@@ -3,7 +3,7 @@
 # The runs behind the README's headline numbers, on one H200: run from the repository's root on the GPU machine
 # with the bundle of shared/gpu-host/wheels-vllm-0.34.txt installed; results under OUT.
 #   COMMIT=<hash> bash scripts/h200_sync_runs.sh STAGE OUT    # STAGE a1, a2, b1, b2, b3 in turn, on one machine
-#   (each within 10 minutes; a2 and b2 read the checkpoint a1 writes)
+#   (each within 10 minutes, c1 and b1 together; a2 and b2 read the checkpoint a1 writes)
 # a1: the README's tiny command, cold (nothing compiled yet), alone on the GPU, while the Moonlight-16B-A3B shape is
 #    written to disk as a checkpoint; a2: that checkpoint through both loaders, compiled, sleep level 0: the direct
 #    loader beside vLLM's fastest mode (its in-place reload, VLLM_RELOAD_MODE=direct), 5 syncs each, then both
@@ -70,10 +70,10 @@ elif [ "$stage" = b3 ]; then
 elif [ "$stage" = c1 ]; then
   [ -f "$CKPT/config.json" ] || python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" \
     > "$R/logs/checkpoint-write.out" 2>&1
-  run moonlight-checkpoint-fp8 520 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
+  run moonlight-checkpoint-fp8 360 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
     --rollout-dtype fp8 --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824
 elif [ "$stage" = b1 ]; then
-  run tiny-warm 300 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
+  run tiny-warm 200 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
 else
   run moonlight-checkpoint-fp8 520 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
     --rollout-dtype fp8 --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824 &
