@@ -25,6 +25,7 @@ import http.client
 import json
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -417,6 +418,30 @@ def log_tail(server: Server, lines: int = 40) -> str:
         return "(no log)"
 
 
+def first_error(server: Server) -> str | None:
+    """Return the log's first line that names an error, or None; vLLM's INFO, WARNING and DEBUG lines are skipped.
+
+    A failed start often ends with "Engine core initialization failed. See root cause above"; this is that cause,
+    which may lie hundreds of lines above the tail."""
+    try:
+        lines = server.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    notice = re.compile(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d ")  # vLLM's log level and date
+    return next((line.strip() for line in lines if re.search(r"Error: ", line) and not notice.search(line)), None)
+
+
+def start_failure(server: Server, code: int) -> str:
+    """Say that the server exited with `code` while starting: its first error, and the last lines of its log."""
+    tail, cause = log_tail(server), first_error(server)
+    said = [f"vLLM server exited with code {code} during start"]
+    if cause and cause not in tail:
+        said.append(f"the first error in its log: {cause}")
+    if cause and "out of memory" in cause.lower():
+        said.append("vLLM ran out of GPU memory while starting, beside what the trainer ranks hold on the same GPUs")
+    return "; ".join([*said, f"last lines of {server.log_path}:\n{tail}"])
+
+
 START_MILESTONES = (  # log lines that mark a starting server's progress, used only to print it
     ("Initializing a V1 LLM engine", "engines starting"),
     ("Model loading took", "model built (dummy weights)"),
@@ -446,10 +471,7 @@ def wait_until_healthy(server: Server, timeout_s: float = 900, poll_s: float = 1
     while True:
         print_progress(server)
         if (code := server.proc.poll()) is not None:
-            raise ServerError(
-                f"vLLM server exited with code {code} during start; last lines of "
-                f"{server.log_path}:\n{log_tail(server)}"
-            )
+            raise ServerError(start_failure(server, code))
         if also_check:  # after our own server's exit check, which names the cause for sure
             also_check()
         if health(server.socket_path):

@@ -217,6 +217,55 @@ def test_server_that_dies_at_start_reports_its_log(tmp_path):
     assert "no-such-model" in str(err.value)  # the log tail names the cause
 
 
+OOM_AT_START = (
+    Path(__file__).resolve().parents[1] / "docs/runs/2026-12-05-h100-vllm034/moonlight-checkpoint-fp8.server.log"
+)
+
+
+def test_a_start_that_runs_out_of_memory_names_it_above_the_tail(tmp_path):
+    """vLLM's log of a real start that ran out of GPU memory (FP8 experts beside a bf16 trainer on an 80 GB GPU):
+    its last 40 lines only say "See root cause above", so the error quotes the log's first error, and says what
+    ran out. A WARNING line that mentions an OSError comes earlier and is not taken for it."""
+    from conftest import private_socket_path
+
+    lines = OOM_AT_START.read_text().splitlines()
+    oom_at = next(i for i, line in enumerate(lines) if "CUDA Error: out of memory" in line)
+    warning_at = next(i for i, line in enumerate(lines) if "OSError: " in line)
+    assert warning_at < oom_at < len(lines) - 40 and " WARNING " in lines[warning_at]
+    replay = f"import sys; sys.stdout.write(open({str(OOM_AT_START)!r}).read()); sys.exit(1)"
+    server = helpers.start_server(
+        ["m"], socket_path=private_socket_path(), log_path=tmp_path / "log", launcher=(sys.executable, "-c", replay)
+    )
+    with pytest.raises(helpers.ServerError) as err:
+        helpers.wait_until_healthy(server, timeout_s=60)
+    helpers.stop_server(server)
+    said = str(err.value)
+    assert said.startswith(
+        "vLLM server exited with code 1 during start; the first error in its log: "
+        "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163; "
+        "vLLM ran out of GPU memory while starting, beside what the trainer ranks hold on the same GPUs; "
+        f"last lines of {tmp_path / 'log'}:\n"
+    ), said[:400]
+    assert said.endswith(
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    )
+
+
+def test_a_start_without_an_error_line_says_only_its_tail(tmp_path):
+    """Only vLLM's WARNING line mentions an error, above the tail: nothing is quoted as the first error."""
+    from conftest import private_socket_path
+
+    warning = [line for line in OOM_AT_START.read_text().splitlines() if "OSError: " in line][0]
+    replay = f"import sys; print({warning!r}); print('starting\\n' * 45); sys.exit(2)"
+    server = helpers.start_server(
+        ["m"], socket_path=private_socket_path(), log_path=tmp_path / "log", launcher=(sys.executable, "-c", replay)
+    )
+    with pytest.raises(helpers.ServerError) as err:
+        helpers.wait_until_healthy(server, timeout_s=60)
+    helpers.stop_server(server)
+    assert str(err.value).startswith(f"vLLM server exited with code 2 during start; last lines of {tmp_path / 'log'}:")
+
+
 FAKE_SERVER = """
 import signal, subprocess, sys, time
 # a child that ignores SIGTERM, like a wedged engine core
