@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -135,10 +136,13 @@ def main() -> int:
     want_w, want_s = fp8_experts.fp8_reference(block, 1)
     got_w, got_s = torch.empty_like(want_w), torch.empty_like(want_s)
     fp8_experts._launch_fp8_blocks(block, 1, got_w, got_s)
+    native_w, native_s = torch.empty_like(want_w), torch.empty_like(want_s)  # the GPU's own e4m3 cast
+    fp8_experts._launch_fp8_blocks(block, 1, native_w, native_s, native=True)
     row = {
         "shape": "every case [129, 128, 128]",
         "fill": "every amax mantissa, every element below it",
         **compared((got_w, got_s), (want_w, want_s)),
+        "native_identical": fp8_experts._same_bytes((native_w, native_s), (want_w, want_s)),
     }
     failures += not (row["weight_identical"] and row["scales_identical"])
     results.append(row)
@@ -155,6 +159,7 @@ def main() -> int:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "command": "python scripts/fp8_quantizer_check.py",
+        "commit": os.environ.get("COMMIT"),
         "cases": results,
         "torch_division": division,
         "all_identical": failures == 0,
