@@ -17,7 +17,8 @@
 #    bit), tiny-mixtral in FP8 with --train, and a stale engine (tests/stale_block_worker.py: from the second
 #    sync on, one expert block left as it was), which the exact check must fail, named.
 # c1: the FP8 run of b2 alone (the checkpoint written first if a1 has not run on this machine): the FP8 sync
-#    against a2's bf16 one without other jobs on the GPU.
+#    against a2's bf16 one without other jobs on the GPU. It needs more than 80 GB: on an H100 80GB vLLM's start
+#    ran out of memory quantizing the experts beside the trainer's 30 GiB (docs/RESULTS.md, 9f57da0).
 set -u
 stage=${1:?a1, a2, b1, b2, b3 or c1}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
