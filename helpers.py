@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import ray
 import torch
 import torch.distributed as dist
 
@@ -121,11 +120,14 @@ def serve_args(
     head: tuple[str, int] | None = None,
     worker_extension: str | None = None,
     rollout_dtype: str = "bf16",
+    dummy_weights: bool = True,
 ) -> list[str]:
     """Return the `vllm serve` flags after the model path, for the engines on one node's `gpu_ids`.
 
+    `gpu_ids` as `--device-ids` takes them: physical GPUs (physical_gpu_id), in the order of the trainer ranks.
     The direct loader needs `worker_extension="weight_sync.direct_load.DirectLoadWorker"`. Size the KV cache with
-    `kv_cache_memory_bytes` or `kv_cache_tokens`: each sync resets all of it, about 0.25 s per 40 GiB."""
+    `kv_cache_memory_bytes` or `kv_cache_tokens`: each sync resets all of it, about 0.25 s per 40 GiB.
+    `dummy_weights`: start on random weights, as the first sync overwrites every one; else load the model's."""
     if kv_cache_memory_bytes and kv_cache_tokens:
         raise ValueError("pass kv_cache_memory_bytes or kv_cache_tokens, not both")
     dp_size = len(gpu_ids) * num_nodes // tensor_parallel_size
@@ -136,7 +138,7 @@ def serve_args(
         *(["--enable-expert-parallel"] if experts else []),
         *("--device-ids", ",".join(gpu_ids)),
         "--enable-sleep-mode",
-        *("--load-format", "dummy"),
+        *(("--load-format", "dummy") if dummy_weights else ()),
         *("--weight-transfer-config", json.dumps({"backend": "ipc"})),
         *("--gpu-memory-utilization", str(gpu_memory_utilization)),
     ]
@@ -728,15 +730,43 @@ def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_C
 
 
 # ---- Weight sync clients: what vLLM's IPC trainer engine calls on trainer rank 0 ----
-def weight_sync_client(sock: str):
-    """Return vLLM's HTTPVLLMWeightSyncClient for its weight routes over the socket, raising ServerError."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+class WeightSyncClient:
+    """vLLM's weight routes over the server's socket, raising ServerError: the calls vLLM's IPC trainer engine
+    makes on rank 0 (vLLM's structural VLLMWeightSyncClient), as vLLM's HTTPVLLMWeightSyncClient makes them."""
 
-    class WeightSyncClient(HTTPVLLMWeightSyncClient):
-        def _post(self, path: str, json: dict | None = None) -> None:
-            request(sock, "POST", f"/{path}", timeout=self.timeout, body=json)
+    def __init__(self, sock: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> None:
+        self.sock, self.timeout = sock, timeout
 
-    return WeightSyncClient(sock, timeout=SERVER_CALL_TIMEOUT_S)
+    def _post(self, route: str, body: dict | None = None) -> None:
+        request(self.sock, "POST", route, timeout=self.timeout, body=body)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict | list) -> None:
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        sent = [_handles_pickled(info) for info in infos]
+        self._post("/update_weights", {"update_info": sent if isinstance(update_info, list) else sent[0]})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("/shutdown_weight_transfer_engine")
+
+
+def _handles_pickled(update_info: dict) -> dict:
+    """CUDA IPC handles are no JSON: the route takes them pickled and base64-encoded, as `ipc_handles_pickled`."""
+    if update_info.get("ipc_handles") is None:
+        return update_info
+    import base64
+    import pickle
+
+    pickled = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
+    return {**{k: v for k, v in update_info.items() if k != "ipc_handles"}, "ipc_handles_pickled": pickled}
 
 
 class FailAfterSend:
@@ -756,9 +786,13 @@ class FailAfterSend:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call(self.client.finish_weight_update, weight_version)  # even after a failure: it closes the session
 
-    def raise_failure(self) -> None:
+    def take_failure(self) -> ServerError | None:
+        """Return the send's first failure, if any, and forget it."""
         failure, self._failure = self._failure, None
-        if failure is not None:
+        return failure
+
+    def raise_failure(self) -> None:
+        if (failure := self.take_failure()) is not None:
             raise failure
 
     def __getattr__(self, name: str):  # other calls, such as init_weight_transfer_engine at setup, raise at once
@@ -820,6 +854,8 @@ def join_process_group(rank: int, world_size: int, host: str, where: str | int, 
 
 def placement() -> dict:
     """Return the GPU and node Ray gave this rank; run it in the rank."""
+    import ray
+
     info = {
         "rank": dist.get_rank(),
         "pid": os.getpid(),
@@ -873,6 +909,7 @@ def start_trainers(
     rendezvous=None,
 ) -> tuple[list, object]:
     """Start `num_trainers` Ray actors of `trainer_cls`, any class, in one process group; return them and their pg."""
+    import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -938,6 +975,8 @@ def start_trainers(
 
 def leave_ray(started_ray: bool, pg) -> None:
     """Shut Ray down if we started it, else remove our placement group; remove the rendezvous directory too."""
+    import ray
+
     if started_ray:
         ray.shutdown()
     elif pg is not None:
@@ -948,6 +987,8 @@ def leave_ray(started_ray: bool, pg) -> None:
 
 def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
     """ray.get(refs), but raise as soon as one fails, as the others may wait for it; a dead actor is TrainerDied."""
+    import ray
+
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=None if also_check is None else 2)
@@ -972,55 +1013,24 @@ def death_cause(error: Exception) -> str:
     return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
 
 
-def send_all(trainers: list, sock: str, retries: int = 0, check_failure=None) -> tuple[list, int]:
-    """Call send_weights() on every rank; return their results and the number of retries.
+def send_all(trainers: list, empty_cache: bool = False, check_failure=None) -> tuple[list, int]:
+    """Call send_weights(empty_cache) on every rank; return their results and how often the send was repeated.
 
-    If the server fails part way, resend everything up to `retries` times unless a rank or the server is dead."""
-    first = why = None
-    for attempt in range(retries + 1):
-        sends = [t.send_weights.remote() for t in trainers]
-        try:
-            return ray_get_all(sends, also_check=_answering(sock)), attempt
-        except ServerError as e:
-            first = first or e
-            if check_failure:
-                check_failure(  # may raise a better cause, such as another node's dead server
-                    ServerError(f"the send failed part way (not retried); vLLM holds a mix of old and new weights: {e}")
-                )
-            if attempt == retries:
-                why = None if retries else "not retried"  # retries=0, as the script passes for vLLM's own loader
-                break
-            if not health(sock):
-                why = "not retried: the server does not answer"
-                break
-            if len(ray.wait(sends, num_returns=len(sends), timeout=60)[0]) < len(sends):
-                why = "not retried: a trainer rank is still in the send"
-                break
-            print(
-                f"[send] {e}\n[send] vLLM is still asleep: sending every weight again "
-                f"(retry {attempt + 1} of {retries})",
-                flush=True,
-            )
-    detail = why or (f"{attempt + 1} tries" if attempt else "")
-    raise ServerError(
-        f"the send failed part way{f' ({detail})' if detail else ''}; vLLM holds a mix of old and new weights: {first}"
-    )
-
-
-def _answering(sock: str):
-    """Return a ray_get_all check that raises once GET /health fails twice: a dead engine's chunk never returns."""
-    misses = [0]
-
-    def check() -> None:
-        misses[0] = 0 if health(sock) else misses[0] + 1
-        if misses[0] >= 2:
-            raise ServerError("the vLLM server stopped answering GET /health during the send (its engine died?)")
-
-    return check
+    Each rank's WeightSender.send retries and agrees with the others; `check_failure`, given the error of a failed
+    send, may raise a better cause, such as another node's dead server."""
+    try:
+        results = ray_get_all([t.send_weights.remote(empty_cache=empty_cache) for t in trainers])
+    except ServerError as e:
+        if check_failure:
+            check_failure(e)
+        raise
+    return results, max((r for r in results if isinstance(r, int)), default=0)
 
 
 def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check=None) -> float:
     """Wait for the `filling` refs, then for health; return when the weights were in, in seconds since start."""
+    import ray
+
     while filling and server.proc.poll() is None:
         done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
         ray_get_all(done)
@@ -1036,9 +1046,119 @@ def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check
     return filled_after_s
 
 
+# ---- Every trainer rank at once, on torch.distributed alone: a Ray actor's or torchrun's ----
+_own_group: tuple | None = None  # (the default group, a gloo group of the same ranks made beside it)
+
+
+def sync_group():
+    """Return the process group the sync's own small collectives run on, whatever the default group's backend.
+
+    That is the default group, unless it can run them neither on the CPU nor on this rank's GPU (as one made with
+    init_process_group("cuda:gloo") on a machine without a GPU); then a gloo group of the same ranks, made once.
+    Every rank calls it at once, as it may make a group."""
+    global _own_group
+    devices = {pair.split(":")[0] for pair in dist.get_backend_config().split(",")}
+    if "cpu" in devices or ("cuda" in devices and torch.cuda.is_available()):
+        return dist.group.WORLD
+    if _own_group is None or _own_group[0] is not dist.group.WORLD:
+        _own_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _own_group[1]
+
+
+def every_rank(value) -> list:
+    """Return every rank's `value` in rank order; every rank calls it at once. Without a process group, [value]."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=sync_group())
+    return gathered
+
+
+def on_rank_zero(fn, *args, **kwargs):
+    """Call fn(*args, **kwargs) on rank 0 once every rank is here, and return its result on every rank.
+
+    For trainer ranks without a driver, such as torchrun's: every rank calls it at once, so that rank 0 calls the
+    server once, after what every rank did before (its training step, or torch.cuda.empty_cache() before vLLM
+    maps its KV cache back), and if the call fails every rank raises, instead of waiting for rank 0."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(*args, **kwargs)
+    group, outcome = sync_group(), [None]
+    dist.barrier(group=group)
+    try:
+        if dist.get_rank() == 0:
+            outcome = [(True, fn(*args, **kwargs))]
+    except Exception as e:
+        outcome = [(False, e if isinstance(e, ServerError) else ServerError(f"rank 0: {type(e).__name__}: {e}"))]
+        raise
+    finally:
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    if outcome[0] is None:
+        raise ServerError("rank 0 stopped before it called the server")
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
+
+
+def physical_gpu_id(index: int) -> str:
+    """Return how `vllm serve --device-ids` names this process's CUDA device `index`.
+
+    That is its entry in CUDA_VISIBLE_DEVICES, which start_server drops from the server's environment, or the
+    index itself where that is unset. Under `CUDA_VISIBLE_DEVICES=2,3 torchrun ...`, rank 0's cuda:0 is GPU 2."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
+def rank_gpus() -> list[dict]:
+    """Return each trainer rank's GPU in rank order: {"gpu_id": for `--device-ids`, "gpu_uuid": ...}.
+
+    Every rank calls it at once, on its current CUDA device. A rank without a GPU has gpu_id None, gpu_uuid ""."""
+    mine = {"gpu_id": None, "gpu_uuid": ""}
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        mine = {"gpu_id": physical_gpu_id(index), "gpu_uuid": str(torch.cuda.get_device_properties(index).uuid)}
+    return every_rank(mine)
+
+
+@contextmanager
+def _cut_short_if_unanswered(sock: str | None, poll_s: float = 2.0):
+    """Inside, cut short this process's calls to `sock` once GET /health fails twice in a row.
+
+    A call waiting on an engine that died is never answered: vLLM's API server waits on it for good."""
+    if sock is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        misses = 0
+        try:
+            while not done.wait(poll_s):
+                misses = 0 if health(sock) else misses + 1
+                if misses >= 2:  # shutdown() ends a blocked read at once, unlike close()
+                    for key, conn in list(_connections.items()):
+                        if key[2] == sock and key[1] != threading.get_ident() and conn.sock is not None:
+                            with suppress(OSError):
+                                conn.sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            forget_client(sock)  # this thread's own connection
+
+    threading.Thread(target=watch, name="send-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 # ---- A trainer rank's half of the sync ----
 def metadata_bytes(metadata) -> int:
     return sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
+
+
+def source_metadata(source) -> list:
+    """Return a weight source's metadata: an attribute from vLLM 0.33 on, a method in vLLM 0.32's ModuleSource."""
+    metadata = source.metadata
+    return metadata() if callable(metadata) else metadata
 
 
 @dataclass
@@ -1052,19 +1172,62 @@ class WeightSender:
     rank: int
     packed: bool
     packed_buffer_size_bytes: int
+    retries: int = 0  # sends again from the start when the server failed one part way and still answers
 
-    def send(self) -> None:
-        """Send every weight; every rank calls it at once, and rank 0 raises a server error only afterwards."""
-        if self.in_place is not None:
-            self.in_place.gather()  # rank 0's client hands every rank's handles to the engines
-        self.engine.send_weights()
-        self.client.raise_failure()
+    def send(self, empty_cache: bool = False) -> int:
+        """Send every weight and return how many times it was sent again; every rank calls it at once.
+
+        Rank 0's calls to the server raise only once the send is through, as the ranks meet at a barrier for every
+        chunk, and are cut short if the server stops answering. If the server failed the send part way and still
+        answers, every rank sends again, up to `retries` times. With `empty_cache`, every rank then returns
+        PyTorch's cached GPU memory to the device before any rank returns, so that vLLM can map back a KV cache it
+        freed (wake_to_serve). If the send failed, every rank raises the same ServerError."""
+        first = None
+        for attempt in range(self.retries + 1):
+            with _cut_short_if_unanswered(self.sock if self.rank == 0 else None):
+                if self.in_place is not None:
+                    self.in_place.gather()  # rank 0's client hands every rank's handles to the engines
+                self.engine.send_weights()
+            verdict = None
+            if (failure := self.client.take_failure()) is not None:
+                first = first or failure
+                verdict = self._verdict(failure, first, attempt)
+            if empty_cache and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            verdict = every_rank(verdict)[0]  # rank 0's, once every rank is through
+            if verdict is None:
+                return attempt
+            if verdict != "retry":
+                raise ServerError(verdict)
+        raise AssertionError("unreachable: the last attempt's verdict is never a retry")
+
+    @property
+    def sock(self) -> str | None:
+        return getattr(self.client.client, "sock", None)  # the server's socket, for a client that has one
+
+    def _verdict(self, failure: ServerError, first: ServerError, attempt: int) -> str:
+        """On rank 0: "retry", or why the send failed, for every rank to raise."""
+        if attempt < self.retries and (self.sock is None or health(self.sock)):
+            print(
+                f"[send] {failure}\n[send] vLLM is still asleep: sending every weight again "
+                f"(retry {attempt + 1} of {self.retries})",
+                flush=True,
+            )
+            return "retry"
+        if attempt < self.retries:
+            detail = "not retried: the server does not answer"
+        else:
+            detail = f"{attempt + 1} tries" if attempt else "not retried"
+        return f"the send failed part way ({detail}); vLLM holds a mix of old and new weights: {first}"
 
 
 def weight_sender(
-    rank: int, client, source, packed: bool = True, packed_buffer_size_bytes: int = 4 * 1024**3
+    rank: int, client, source, packed: bool = True, packed_buffer_size_bytes: int = 4 * 1024**3, retries: int = 0
 ) -> WeightSender:
-    """Build this rank's vLLM IPC trainer engine to send `source`; rank 0 calls `client` for each chunk."""
+    """Build this rank's vLLM IPC trainer engine to send `source`; rank 0 calls `client` for each chunk.
+
+    Every rank calls it at once, with the same kind of source. `retries`: how often a send the server failed part
+    way is sent again (the direct loader's; vLLM's own loader leaves a failed reload half done)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
@@ -1072,7 +1235,7 @@ def weight_sender(
     if in_place is not None and getattr(client, "in_place", None) is not in_place:
         in_place = None  # this client cannot hand them to the engines, e.g. vLLM's routes: pack them
     packed_part = in_place.packed_part(source) if in_place else source  # all but the tensors in place
-    packs, told = metadata_bytes(packed_part.metadata), getattr(client, "packed_bytes", None)
+    packs, told = metadata_bytes(source_metadata(packed_part)), getattr(client, "packed_bytes", None)
     if told is not None and told != packs:
         raise ValueError(
             f"the direct loader's client expects {told} packed bytes a send and this source packs "
@@ -1084,4 +1247,4 @@ def weight_sender(
     engine = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=rank, packed=packed, packed_buffer_size_bytes=buffer), client=client, source=packed_part
     )
-    return WeightSender(client, engine, in_place, source, rank, packed, packed_buffer_size_bytes)
+    return WeightSender(client, engine, in_place, source, rank, packed, packed_buffer_size_bytes, retries)

@@ -15,9 +15,9 @@ proof in proof/rounds.py wraps every step and does step 7 after the round:
   3. train                                  with --train: one policy-gradient step in the freed memory
   4. /wake_up?tags=weights                  at --sleep-level 1 and 2 only: vLLM maps its weights back
   5. send_weights() on every rank           vLLM's IPC trainer engine; each engine reads the buffer on
-                                            its own GPU, and the direct loader sends it its own experts
-  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again, after the trainers empty PyTorch's cache
-                                            if its KV cache was freed, or its prefix cache's reset
+                                            its own GPU, and the direct loader sends it its own experts;
+                                            then each rank empties PyTorch's cache if vLLM freed its KV cache
+  6. /wake_up?tags=kv_cache&tags=scheduling vLLM serves again, after its prefix cache's reset
   7. exact check and gate                   every DP engine holds what its GPU's trainer rank sent, bit
                                             for bit, and vLLM's logprobs on every engine match the trainer's
 
@@ -266,7 +266,13 @@ class FSDPTrainer:
         return sources.sync_client(sock, loader, source, trainer_gpu_uuids)
 
     def setup_weight_transfer(
-        self, sock: str, loader: str, packed: bool, packed_buffer_size_bytes: int, trainer_gpu_uuids: list[str]
+        self,
+        sock: str,
+        loader: str,
+        packed: bool,
+        packed_buffer_size_bytes: int,
+        trainer_gpu_uuids: list[str],
+        retries: int = 0,
     ) -> dict:
         """Build vLLM's IPC trainer engine on this rank.
 
@@ -274,23 +280,17 @@ class FSDPTrainer:
         expert blocks are among them."""
         source = self.weight_source(loader)
         client = self.weight_sync_client(sock, loader, source, trainer_gpu_uuids)
-        self.sender = helpers.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes)
+        self.sender = helpers.weight_sender(self.rank, client, source, packed, packed_buffer_size_bytes, retries)
         names = self.sender.in_place.names if self.sender.in_place is not None else []
         return {"tensors": len(names), "experts": bool(names) and set(source.expert_blocks) <= set(names)}
 
-    def send_weights(self) -> None:
-        """Send every weight; all ranks call it at once.
+    def send_weights(self, empty_cache: bool = False) -> int:
+        """Send every weight, all ranks at once; return how many times the send was repeated.
 
-        A server error is raised only once every rank is through, so that send_all can retry."""
-        self.sender.send()
-
-    def return_borrowed_memory(self) -> None:
-        """Return the GPU memory PyTorch keeps cached on this rank to the device.
-
-        The training step's activations and gradients and the send's gathered modules stay cached otherwise.
-        vLLM maps its KV cache back next, and it cannot take memory that PyTorch holds, even unused."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        With `empty_cache`, every rank then returns the GPU memory PyTorch keeps cached (the training step's
+        activations and gradients, the send's gathered modules) before any rank returns: vLLM maps back the KV cache
+        it freed next, and it cannot take memory PyTorch holds, even unused."""
+        return self.sender.send(empty_cache)
 
 
 class RLTrainer(toy_rl.PolicyGradientStep, FSDPTrainer):
@@ -479,9 +479,14 @@ def setup_weight_transfer_on_every_rank(
 ) -> None:
     """Build vLLM's IPC trainer engine for `loader` on every rank, then tell `proof`, if given, to watch the sends."""
     sock = job.server.socket_path
+    # Only the direct loader's sends are retried: after a failed chunk, vLLM's own route leaves
+    # its layer-wise reload half done, and a second send would load on top of it.
+    job.send_retries = args.send_retries if loader == "direct" else 0
     in_place = ray_get_all(
         [
-            t.setup_weight_transfer.remote(sock, loader, args.packed, args.packed_buffer_size_bytes, job.gpu_uuids)
+            t.setup_weight_transfer.remote(
+                sock, loader, args.packed, args.packed_buffer_size_bytes, job.gpu_uuids, job.send_retries
+            )
             for t in job.trainers
         ]
     )
@@ -490,9 +495,6 @@ def setup_weight_transfer_on_every_rank(
     if loader == "direct":
         how = "each engine copies them from the trainer rank's memory" if job.experts_in_place else "packed, in bf16"
         print(f"[sync] expert blocks: {how}; {job.tensors_in_place} tensors in all go in place", flush=True)
-    # Only the direct loader's sends are retried: after a failed chunk, vLLM's own route leaves
-    # its layer-wise reload half done, and a second send would load on top of it.
-    job.send_retries = args.send_retries if loader == "direct" else 0
     if proof:
         proof.transfer_ready(job, args)
 
@@ -519,13 +521,11 @@ def run_round(job: Job, args: argparse.Namespace, proof: RoundProof) -> None:
         proof.trained(reward_mean, loss)
     with proof.step("wake_weights"):
         helpers.wake_weights(sock, args.sleep_level)
-    with proof.step("send"):
+    with proof.step("send"):  # and if the KV cache was freed, every rank empties PyTorch's cache
         _, proof.send_retries = send_all(
-            trainers, sock, job.send_retries, check_failure=partial(raise_node_failure, job.node_servers)
+            trainers, kv_cache_freed, check_failure=partial(raise_node_failure, job.node_servers)
         )
     with proof.step("wake_kv"):
-        if kv_cache_freed:
-            ray_get_all([t.return_borrowed_memory.remote() for t in trainers])
         helpers.wake_to_serve(sock, kv_cache=kv_cache_freed)
 
 

@@ -60,6 +60,7 @@ class RankMeasurement:
             self.fingerprinted,
             sender.packed,
             sender.packed_buffer_size_bytes,
+            sender.retries,
         )
         if measured.in_place is not None:
             measured.in_place = TimedHandshake(measured.in_place, self.send_seconds, self.device)
@@ -182,14 +183,15 @@ class TimedSender:
         self._sender, self._seconds, self._device = sender, seconds, device
         self.unmeasured = unmeasured  # The trainer's own sender, which RankMeasurement built `sender` around.
 
-    def send(self) -> None:
+    def send(self, empty_cache: bool = False) -> int:
         self._seconds.clear()
         self._seconds["started_at"] = time.time()  # by the machine's clock; see rounds.ray_call_split
         start = time.perf_counter()
-        self._sender.send()
+        retries = self._sender.send(empty_cache)
         _synchronize(self._device)
         self._seconds["total"] = time.perf_counter() - start
         self._seconds["ended_at"] = time.time()
+        return retries
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

@@ -309,12 +309,12 @@ def loaders_agree(job: script.Job, args: argparse.Namespace) -> dict:
     script.setup_weight_transfer_on_every_rank(job, args, "vllm")
     helpers.sleep_for_sync(sock, args.sleep_level)
     helpers.wake_weights(sock, args.sleep_level)
-    script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
+    script.send_all(job.trainers, check_failure=partial(script.raise_node_failure, job.node_servers))
     helpers.wake_to_serve(sock)
     stored = helpers.collective_rpc(sock, "direct_load_fingerprint", "store")[0]
     script.setup_weight_transfer_on_every_rank(job, args, "direct")
     coverage.zero_vllm_weights(sock, args.sleep_level)
-    script.send_all(job.trainers, sock, check_failure=partial(script.raise_node_failure, job.node_servers))
+    script.send_all(job.trainers, check_failure=partial(script.raise_node_failure, job.node_servers))
     helpers.wake_to_serve(sock)
     try:
         compared = helpers.collective_rpc(sock, "direct_load_fingerprint", "compare")[0]
@@ -331,7 +331,7 @@ class _ProfiledOnce:
     def __init__(self, trainer, path: str) -> None:
         self._trainer, self._sender, self._path = trainer, trainer.sender, path
 
-    def send(self) -> None:
+    def send(self, empty_cache: bool = False) -> int:
         import cProfile
 
         from proof.exact_check_engine import write_profile
@@ -339,7 +339,7 @@ class _ProfiledOnce:
         profiler = cProfile.Profile()
         profiler.enable()
         try:
-            self._sender.send()
+            return self._sender.send(empty_cache)
         finally:
             profiler.disable()
             self._trainer.sender = self._sender

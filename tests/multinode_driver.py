@@ -12,10 +12,8 @@ one local Ray, and a process can join only one.
 
 import json
 import os
-import shutil
 import sys
 import time
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -50,7 +48,7 @@ class _SendFailsPartWay:
     def __init__(self) -> None:
         self.count = 0
 
-    def send_weights(self) -> None:
+    def send_weights(self, empty_cache: bool = False) -> None:
         self.count += 1
         raise helpers.ServerError("POST /collective_rpc timed out (simulated)")
 
@@ -70,33 +68,6 @@ class _NoModelRank:
 
 class _Stop(Exception):
     pass
-
-
-@contextmanager
-def _healthy_api():
-    """The first node's API server as far as send_all asks it: GET /health
-    answers 200, on a Unix socket in a private directory."""
-    import http.server
-    import socketserver
-    import threading
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200 if self.path == "/health" else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    sock = str(conftest.private_socket_path())
-    with socketserver.UnixStreamServer(sock, Health) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            yield sock
-        finally:
-            server.shutdown()
-            shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
 
 
 def _all_reduce_rank(trainer) -> float:
@@ -266,15 +237,14 @@ def main(out_path: str, log_dir: str) -> None:
         )
         # A send the server fails part way while node 1's server is dead (the first node's still
         # answers): not sent again, and node 1 named at once, as run_round calls send_all.
-        with _healthy_api() as sock:
-            senders = [_SendFailsPartWay.remote() for _ in range(2)]
-            ray.get([s.__ray_ready__.remote() for s in senders])  # their workers' start is not the send's time
-            begin = time.monotonic()
-            seen["send_with_a_dead_node"] = _error_of(
-                lambda: helpers.send_all(senders, sock, 2, check_failure=partial(multinode.raise_node_failure, running))
-            )
-            seen["send_with_a_dead_node_s"] = time.monotonic() - begin
-            seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])
+        senders = [_SendFailsPartWay.remote() for _ in range(2)]
+        ray.get([s.__ray_ready__.remote() for s in senders])  # their workers' start is not the send's time
+        begin = time.monotonic()
+        seen["send_with_a_dead_node"] = _error_of(
+            lambda: helpers.send_all(senders, check_failure=partial(multinode.raise_node_failure, running))
+        )
+        seen["send_with_a_dead_node_s"] = time.monotonic() - begin
+        seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])
         multinode.stop_node_servers(running)
 
         # An actor lost with its server running (the driver gone, say): the watchdog stops it.

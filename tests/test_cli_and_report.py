@@ -1094,8 +1094,8 @@ class _SendShape:
 
 def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
     """Measurement wraps the trainer's sender (rank_measurement.TimedSender), not its
-    methods: send_weights is the trainer's own (returns None, as send_all
-    expects of any trainer), and where its time went is kept apart (what
+    methods: send_weights is the trainer's own (returns how many times the
+    send was repeated, as send_all reads it), and where its time went is kept apart (what
     send_breakdown returns, and judged_round reads into the round's JSON)."""
     trainer, seconds = script.RLTrainer(), {"left from the last send": 1.0}
     sender = helpers.WeightSender(
@@ -1108,7 +1108,7 @@ def test_a_measured_send_is_the_trainers_own_and_is_timed_apart():
         packed_buffer_size_bytes=0,
     )
     trainer.sender = rank_measurement.TimedSender(sender, seconds, trainer.device)
-    assert trainer.send_weights() is None
+    assert trainer.send_weights() == 0
     assert list(seconds) == ["started_at", "total", "ended_at"] and seconds["total"] >= 0.02
     # By the machine's clock, which the driver shares, for rounds.ray_call_split.
     assert seconds["ended_at"] - seconds["started_at"] == pytest.approx(seconds["total"], abs=0.005)

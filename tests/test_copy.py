@@ -92,6 +92,22 @@ def test_helpers_imports_nothing_of_this_project(tmp_path):
     assert run.returncode == 0, run.stderr[-1500:]
 
 
+def test_helpers_imports_without_ray(tmp_path):
+    """A torchrun trainer needs no Ray: helpers.py imports it only where a function uses it, and its
+    process-group calls run without it."""
+    folder = copied(tmp_path / "alone", ["helpers.py"])
+    code = (
+        "import sys; sys.path.insert(0, '.'); sys.modules['ray'] = None  # as if Ray were not installed\n"
+        "import helpers\n"
+        "print(helpers.rank_gpus(), helpers.on_rank_zero(len, 'abc'))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-I", "-c", code], cwd=folder, capture_output=True, text=True, env=alone(folder), timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-1500:]
+    assert run.stdout.strip() == "[{'gpu_id': None, 'gpu_uuid': ''}] 3", run.stdout
+
+
 def test_helpers_imports_nothing_of_this_project_even_inside_a_function():
     """Not even lazily: every import statement in helpers.py, at any depth, is of the standard library or
     of a package installed with vLLM (more nodes' rendezvous is passed in: start_trainers' `rendezvous`)."""
@@ -203,3 +219,32 @@ def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, 
     assert "every parameter as vLLM loads the checkpoint: True" in out, out
     assert re.search(r"same greedy completion: True [1-9]", out), out
     assert "watchdogs while serving: 1" in out and "group left: []" in out and "watchdogs left: []" in out, out
+
+
+def test_a_torchrun_trainer_syncs_with_the_documented_calls(tmp_path, tiny_dense_checkpoint):
+    """A user's trainer under torchrun, without Ray (tests/torchrun_rl.py), beside the copy table's first row
+    alone: 2 gloo ranks, FSDP2, rank 0 starts the server on the checkpoint's real weights, and the ranks run the
+    README's torchrun round through both loaders. On CPU the data plane goes through a file (no CUDA IPC, no
+    sleep mode; see the file's docstring); the sources, their process-group calls, the direct loader's check and
+    its learning on the server are the real ones. After every round vLLM holds the trainer's weights, bit for bit
+    what vLLM's own loader makes of them, and the step changed them."""
+    ((_, needs),) = [r for r in ROWS if r[0] == LIFT]
+    folder = copied(tmp_path / "my_rl", LIFT + needs)
+    shutil.copy(ROOT / "tests" / "torchrun_rl.py", folder)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["torchrun_rl.py", str(tiny_dense_checkpoint), json.dumps(CPU_LAUNCHER)]
+    run = subprocess.run(argv, cwd=folder, env=alone(folder), capture_output=True, text=True, timeout=600)
+    out = run.stdout
+    print(out)
+    assert run.returncode == 0, (out + run.stderr)[-4000:]
+    assert "process group: cpu:gloo,cuda:gloo | ranks: 2 |" in out, out
+    flags = json.loads(out.split("serve flags: ", 1)[1].split("\n", 1)[0])
+    assert "--load-format" not in flags and "weight_sync.direct_load.DirectLoadWorker" in flags, flags
+    learned = json.loads(out.split("direct: the direct loader learned ", 1)[1].split("\n", 1)[0])
+    assert learned["plain"] > 0, learned  # (on CPU, vLLM repacks some linear weights after a load: not learned)
+    for loader in ("direct", "vllm"):
+        for step in (1, 2):
+            line = re.search(rf"{loader}: round {step}: vLLM holds the trainer's weights: (\w+) \((\d+) of (\d+)", out)
+            assert line and line[1] == "True", out
+            assert 0 < int(line[2]) <= int(line[3]), line[0]
+    assert re.search(r"serves after the rounds: [1-9]", out) and "group left: []" in out, out

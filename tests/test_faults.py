@@ -10,7 +10,6 @@ import io
 import os
 import signal
 import sys
-import threading
 import time
 
 import pytest
@@ -34,41 +33,80 @@ CHUNK = {
     "shapes": [[0]],
     "tensor_sizes": [0],
 }
+# A chunk of nothing: the direct loader takes it (it starts the sync on the engine, then adds nothing).
+NOTHING = {"ipc_handles": {}, "names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []}
 
 
-class FailingSendTrainer(script.FSDPTrainer):
-    """send_weights as far as the failure goes: rank 0 talks to the real
-    server (how depends on `mode`), rank 1 waits for it in a barrier."""
+class PackedSendShape:
+    """What vLLM's IPC trainer engine does in a packed send, less the tensors
+    (ipc_engine.py `send_weights` / `_send_packed`): only rank 0 calls the
+    client; every rank meets the others after each chunk and after the
+    finish. The first `refusing_sends` sends post chunks the real server
+    refuses (no IPC buffer for its engine's GPU). With `until_failed`, rank 0
+    sends chunks of nothing, which the server takes, until one fails."""
 
-    def setup_weight_transfer(self, sock, mode, *_):
-        self.sock, self.mode = sock, mode
+    def __init__(self, client, rank, refusing_sends, until_failed=False):
+        self.client, self.rank, self.refusing_sends, self.sends = client, rank, refusing_sends, 0
+        self.until_failed = until_failed
 
     def send_weights(self):
+        self.sends += 1
         if self.rank == 0:
-            if self.mode == "refused":
-                # A chunk without direct_load_start: the real server refuses it.
-                sources.DirectLoadClient(self.sock, ["GPU-x"], {}).update_weights(CHUNK)
-            while self.mode == "killed":  # keep talking to the server until it dies
-                helpers.collective_rpc(self.sock, "direct_load_layout")
+            self.client.start_weight_update()
+        for _chunk in range(3):
+            if self.rank == 0 and self.sends <= self.refusing_sends:
+                self.client.update_weights(CHUNK)
+            dist.barrier()
+        going = [True]
+        while self.until_failed and going[0]:
+            if self.rank == 0:
+                self.client.update_weights(NOTHING)
+                going = [self.client._failure is None]
+            dist.broadcast_object_list(going, src=0)  # as the engine's ranks meet after each chunk
+        if self.rank == 0:
+            self.client.finish_weight_update()
         dist.barrier()
 
 
-def send_and_expect_failure(start_trainers, sock, mode, during=None, retries=0):
-    trainers = start_trainers(trainer_cls=FailingSendTrainer)
-    script.ray_get_all([t.setup_weight_transfer.remote(sock, mode) for t in trainers])
-    if during:
-        threading.Timer(2.0, during).start()
-    begin = time.monotonic()
-    with pytest.raises(helpers.ServerError) as error:
-        script.send_all(trainers, sock, retries)
-    return str(error.value), time.monotonic() - begin
+class FlakySendTrainer(script.FSDPTrainer):
+    """FSDPTrainer's own send_weights (helpers.WeightSender, with the client
+    weight_sender builds: FailAfterSend around the direct loader's client, on
+    the real server), and an engine that sends as vLLM's does
+    (PackedSendShape)."""
+
+    def setup_weight_transfer(self, sock, refusing_sends, retries, until_failed=False):
+        client = helpers.FailAfterSend(sources.DirectLoadClient(sock, ["GPU-x"], {}))
+        self.sender = helpers.WeightSender(
+            client,
+            PackedSendShape(client, self.rank, refusing_sends, until_failed),
+            None,
+            source=None,
+            rank=self.rank,
+            packed=True,
+            packed_buffer_size_bytes=0,
+            retries=retries,
+        )
+
+    def send_count(self):
+        return self.sender.engine.sends
+
+
+def flaky_trainers(start_trainers, sock, refusing_sends, retries, until_failed=False):
+    trainers = start_trainers(trainer_cls=FlakySendTrainer)
+    script.ray_get_all([t.setup_weight_transfer.remote(sock, refusing_sends, retries, until_failed) for t in trainers])
+    return trainers
 
 
 def test_a_refused_chunk_stops_the_send_at_once(fresh_cpu_trainers, cpu_server):
-    message, seconds = send_and_expect_failure(fresh_cpu_trainers, cpu_server.socket_path, "refused")
-    assert seconds < 120  # not the 10-minute collective timeout rank 1 is waiting in
-    assert message.startswith("the send failed part way (not retried); vLLM holds a mix of old and new weights")
-    assert "direct_load_start was not called" in message  # the server's own words
+    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=99, retries=0)
+    begin = time.monotonic()
+    with pytest.raises(helpers.ServerError) as error:
+        script.send_all(trainers)
+    assert time.monotonic() - begin < 120  # not the 10-minute collective timeout rank 1 is waiting in
+    message = str(error.value)
+    assert message.startswith("a trainer rank: the send failed part way (not retried); vLLM holds a mix of old")
+    assert "every engine needs a trainer rank on its own GPU" in message  # the server's own words
+    assert script.ray_get_all([t.send_count.remote() for t in trainers]) == [1, 1]  # nobody was left in a barrier
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +159,9 @@ def test_weight_checker_on_a_dummy_weight_server(dummy_server):
 def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, dummy_server):
     """The engine core dies while a call is in flight: vLLM's API server stays
     up, waiting for that request, which never returns (until the 300 s call
-    timeout). The send must end within seconds, because the server stops
-    answering /health, and name it."""
+    timeout). Rank 0's WeightSender sees the server stop answering /health and
+    cuts its calls short; the send ends within seconds on every rank, named,
+    and is not sent again to a server that does not answer."""
     server, _ = dummy_server
 
     def kill_the_engine_core():
@@ -130,86 +169,38 @@ def test_an_engine_killed_mid_send_stops_the_send_at_once(fresh_cpu_trainers, du
             if b"EngineCore" in program.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
 
+    trainers = flaky_trainers(fresh_cpu_trainers, server.socket_path, refusing_sends=0, retries=1, until_failed=True)
+    sending = [t.send_weights.remote() for t in trainers]
+    time.sleep(3)
+    assert not ray.wait(sending, timeout=0)[0]  # still sending chunks of nothing, which the server takes
+    begin = time.monotonic()
     try:
-        message, seconds = send_and_expect_failure(
-            fresh_cpu_trainers, server.socket_path, "killed", during=kill_the_engine_core, retries=1
-        )
+        kill_the_engine_core()
+        with pytest.raises(helpers.ServerError) as error:
+            script.ray_get_all(sending)
     finally:
         helpers.stop_server(server, grace_s=2)  # (its API server would wait for the request in flight)
-    assert seconds < 150  # never the 300 s call timeout, nor the 10-minute collective timeout
-    assert message.startswith("the send failed part way (not retried: the server does not answer)")
+    assert time.monotonic() - begin < 60  # never the 300 s call timeout, nor the 10-minute collective timeout
+    message = str(error.value)
+    assert message.startswith("a trainer rank: the send failed part way (not retried: the server does not answer)")
     assert helpers.group_members(server.pgid) == [] and not helpers.health(server.socket_path)
 
 
-class PackedSendShape:
-    """What vLLM's IPC trainer engine does in a packed send, less the tensors
-    (ipc_engine.py `send_weights` / `_send_packed`): only rank 0 calls the
-    client; every rank meets the others at a barrier after each chunk and after
-    the finish. The first `refusing_sends` sends post chunks the real server
-    refuses (no IPC buffer for its engine's GPU)."""
-
-    def __init__(self, client, rank, refusing_sends):
-        self.client, self.rank, self.refusing_sends, self.sends = client, rank, refusing_sends, 0
-
-    def send_weights(self):
-        self.sends += 1
-        if self.rank == 0:
-            self.client.start_weight_update()
-        for _chunk in range(3):
-            if self.rank == 0 and self.sends <= self.refusing_sends:
-                self.client.update_weights(CHUNK)
-            dist.barrier()
-        if self.rank == 0:
-            self.client.finish_weight_update()
-        dist.barrier()
-
-
-class FlakySendTrainer(script.FSDPTrainer):
-    """FSDPTrainer's own send_weights (helpers.WeightSender), with the
-    client weight_sender builds (FailAfterSend around the direct loader's
-    client, on the real server) and an engine that sends as vLLM's does
-    (PackedSendShape)."""
-
-    def setup_weight_transfer(self, sock, refusing_sends, *_):
-        client = helpers.FailAfterSend(sources.DirectLoadClient(sock, ["GPU-x"], {}))
-        self.sender = helpers.WeightSender(
-            client,
-            PackedSendShape(client, self.rank, refusing_sends),
-            None,
-            source=None,
-            rank=self.rank,
-            packed=True,
-            packed_buffer_size_bytes=0,
-        )
-
-    def send_count(self):
-        return self.sender.engine.sends
-
-
-def flaky_trainers(start_trainers, sock, refusing_sends):
-    trainers = start_trainers(trainer_cls=FlakySendTrainer)
-    script.ray_get_all([t.setup_weight_transfer.remote(sock, refusing_sends) for t in trainers])
-    return trainers
-
-
-def test_a_send_that_fails_once_is_sent_again(fresh_cpu_trainers, cpu_server, capsys):
-    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=1)
-    _, retries = script.send_all(trainers, cpu_server.socket_path, retries=1)
+def test_a_send_that_fails_once_is_sent_again(fresh_cpu_trainers, cpu_server):
+    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=1, retries=1)
+    _, retries = script.send_all(trainers)
     assert retries == 1
     assert script.ray_get_all([t.send_count.remote() for t in trainers]) == [2, 2]  # nobody was left in a barrier
-    out = capsys.readouterr().out
-    assert out.count("every engine needs a trainer rank on its own GPU") == 1  # the server's words, once
-    assert "vLLM is still asleep: sending every weight again (retry 1 of 1)" in out
-    assert script.send_all(trainers, cpu_server.socket_path, retries=1)[1] == 0  # the server takes the next send
+    assert script.send_all(trainers)[1] == 0  # the server takes the next send
 
 
 def test_a_send_that_keeps_failing_ends_after_the_retries(fresh_cpu_trainers, cpu_server):
-    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=99)
+    trainers = flaky_trainers(fresh_cpu_trainers, cpu_server.socket_path, refusing_sends=99, retries=2)
     begin = time.monotonic()
     with pytest.raises(helpers.ServerError) as error:
-        script.send_all(trainers, cpu_server.socket_path, retries=2)
+        script.send_all(trainers)
     assert time.monotonic() - begin < 150  # not the 10-minute collective timeout
-    assert str(error.value).startswith("the send failed part way (3 tries); vLLM holds a mix of old and new")
+    assert str(error.value).startswith("a trainer rank: the send failed part way (3 tries); vLLM holds a mix of old")
     assert "every engine needs a trainer rank on its own GPU" in str(error.value)
     assert script.ray_get_all([t.send_count.remote() for t in trainers]) == [3, 3]
 

@@ -10,6 +10,7 @@ import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,12 @@ def test_the_kv_cache_holds_the_tokens_asked_for_not_the_whole_share(cpu_server)
 
 
 def test_weight_sync_client_quotes_the_servers_errors(cpu_server):
-    client = helpers.weight_sync_client(cpu_server.socket_path)
+    """helpers.WeightSyncClient: vLLM's weight routes, as vLLM's IPC trainer engine calls them on rank 0, through
+    this project's own HTTP calls over the socket (no private method of vLLM's client overridden)."""
+    import base64
+    import pickle
+
+    client = helpers.WeightSyncClient(cpu_server.socket_path)
     client.init_weight_transfer_engine({"packed": True})
     client.start_weight_update()
     try:
@@ -57,7 +63,20 @@ def test_weight_sync_client_quotes_the_servers_errors(cpu_server):
     finally:
         client.finish_weight_update()
     client.start_weight_update()  # finishing made a new update possible
-    client.finish_weight_update()
+    # A chunk's CUDA IPC handles travel pickled, as the route takes them (ipc_handles_pickled): the server takes
+    # the chunk, and only its worker's receive, which needs CUDA, fails on CPU. Handles it cannot unpickle fail
+    # the route itself.
+    chunk = {"names": ["x"], "dtype_names": ["bfloat16"], "shapes": [[0]], "tensor_sizes": [0]}
+    sent = helpers._handles_pickled({**chunk, "ipc_handles": {"GPU-x": (1, 2)}})
+    assert pickle.loads(base64.b64decode(sent.pop("ipc_handles_pickled"))) == {"GPU-x": (1, 2)} and sent == chunk
+    with pytest.raises(helpers.ServerError, match="Worker failed with error 'Torch not compiled with CUDA"):
+        client.update_weights({**chunk, "ipc_handles": {"GPU-x": (1, 2)}})  # (which ends the update)
+    client.start_weight_update()
+    with pytest.raises(helpers.ServerError, match="HTTP") as refused:
+        client._post("/update_weights", {"update_info": {**chunk, "ipc_handles_pickled": "x"}})
+    assert "Torch not compiled" not in str(refused.value), str(refused.value)
+    with suppress(helpers.ServerError):
+        client.finish_weight_update()
 
 
 def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint):
@@ -616,3 +635,19 @@ def test_a_cpu_vllm_server_started_without_flags_serves_once_given_them(tiny_che
         assert len(helpers.completions(server.socket_path, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
     finally:
         helpers.stop_server(server)
+
+
+def test_the_gpu_ids_vllm_is_given_are_the_physical_ones(monkeypatch):
+    """start_server drops CUDA_VISIBLE_DEVICES from the server's environment, so `--device-ids` must name the
+    physical GPUs: under CUDA_VISIBLE_DEVICES=2,3 (as a user may run torchrun) a rank's cuda:1 is GPU 3; UUIDs
+    and MIG names pass through as vLLM takes them."""
+    for visible, index, physical in [("2,3", 1, "3"), (" 5 ", 0, "5"), ("", 1, "1"), ("GPU-ab,GPU-cd", 1, "GPU-cd")]:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert helpers.physical_gpu_id(index) == physical, (visible, index)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert helpers.physical_gpu_id(2) == "2"
+    assert (
+        "--device-ids" in (flags := helpers.serve_args("m", ["3", "1"]))
+        and flags[flags.index("--device-ids") + 1] == "3,1"
+    )
+    assert "dummy" in flags and "--load-format" not in helpers.serve_args("m", ["0"], dummy_weights=False)

@@ -312,12 +312,6 @@ def _call_on_a_killed_actor(ray_cluster, actor, timeout_s=60):
             return ref
 
 
-def test_returning_borrowed_memory_is_a_call_every_rank_answers(cpu_trainers):
-    """Before vLLM maps its freed KV cache back, every rank empties PyTorch's
-    cache (on a GPU; on CPU there is none to empty)."""
-    assert script.ray_get_all([t.return_borrowed_memory.remote() for t in cpu_trainers]) == [None, None]
-
-
 def test_each_rank_measures_its_devices_copy_rate(cpu_trainers):
     """The benchmark's floor: every rank copies a buffer on its own device and reports GB/s."""
     rates = script.ray_get_all(

@@ -201,7 +201,7 @@ def test_the_tensors_in_place_skip_the_buffer_only_through_the_client_that_hands
     assert packed(direct) == names[: -len(in_place)]
     assert given[-1][2].packed_buffer_size_bytes == max(helpers.metadata_bytes(given[-1][1].metadata), 1 << 20)
     assert packed(rank_measurement.TimedClient(direct, {})) == names[: -len(in_place)]
-    assert packed(helpers.weight_sync_client("/nowhere/vllm.sock")) == names
+    assert packed(helpers.WeightSyncClient("/nowhere/vllm.sock")) == names
     assert given[-1][2].packed_buffer_size_bytes == helpers.metadata_bytes(source.metadata)  # all of it
     assert packed(sources.DirectLoadClient("/nowhere/vllm.sock", [""], source.expert_blocks)) == names
     assert packed(direct, from_source=other) == names
@@ -242,3 +242,60 @@ def test_the_tensors_in_place_skip_the_buffer_only_through_the_client_that_hands
         assert trainer.sender.in_place._in_place is source.in_place  # (its handshake timed)
         last = blocks[-1]
         assert trainer.measurement.sent_metadata()[-1] == [last, "bfloat16", list(source.expert_blocks[last]), True]
+
+
+def test_the_syncs_own_collectives_run_on_a_default_group_without_a_cpu_backend():
+    """A default process group with no backend for CPU tensors (made with init_process_group("cuda:gloo"), on a
+    machine without a GPU: as a user's NCCL-only group cannot take a host-side collective's CPU tensors), 2 ranks
+    under torchrun (tests/cuda_gloo_ranks.py): every collective of the sync runs on a gloo group of its own, from
+    building the direct loader's source (its ranks agree which tensors go in place) to a send whose server
+    refused a chunk, which every rank raises."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "cuda_gloo_ranks.py"],
+        cwd=root / "tests",
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = run.stdout
+    assert run.returncode == 0, (out + run.stderr)[-3000:]
+    assert "default group: cuda:gloo | sync group: cpu:gloo,cuda:gloo" in out, out
+    assert "every rank: [0, 1]" in out and "on rank zero: called on rank 0" in out, out
+    assert "rank GPUs: [{'gpu_id': None, 'gpu_uuid': ''}, {'gpu_id': None, 'gpu_uuid': ''}]" in out, out
+    for rank in (0, 1):  # rank 0's failed call, raised on every rank rather than left for rank 1 to wait on
+        assert f"rank {rank} raised: POST /sleep failed: FileNotFoundError" in out, out
+        assert f"rank {rank} send raised: the send failed part way (2 tries); vLLM holds" in out, out
+    assert "direct source: 25 tensors, 4 expert blocks" in out, out
+    assert "a send that went through: retried 0 | rank 0 returned after every rank was through: True" in out, out
+
+
+def test_vllms_module_source_goes_to_weight_sender_on_every_tested_vllm(monkeypatch):
+    """weight_sender(rank, WeightSyncClient(sock), ModuleSource(model)), as the README shows it for vLLM's own
+    loader: vLLM 0.32's ModuleSource has `metadata()` as a method, 0.33 and later as an attribute, and either
+    reaches vLLM's IPC trainer engine with a buffer of its bytes. (The engine needs a GPU: a stand-in records
+    what it is given.)"""
+    from test_families import build_model
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import helpers
+
+    given = []
+    monkeypatch.setattr(
+        WeightTransferTrainerFactory,
+        "trainer_init",
+        staticmethod(lambda info, client, source: given.append((client, source, info)) or object()),
+    )
+    model = build_model("qwen3", device="cpu")
+    source = ModuleSource(model)
+    sender = helpers.weight_sender(0, helpers.WeightSyncClient("/nowhere/vllm.sock"), source)
+    metadata = helpers.source_metadata(source)
+    assert [m.name for m in metadata] == [n for n, _ in model.named_parameters()]
+    assert given[-1][1] is source and sender.in_place is None and sender.retries == 0
+    assert given[-1][2].packed_buffer_size_bytes == helpers.metadata_bytes(metadata)

@@ -25,7 +25,7 @@ On the driver, with helpers' names; start_trainers handles the nodes, and its ra
             node_failure = partial(raise_node_failure, node_servers)   # raises NodeServerFailed, naming the nodes
             wait_until_ready(server, filling, timeout_s=1200, also_check=node_failure)   # filling: refs, or []
             ...                                                     # each round as on one node, with
-            send_all(trainers, server.socket_path, retries=1, check_failure=node_failure)
+            send_all(trainers, check_failure=node_failure)
     finally:
         stop_node_servers(node_servers)
 

@@ -23,10 +23,9 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from helpers import collective_rpc, metadata_bytes, weight_sync_client
+from helpers import WeightSyncClient, collective_rpc, every_rank, metadata_bytes
 from weight_sync.direct_load import TrainerSource, vllm_load_form
 
 
@@ -53,7 +52,7 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
             if m.name not in source.expert_blocks
         ]
         return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes, others)
-    return weight_sync_client(sock)
+    return WeightSyncClient(sock)
 
 
 class DirectLoadClient:
@@ -533,11 +532,8 @@ class InPlace:
         `tensors` maps a name to the rank's own storage of it and the dtype it is sent in. Every rank calls it at
         once with the same names, since each send's handshake must be the same on all of them."""
         here = [t.is_cuda and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors.values()]
-        if dist.is_initialized() and dist.get_world_size() > 1 and here:
-            every = torch.tensor(here, dtype=torch.int32)  # on the CPU, for the process group's gloo backend
-            dist.all_reduce(every, op=dist.ReduceOp.MIN)
-            here = [bool(x) for x in every.tolist()]
-        return dict(zip(tensors, here, strict=True))
+        everywhere = [all(held) for held in zip(*every_rank(here))]  # on any process group (helpers.sync_group)
+        return dict(zip(tensors, everywhere, strict=True))
 
     def packed_part(self, source: TrainerSource) -> PackedPart:
         """Return the part of `source` that goes through the packed buffer while these tensors go in place.
@@ -572,11 +568,7 @@ class InPlace:
             self._gpu_uuid = str(torch.cuda.get_device_properties(local[0].device).uuid)
         torch.cuda.synchronize()  # the step's last writes, before rank 0 tells the engines to read
         mine = {self._gpu_uuid: self._exported[1]}
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-            mine = {uuid: handles for rank in every for uuid, handles in rank.items()}
-        self.gathered = mine
+        self.gathered = {uuid: handles for rank in every_rank(mine) for uuid, handles in rank.items()}
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
