@@ -99,7 +99,12 @@ class Server:
     def also_stop(self, processes: Sequence[str]) -> None:
         """Have the watchdog also kill `processes`, "PID:START" each, if this process dies (see start_server)."""
         if processes and self.watchdog_fds is not None:
-            os.write(self.watchdog_fds[0], ("a" + ",".join(processes) + "\n").encode())
+            try:
+                os.write(self.watchdog_fds[0], ("a" + ",".join(processes) + "\n").encode())
+            except BrokenPipeError:  # the watchdog goes once the server's group is empty: say why the server exited
+                if (code := self.proc.poll()) is None:  # or the watchdog failed, as the server's log says
+                    raise ServerError(f"the vLLM server's watchdog is gone; see {self.log_path}") from None
+                raise ServerError(start_failure(self, code)) from None
 
 
 KV_BLOCK_TOKENS = 16  # tokens in vLLM's smallest KV cache block
@@ -344,7 +349,7 @@ def server_watchdog() -> None:
             os.write(2, f"[server_watchdog] {text}\n".encode())
 
     def watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also: list[str]) -> None:
-        watching_leader, released = leader_fd is not None, False
+        watching_leader, released, partial = leader_fd is not None, False, b""
         while True:
             # Block on the leader's pidfd while it runs; after that its engines may live on, so poll each second.
             ready, _, _ = select.select(
@@ -354,7 +359,10 @@ def server_watchdog() -> None:
                 data = b""
                 with suppress(OSError):
                     data = os.read(alive_fd, 4096)
-                for line in data.split(b"\n"):  # Server.also_stop writes "aPID:START,...", a line each
+                # Server.also_stop writes "aPID:START,...\n", a line each, which may span reads: keep a line's
+                # start until its end comes. One cut short by the caller's death is dropped.
+                *lines, partial = (partial + data).split(b"\n")
+                for line in lines:
                     also += line[1:].decode().split(",") if line.startswith(b"a") else []
                 released = released or b"r" in data  # stop_server writes "r" before it closes the pipe
                 if not data:  # EOF: the caller is gone, or stop_server released us
