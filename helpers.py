@@ -628,8 +628,24 @@ def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
     if level == 0 and free_kv_cache:
         release_kv_cache(sock)
     elif level == 0:
-        _resetting[sock] = _beside_the_sync.submit(request, sock, "POST", "/reset_prefix_cache")
+        _resetting[sock] = _beside_the_sync.submit(reset_prefix_cache, sock)
     return level > 0 or free_kv_cache
+
+
+def reset_prefix_cache(sock: str, tries: int = 5, wait_s: float = 0.05) -> None:
+    """POST /reset_prefix_cache until vLLM says it is done, or raise ServerError.
+
+    vLLM answers {"success": false} while blocks are still held, briefly after a pause: try again after
+    `wait_s`, twice as long each time, 0.75 s in all, beside the send. A vLLM that answers nothing is taken at
+    its word."""
+    for attempt in range(tries):
+        time.sleep(wait_s * 2 ** (attempt - 1) if attempt else 0)
+        if (reply := request(sock, "POST", "/reset_prefix_cache")) is None or reply.get("success", True):
+            return
+    raise ServerError(
+        f"POST /reset_prefix_cache answered {json.dumps(reply)} {tries} times: the prefix cache, computed "
+        "from the old weights, could not be reset; vLLM is left asleep rather than serve from it"
+    )
 
 
 _beside_the_sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-reset")

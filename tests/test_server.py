@@ -356,11 +356,12 @@ Server(sys.argv[sys.argv.index("--uds") + 1], Route).serve_forever()
 
 
 # A stand-in that answers a sync's calls as vLLM's server does, the prefix cache's reset slowly, and lists when
-# each call began and ended (GET /calls).
+# each call began and ended (GET /calls). With REFUSED_RESETS=N it refuses the first N resets at once, as vLLM
+# does while blocks are still held.
 ORDER_SERVER = """
-import json, socketserver, sys, time
+import json, os, socketserver, sys, time
 from http.server import BaseHTTPRequestHandler
-calls = []
+calls, refused = [], int(os.environ.get("REFUSED_RESETS", "0"))
 
 class Route(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -376,9 +377,10 @@ class Route(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         route = self.path.split("?")[0]
         calls.append("begin " + route)
-        time.sleep(2 if route == "/reset_prefix_cache" else 0)
+        time.sleep(2 if route == "/reset_prefix_cache" and not refused else 0)
         calls.append("end " + route)
-        self.reply({"status": "awake"} if route == "/wake_up" else {})
+        resets = calls.count("end /reset_prefix_cache")
+        self.reply({"status": "awake"} if route == "/wake_up" else {"success": resets > refused})
 
     def do_GET(self):
         self.reply(calls)
@@ -408,6 +410,33 @@ def test_the_prefix_cache_is_reset_beside_the_sync_and_before_vllm_serves_again(
         calls = helpers.request(sock, "GET", "/calls")
         assert calls.index("end /sleep") < calls.index("begin /reset_prefix_cache")
         assert calls.index("end /reset_prefix_cache") < calls.index("begin /wake_up")
+    finally:
+        helpers.stop_server(server)
+
+
+@pytest.mark.parametrize("refused", [2, 5])
+def test_a_prefix_cache_reset_vllm_refuses_is_tried_again_and_else_fails_the_round(tmp_path, refused):
+    """vLLM answers {"success": false} while blocks are still held: the reset is tried again, a few times within
+    a second, before vLLM serves; if it is refused every time, wake_to_serve fails, naming the reset, and never
+    wakes vLLM to serve from the old weights' cache."""
+    server = helpers.start_server(
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", ORDER_SERVER),
+        env={"REFUSED_RESETS": str(refused)},
+    )
+    try:
+        sock = healthy_or_stopped(server, timeout_s=120).socket_path
+        helpers.sleep_for_sync(sock, 0, free_kv_cache=False)
+        if refused < 5:
+            helpers.wake_to_serve(sock, kv_cache=False)
+        else:
+            with pytest.raises(helpers.ServerError, match=r'/reset_prefix_cache answered {"success": false} 5 times'):
+                helpers.wake_to_serve(sock, kv_cache=False)
+        resets = ["begin /reset_prefix_cache", "end /reset_prefix_cache"] * min(refused + 1, 5)
+        woken = ["begin /wake_up", "end /wake_up"] if refused < 5 else []
+        assert helpers.request(sock, "GET", "/calls") == ["begin /sleep", "end /sleep", *resets, *woken]
     finally:
         helpers.stop_server(server)
 
