@@ -553,6 +553,7 @@ class _Connection(http.client.HTTPConnection):
 # Kept open, as a round's calls are milliseconds apart; per thread, so that a failed one can be closed at once.
 _connections: dict[tuple[int, int, str], _Connection] = {}
 _openai_clients: dict[tuple[int, int, str], Any] = {}
+_clients_lock = threading.Lock()  # a thread's first call adds to these while another thread may forget its own
 
 
 def _idle_limit_s() -> float:
@@ -563,7 +564,8 @@ def _idle_limit_s() -> float:
 def _connection(sock: str) -> _Connection:
     key = (os.getpid(), threading.get_ident(), sock)
     if (conn := _connections.get(key)) is None:
-        conn = _connections[key] = _Connection(sock)
+        with _clients_lock:
+            conn = _connections[key] = _Connection(sock)
     elif time.monotonic() - conn.answered_at > _idle_limit_s():
         conn.close()  # the next request opens another
     return conn
@@ -571,10 +573,16 @@ def _connection(sock: str) -> _Connection:
 
 def forget_client(sock: str, every_thread: bool = False) -> None:
     """Close this thread's connections to `sock`, or every thread's: after a failure, or when done with the server."""
-    for table in (_connections, _openai_clients):
-        for key in [k for k in table if k[0] == os.getpid() and k[2] == sock]:
-            if every_thread or key[1] == threading.get_ident():
-                table.pop(key).close()
+    with _clients_lock:
+        keys = [
+            (table, key)
+            for table in (_connections, _openai_clients)
+            for key in table
+            if key[0] == os.getpid() and key[2] == sock and (every_thread or key[1] == threading.get_ident())
+        ]
+        gone = [table.pop(key) for table, key in keys]
+    for client in gone:
+        client.close()
 
 
 def request(
@@ -700,13 +708,13 @@ def openai_client(sock: str):
     import openai
 
     key = (os.getpid(), threading.get_ident(), sock)
-    if key not in _openai_clients:  # skipping TLS setup and proxies
+    if (client := _openai_clients.get(key)) is None:  # skipping TLS setup and proxies
         transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=_idle_limit_s()))
         http_client = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
-        _openai_clients[key] = openai.OpenAI(
-            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=http_client
-        )
-    return _openai_clients[key]
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=http_client)
+        with _clients_lock:
+            _openai_clients[key] = client
+    return client
 
 
 def post_completions(sock: str, dp_rank: int | None = None, **fields):

@@ -508,6 +508,39 @@ def test_a_failed_call_leaves_no_connection_open(tmp_path):
     ]
 
 
+def test_forgetting_a_client_is_safe_beside_first_requests_in_other_threads(monkeypatch):
+    """Other threads' first requests add their clients to the shared tables while this thread forgets its own,
+    as after a failed call; the interpreter switches threads every microsecond to make them meet."""
+    monkeypatch.setattr(helpers, "_connections", {})
+    monkeypatch.setattr(helpers, "_openai_clients", {})
+    added = {"connections": 0, "openai": 0}
+
+    def first_requests(kind: str, make, count: int) -> None:
+        for i in range(count):
+            make(f"/nowhere/{kind}-{i}")  # no connection is opened until a request is sent
+            added[kind] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            adding = [
+                pool.submit(first_requests, "connections", helpers._connection, 20_000),
+                pool.submit(first_requests, "openai", helpers.openai_client, 300),
+            ]
+            while not all(f.done() for f in adding):
+                helpers.forget_client("/nowhere/else")
+                helpers.forget_client("/nowhere/else", every_thread=True)
+            for f in adding:
+                f.result()
+    finally:
+        sys.setswitchinterval(interval)
+    assert added == {"connections": 20_000, "openai": 300}
+    assert len(helpers._connections) == 20_000 and len(helpers._openai_clients) == 300
+    helpers.forget_client("/nowhere/connections-7", every_thread=True)
+    assert len(helpers._connections) == 19_999
+
+
 ENV_SERVER = """
 import json, os
 keys = ("VLLM_WORKER_MULTIPROC_METHOD", "TRITON_CACHE_DIR", "VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")
