@@ -4,7 +4,6 @@ that is SIGKILLed, with no finally block or atexit run, still leaves nothing
 behind, because the server's watchdog (helpers.server_watchdog) stops its whole group."""
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -493,16 +492,18 @@ def test_the_watchdog_takes_a_list_of_processes_of_any_length(tmp_path):
 def test_also_stop_on_a_server_that_exited_reports_the_servers_error(tmp_path):
     """The server failed to start before the caller listed Ray's processes: the caller learns why it exited,
     as wait_until_healthy would say it, not that the watchdog's pipe is closed."""
+    sock = str(private_socket_path())
     server = helpers.start_server(
         [],
-        socket_path=private_socket_path(),
+        socket_path=sock,
         log_path=tmp_path / "log",
         launcher=(sys.executable, "-c", "import sys; print('ValueError: no such model'); sys.exit(3)"),
     )
     try:
         server.proc.wait(timeout=60)
-        # The watchdog goes once the server's group is empty; its end of `done` is then closed.
-        assert select.select([server.watchdog_fds[1]], [], [], 60)[0]
+        # The watchdog goes once the server's group is empty. Waited for until it is a zombie, when every file it
+        # held is closed: the kernel may close its end of `done` a moment before its end of `alive`.
+        assert _gone_within_watchdog(sock, timeout_s=60)
         with pytest.raises(helpers.ServerError) as err:
             server.also_stop(["1:1"])
         assert str(err.value).startswith("vLLM server exited with code 3 during start")
