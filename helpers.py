@@ -98,7 +98,12 @@ class Server:
     def also_stop(self, processes: Sequence[str]) -> None:
         """Have the watchdog also kill `processes`, "PID:START" each, if this process dies (see start_server)."""
         if processes and self.watchdog_fds is not None:
-            os.write(self.watchdog_fds[0], ("a" + ",".join(processes) + "\n").encode())
+            try:
+                os.write(self.watchdog_fds[0], ("a" + ",".join(processes) + "\n").encode())
+            except BrokenPipeError:  # the watchdog goes once the server's group is empty: say why the server exited
+                if (code := self.proc.poll()) is None:  # or the watchdog failed, as the server's log says
+                    raise ServerError(f"the vLLM server's watchdog is gone; see {self.log_path}") from None
+                raise ServerError(start_failure(self, code)) from None
 
 
 KV_BLOCK_TOKENS = 16  # tokens in vLLM's smallest KV cache block
@@ -346,7 +351,7 @@ def server_watchdog() -> None:
             os.write(2, f"[server_watchdog] {text}\n".encode())
 
     def watch(pgid: int, alive_fd: int, leader_fd: int | None, grace_s: float, also: list[str]) -> None:
-        watching_leader, released = leader_fd is not None, False
+        watching_leader, released, partial = leader_fd is not None, False, b""
         while True:
             # Block on the leader's pidfd while it runs; after that its engines may live on, so poll each second.
             ready, _, _ = select.select(
@@ -356,7 +361,10 @@ def server_watchdog() -> None:
                 data = b""
                 with suppress(OSError):
                     data = os.read(alive_fd, 4096)
-                for line in data.split(b"\n"):  # Server.also_stop writes "aPID:START,...", a line each
+                # Server.also_stop writes "aPID:START,...\n", a line each, which may span reads: keep a line's
+                # start until its end comes. One cut short by the caller's death is dropped.
+                *lines, partial = (partial + data).split(b"\n")
+                for line in lines:
                     also += line[1:].decode().split(",") if line.startswith(b"a") else []
                 released = released or b"r" in data  # stop_server writes "r" before it closes the pipe
                 if not data:  # EOF: the caller is gone, or stop_server released us
@@ -547,6 +555,7 @@ class _Connection(http.client.HTTPConnection):
 # Kept open, as a round's calls are milliseconds apart; per thread, so that a failed one can be closed at once.
 _connections: dict[tuple[int, int, str], _Connection] = {}
 _openai_clients: dict[tuple[int, int, str], Any] = {}
+_clients_lock = threading.Lock()  # a thread's first call adds to these while another thread may forget its own
 
 
 def _idle_limit_s() -> float:
@@ -557,7 +566,8 @@ def _idle_limit_s() -> float:
 def _connection(sock: str) -> _Connection:
     key = (os.getpid(), threading.get_ident(), sock)
     if (conn := _connections.get(key)) is None:
-        conn = _connections[key] = _Connection(sock)
+        with _clients_lock:
+            conn = _connections[key] = _Connection(sock)
     elif time.monotonic() - conn.answered_at > _idle_limit_s():
         conn.close()  # the next request opens another
     return conn
@@ -565,10 +575,16 @@ def _connection(sock: str) -> _Connection:
 
 def forget_client(sock: str, every_thread: bool = False) -> None:
     """Close this thread's connections to `sock`, or every thread's: after a failure, or when done with the server."""
-    for table in (_connections, _openai_clients):
-        for key in [k for k in table if k[0] == os.getpid() and k[2] == sock]:
-            if every_thread or key[1] == threading.get_ident():
-                table.pop(key).close()
+    with _clients_lock:
+        keys = [
+            (table, key)
+            for table in (_connections, _openai_clients)
+            for key in table
+            if key[0] == os.getpid() and key[2] == sock and (every_thread or key[1] == threading.get_ident())
+        ]
+        gone = [table.pop(key) for table, key in keys]
+    for client in gone:
+        client.close()
 
 
 def request(
@@ -622,8 +638,24 @@ def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
     if level == 0 and free_kv_cache:
         release_kv_cache(sock)
     elif level == 0:
-        _resetting[sock] = _beside_the_sync.submit(request, sock, "POST", "/reset_prefix_cache")
+        _resetting[sock] = _beside_the_sync.submit(reset_prefix_cache, sock)
     return level > 0 or free_kv_cache
+
+
+def reset_prefix_cache(sock: str, tries: int = 5, wait_s: float = 0.05) -> None:
+    """POST /reset_prefix_cache until vLLM says it is done, or raise ServerError.
+
+    vLLM answers {"success": false} while blocks are still held, briefly after a pause: try again after
+    `wait_s`, twice as long each time, 0.75 s in all, beside the send. A vLLM that answers nothing is taken at
+    its word."""
+    for attempt in range(tries):
+        time.sleep(wait_s * 2 ** (attempt - 1) if attempt else 0)
+        if (reply := request(sock, "POST", "/reset_prefix_cache")) is None or reply.get("success", True):
+            return
+    raise ServerError(
+        f"POST /reset_prefix_cache answered {json.dumps(reply)} {tries} times: the prefix cache, computed "
+        "from the old weights, could not be reset; vLLM is left asleep rather than serve from it"
+    )
 
 
 _beside_the_sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-reset")
@@ -678,13 +710,13 @@ def openai_client(sock: str):
     import openai
 
     key = (os.getpid(), threading.get_ident(), sock)
-    if key not in _openai_clients:  # skipping TLS setup and proxies
+    if (client := _openai_clients.get(key)) is None:  # skipping TLS setup and proxies
         transport = httpx.HTTPTransport(uds=sock, verify=False, limits=httpx.Limits(keepalive_expiry=_idle_limit_s()))
         http_client = httpx.Client(transport=transport, base_url="http://localhost", trust_env=False)
-        _openai_clients[key] = openai.OpenAI(
-            base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=http_client
-        )
-    return _openai_clients[key]
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="-", max_retries=0, http_client=http_client)
+        with _clients_lock:
+            _openai_clients[key] = client
+    return client
 
 
 def post_completions(sock: str, dp_rank: int | None = None, **fields):

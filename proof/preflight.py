@@ -96,6 +96,18 @@ def flag_problem(args) -> str | None:
         ),
         (args.soak_seconds < 0, "--soak-seconds must be at least 0"),
         (args.send_retries < 0, "--send-retries must be 0 or more"),
+        # Each range test is written so that NaN, which argparse's float() accepts, fails it.
+        (args.train and not 0 < args.lr < math.inf, "--lr must be a finite number above 0"),
+        (args.train and not 0 <= args.temperature <= 2, "--temperature must be between 0 and 2, as vLLM takes it"),
+        (not args.noise_multiple >= 0, "--noise-multiple must be 0 or more"),
+        *(
+            (value is not None and not value >= 0, f"--logprob-{name}-tolerance must be 0 or more")
+            for name, value in [
+                ("mean", args.logprob_mean_tolerance),
+                ("quantile", args.logprob_quantile_tolerance),
+                ("max", args.logprob_max_tolerance),
+            ]
+        ),
         (
             args.free_kv_cache is False and args.sleep_level > 0,
             f"--no-free-kv-cache needs --sleep-level 0 (level {args.sleep_level} frees the KV cache with the weights)",
@@ -126,6 +138,12 @@ def unwritable(flag: str, path: str | None) -> str | None:
         return f"{flag} {path}: {folder} is not a directory"
     if not os.access(target if target.exists() else folder, os.W_OK):
         return f"{flag} {path} is not writable"
+    if not target.exists():  # root passes os.access where the kernel still refuses a new file, as in /proc
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            target.unlink()
+        except OSError as e:
+            return f"{flag} {path} is not writable ({e.strerror})"
     return None
 
 

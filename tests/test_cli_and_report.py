@@ -55,6 +55,16 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--json", "/tmp"], "--json /tmp is a directory"),
         (["--server-log", "/nonexistent/x.log"], "--server-log /nonexistent/x.log: /nonexistent is not a directory"),
         (["--json", "/proc/version/x.json"], "--json /proc/version/x.json: /proc/version is not a directory"),
+        (["--json", "/proc/x.json"], "--json /proc/x.json is not writable"),  # a folder root cannot write either
+        (["--lr", "-1", "--train"], "--lr must be a finite number above 0"),
+        (["--lr", "nan", "--train"], "--lr must be a finite number above 0"),
+        (["--temperature", "-1", "--train"], "--temperature must be between 0 and 2, as vLLM takes it"),
+        (["--temperature", "nan", "--train"], "--temperature must be between 0 and 2"),
+        (["--noise-multiple", "-1"], "--noise-multiple must be 0 or more"),
+        (["--noise-multiple", "nan"], "--noise-multiple must be 0 or more"),
+        (["--logprob-mean-tolerance", "-0.1"], "--logprob-mean-tolerance must be 0 or more"),
+        (["--logprob-quantile-tolerance", "nan"], "--logprob-quantile-tolerance must be 0 or more"),
+        (["--logprob-max-tolerance", "-1"], "--logprob-max-tolerance must be 0 or more"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -62,6 +72,21 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         script.parse_args(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--train", "--lr", "1e-9", "--temperature", "0"],
+        ["--train", "--temperature", "2"],
+        ["--lr", "-1", "--temperature", "-1"],  # used only with --train
+        ["--noise-multiple", "0", "--logprob-mean-tolerance", "0", "--logprob-max-tolerance", "0"],
+    ],
+)
+def test_flags_at_the_ends_of_their_ranges_are_taken(argv, tmp_path):
+    """The ends of each range are allowed; a --json path is tried by creating it, and left as it was."""
+    script.parse_args([*argv, "--json", str(tmp_path / "out.json")])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_path_the_run_cannot_write_is_refused_before_any_gpu_work():

@@ -453,6 +453,65 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
         _cleanup(driver, None)
 
 
+def test_the_watchdog_takes_a_list_of_processes_of_any_length(tmp_path):
+    """A host where Ray runs hundreds of processes: Server.also_stop hands the watchdog 1,000 of them, 21 KB on
+    one line, which reaches it over several reads; the one listed last is still killed with the caller."""
+    driver = _driver(f"""
+        import subprocess, sys, time
+        import helpers
+        from conftest import private_socket_path
+        from pathlib import Path
+        other = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL)  # the last of Ray's processes
+        server = helpers.start_server(
+            [], socket_path=private_socket_path(), log_path=Path({str(tmp_path)!r}) / "server.log",
+            launcher=(sys.executable, "-c", "import time; time.sleep(600)"),
+        )
+        # PIDs above any kernel's limit (4,194,304) stand in for the others: none of them can be killed.
+        listed = [f"{{9_000_000 + i}}:{{10**11 + i}}" for i in range(999)] + [f"{{other.pid}}:{{helpers.start_time(other.pid)}}"]
+        assert len(listed) == 1000 and len(",".join(listed)) > 20_000
+        server.also_stop(listed)
+        print("other", other.pid, helpers.start_time(other.pid), flush=True)
+        time.sleep(600)
+    """)
+    pid = start = None
+    try:
+        pid, start = _read_until(driver, "other").split()
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 30
+        while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert helpers.start_time(int(pid)) != start, "the process listed last outlived the caller"
+        assert "stopping 1000 other processes" in (tmp_path / "server.log").read_text()
+    finally:
+        _cleanup(driver, None)
+        if pid is not None and helpers.start_time(int(pid)) == start:
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def test_also_stop_on_a_server_that_exited_reports_the_servers_error(tmp_path):
+    """The server failed to start before the caller listed Ray's processes: the caller learns why it exited,
+    as wait_until_healthy would say it, not that the watchdog's pipe is closed."""
+    sock = str(private_socket_path())
+    server = helpers.start_server(
+        [],
+        socket_path=sock,
+        log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", "import sys; print('ValueError: no such model'); sys.exit(3)"),
+    )
+    try:
+        server.proc.wait(timeout=60)
+        # The watchdog goes once the server's group is empty. Waited for until it is a zombie, when every file it
+        # held is closed: the kernel may close its end of `done` a moment before its end of `alive`.
+        assert _gone_within_watchdog(sock, timeout_s=60)
+        with pytest.raises(helpers.ServerError) as err:
+            server.also_stop(["1:1"])
+        assert str(err.value).startswith("vLLM server exited with code 3 during start")
+        assert "ValueError: no such model" in str(err.value)
+    finally:
+        helpers.stop_server(server)
+
+
 def test_descendants_can_keep_to_what_was_started_from_one_place():
     """colocated_job lists only the processes of the Ray it started (their
     command lines run from Ray's package), not every child of its process."""

@@ -375,11 +375,12 @@ Server(sys.argv[sys.argv.index("--uds") + 1], Route).serve_forever()
 
 
 # A stand-in that answers a sync's calls as vLLM's server does, the prefix cache's reset slowly, and lists when
-# each call began and ended (GET /calls).
+# each call began and ended (GET /calls). With REFUSED_RESETS=N it refuses the first N resets at once, as vLLM
+# does while blocks are still held.
 ORDER_SERVER = """
-import json, socketserver, sys, time
+import json, os, socketserver, sys, time
 from http.server import BaseHTTPRequestHandler
-calls = []
+calls, refused = [], int(os.environ.get("REFUSED_RESETS", "0"))
 
 class Route(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -395,9 +396,10 @@ class Route(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         route = self.path.split("?")[0]
         calls.append("begin " + route)
-        time.sleep(2 if route == "/reset_prefix_cache" else 0)
+        time.sleep(2 if route == "/reset_prefix_cache" and not refused else 0)
         calls.append("end " + route)
-        self.reply({"status": "awake"} if route == "/wake_up" else {})
+        resets = calls.count("end /reset_prefix_cache")
+        self.reply({"status": "awake"} if route == "/wake_up" else {"success": resets > refused})
 
     def do_GET(self):
         self.reply(calls)
@@ -427,6 +429,33 @@ def test_the_prefix_cache_is_reset_beside_the_sync_and_before_vllm_serves_again(
         calls = helpers.request(sock, "GET", "/calls")
         assert calls.index("end /sleep") < calls.index("begin /reset_prefix_cache")
         assert calls.index("end /reset_prefix_cache") < calls.index("begin /wake_up")
+    finally:
+        helpers.stop_server(server)
+
+
+@pytest.mark.parametrize("refused", [2, 5])
+def test_a_prefix_cache_reset_vllm_refuses_is_tried_again_and_else_fails_the_round(tmp_path, refused):
+    """vLLM answers {"success": false} while blocks are still held: the reset is tried again, a few times within
+    a second, before vLLM serves; if it is refused every time, wake_to_serve fails, naming the reset, and never
+    wakes vLLM to serve from the old weights' cache."""
+    server = helpers.start_server(
+        [],
+        socket_path=private_socket_path(),
+        log_path=tmp_path / "log",
+        launcher=(sys.executable, "-c", ORDER_SERVER),
+        env={"REFUSED_RESETS": str(refused)},
+    )
+    try:
+        sock = healthy_or_stopped(server, timeout_s=120).socket_path
+        helpers.sleep_for_sync(sock, 0, free_kv_cache=False)
+        if refused < 5:
+            helpers.wake_to_serve(sock, kv_cache=False)
+        else:
+            with pytest.raises(helpers.ServerError, match=r'/reset_prefix_cache answered {"success": false} 5 times'):
+                helpers.wake_to_serve(sock, kv_cache=False)
+        resets = ["begin /reset_prefix_cache", "end /reset_prefix_cache"] * min(refused + 1, 5)
+        woken = ["begin /wake_up", "end /wake_up"] if refused < 5 else []
+        assert helpers.request(sock, "GET", "/calls") == ["begin /sleep", "end /sleep", *resets, *woken]
     finally:
         helpers.stop_server(server)
 
@@ -496,6 +525,39 @@ def test_a_failed_call_leaves_no_connection_open(tmp_path):
     assert not [
         key for t in (helpers._connections, helpers._openai_clients) for key in t if key[2] == server.socket_path
     ]
+
+
+def test_forgetting_a_client_is_safe_beside_first_requests_in_other_threads(monkeypatch):
+    """Other threads' first requests add their clients to the shared tables while this thread forgets its own,
+    as after a failed call; the interpreter switches threads every microsecond to make them meet."""
+    monkeypatch.setattr(helpers, "_connections", {})
+    monkeypatch.setattr(helpers, "_openai_clients", {})
+    added = {"connections": 0, "openai": 0}
+
+    def first_requests(kind: str, make, count: int) -> None:
+        for i in range(count):
+            make(f"/nowhere/{kind}-{i}")  # no connection is opened until a request is sent
+            added[kind] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            adding = [
+                pool.submit(first_requests, "connections", helpers._connection, 20_000),
+                pool.submit(first_requests, "openai", helpers.openai_client, 300),
+            ]
+            while not all(f.done() for f in adding):
+                helpers.forget_client("/nowhere/else")
+                helpers.forget_client("/nowhere/else", every_thread=True)
+            for f in adding:
+                f.result()
+    finally:
+        sys.setswitchinterval(interval)
+    assert added == {"connections": 20_000, "openai": 300}
+    assert len(helpers._connections) == 20_000 and len(helpers._openai_clients) == 300
+    helpers.forget_client("/nowhere/connections-7", every_thread=True)
+    assert len(helpers._connections) == 19_999
 
 
 ENV_SERVER = """
