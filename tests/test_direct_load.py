@@ -192,6 +192,69 @@ def test_the_expert_blocks_are_checked_before_any_send(cpu_server):
             sources.DirectLoadClient(sock, uuids, blocks).init_weight_transfer_engine({"packed": True})
 
 
+def test_building_a_direct_sender_leaves_every_served_weight_as_it_was(cpu_server, tiny_checkpoint):
+    """Building a direct sender has every engine learn how vLLM's loader writes each tensor it will be sent, by
+    random probes through that loader. A server that serves a real checkpoint holds every parameter bit for bit
+    as before, and the engine says what putting them back cost. The trainer side is what weight_sender does on
+    rank 0 before it builds vLLM's IPC engine, which needs a GPU: one rank, its GPU id "" on a CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from proof import coverage
+
+    sock = cpu_server.socket_path
+    before = coverage.weight_checker(sock, "checksum")["checksums"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_checkpoint), dtype=torch.bfloat16)
+    client = sources.sync_client(sock, "direct", sources.weight_source(model, 1, "direct"), [""])
+    client.init_weight_transfer_engine({"packed": True})
+    learned = client.learned
+    assert learned["plain"] > 0  # so the probes wrote into the weights
+    assert coverage.weight_checker(sock, "compare", baseline=before) == {"match": True, "mismatches": []}
+    assert learned["restored"]["tensors"] > 0 and learned["restored"]["bytes"] > 0
+
+
+def test_learning_puts_back_every_weight_it_may_write_in_its_own_storage():
+    """What the learning's probes may write, every parameter and persistent buffer but the fused expert weights,
+    is kept and put back bit for bit, each in its own storage also where the loader gave it new storage, since
+    vLLM's kernels read the weights where they were."""
+    experts = torch.nn.Module()
+    for name, shape in {"w13_weight": (2, 8, 4), "w2_weight": (2, 4, 4), "w13_bias": (2, 8)}.items():
+        setattr(experts, name, torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16), requires_grad=False))
+    model = torch.nn.Module()
+    model.linear, model.experts = torch.nn.Linear(4, 4, dtype=torch.bfloat16), experts
+    model.register_buffer("correction_bias", torch.randn(4))
+    model.register_buffer("cos_sin_cache", torch.randn(4), persistent=False)  # not in a checkpoint: not loaded
+    layout = SimpleNamespace(model=model, expert_layers={"experts": experts})
+    held = {name: t.clone() for name, t in model.state_dict().items()}
+    storage = model.linear.weight.data_ptr()
+    restored = {}
+    with torch.no_grad(), direct_load._put_back(layout, restored):
+        for name, t in model.state_dict().items():
+            if name not in ("experts.w13_weight", "experts.w2_weight"):
+                t.add_(1)
+        model.linear.weight.data = torch.randn(4, 4, dtype=torch.bfloat16)
+    assert [name for name, t in model.state_dict().items() if not torch.equal(t, held[name])] == []
+    assert model.linear.weight.data_ptr() == storage
+    # The linear layer's weight and bias and w13_bias in bf16, the persistent buffer in fp32.
+    assert restored["tensors"] == 4 and restored["bytes"] == (16 + 4 + 16) * 2 + 4 * 4
+
+
+def test_learning_before_the_first_sync_leaves_alone_every_name_that_may_write_the_fused_experts():
+    """The fused expert weights are the one thing the learning keeps no copy of, so it probes no expert block
+    and no tensor inside an expert layer, such as one expert's weight; the first sync learns those. A layer's
+    other tensors, such as gpt-oss's expert biases, and shared experts beside it are probed."""
+    layout = SimpleNamespace(expert_layers={"model.layers.0.mlp.experts": None})
+    fused = {
+        "model.layers.0.mlp.experts.gate_up_proj": True,
+        "model.layers.0.mlp.experts.down_proj": True,
+        "model.layers.0.mlp.experts.3.gate_proj.weight": True,
+        "model.layers.0.mlp.experts.gate_up_proj_bias": False,
+        "model.layers.0.mlp.shared_experts.gate_proj.weight": False,
+        "model.layers.0.mlp.gate.weight": False,
+        "model.layers.1.mlp.experts.gate_up_proj": False,  # not an expert layer of this engine
+    }
+    assert {name: direct_load._in_fused_experts(layout, name) for name in fused} == fused
+
+
 def _experts(dp_rank: int, dp_size: int, num_experts: int, shape):
     """A stand-in for one engine's fused-MoE layer, holding vLLM's own
     ExpertMapManager as an engine of `dp_size` with expert parallelism builds

@@ -145,7 +145,8 @@ def _worker(vllm_model) -> direct_load.DirectLoadWorker:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_the_layout_learned_before_the_first_sync_is_what_the_first_sync_learns(family, vllm_models):
     """direct_load_learn, which DirectLoadClient calls when vLLM's IPC engine is built, learns from the
-    names, shapes and dtypes alone what a first sync would learn from its tensors; the sync after it then
+    names, shapes and dtypes alone what a first sync would learn from its tensors, and puts back every
+    parameter and buffer its probes wrote, MLA's derived W_UK_T and W_UV included; the sync after it then
     probes nothing and writes exactly what the trainer sent."""
     import json
 
@@ -161,7 +162,10 @@ def test_the_layout_learned_before_the_first_sync_is_what_the_first_sync_learns(
     _sync(vllm_model, sent, "direct", by_first_sync)
 
     worker = _worker(vllm_model)
+    held = {name: t.clone() for name, t in vllm_model.state_dict().items()}
     learned = worker.direct_load_learn(json.dumps(others))
+    assert [name for name, t in vllm_model.state_dict().items() if not torch.equal(t, held[name])] == []
+    assert learned["restored"]["tensors"] > 0
     layout = worker._direct_layout
     assert layout.plain == by_first_sync.plain and layout.plain
     assert layout.through_loader == by_first_sync.through_loader

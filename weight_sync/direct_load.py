@@ -36,7 +36,10 @@ engine, with these differences:
     whether it writes the tensor unchanged into a block of rows of one
     parameter and nothing else. If it does, this loader copies the tensor
     there itself from then on, launching all such copies at once, because
-    the loader's Python per tensor costs more than the copy.
+    the loader's Python per tensor costs more than the copy. The names are
+    learned when the trainer builds its sender (`direct_load_learn`), which
+    puts back every weight the probes wrote, so a server that serves a
+    checkpoint serves it unchanged until the first sync.
   * At the end of the first sync, vLLM's own post-load function,
     `process_weights_after_loading` of vLLM's model loader, runs over the
     model as it does after a load. Later syncs run only what must see the
@@ -63,6 +66,7 @@ vllm_load_form on the trainer's side.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import pickle
 import time
@@ -269,8 +273,10 @@ class DirectLoadWorker:
 
         `sent` is JSON of [[name, shape, dtype], ...]. Random probes of each shape go through the
         model's `load_weights`, as `_learn` does on a first sync, so the first sync copies at full
-        speed. Call it only before the first sync, because the probes overwrite the weights;
-        DirectLoadClient calls it when vLLM's IPC trainer engine is built.
+        speed. DirectLoadClient calls it when vLLM's IPC trainer engine is built, while the engine
+        may be serving a checkpoint, so every weight the probes could write is put back after them
+        (_put_back). A name that could write a fused expert weight is left to the first sync, which
+        writes the real tensor after its probes.
         """
         import json
 
@@ -278,10 +284,15 @@ class DirectLoadWorker:
         layout, failed = self._model_layout(), {}
         device = next(layout.model.parameters()).device
         set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
-        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
-            for name, shape, dtype in json.loads(sent):
-                if name in layout.plain or name in layout.through_loader:
-                    continue
+        learn = [
+            (name, shape, dtype)
+            for name, shape, dtype in json.loads(sent)
+            if name not in layout.plain and name not in layout.through_loader and not _in_fused_experts(layout, name)
+        ]
+        restored = {"tensors": 0, "bytes": 0, "seconds": 0.0}
+        put_back = _put_back(layout, restored) if learn else contextlib.nullcontext()
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config), put_back:
+            for name, shape, dtype in learn:
                 try:
                     learned = _learn(layout, name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
                 except Exception as e:  # The first sync probes it again and raises there if it must.
@@ -295,6 +306,7 @@ class DirectLoadWorker:
             "plain": len(layout.plain),
             "through_loader": len(layout.through_loader),
             "not_learned": dict(list(failed.items())[:4]),  # The first sync probes each of these again.
+            "restored": restored,
             "seconds": time.perf_counter() - start,
         }
 
@@ -580,6 +592,53 @@ def _load(session: _Session, tensors, trainer_rank: int | None, vllm_config, cop
             if others:
                 _touch(session, layout.model.load_weights(others) or ())
     return copies, experts_done, time.perf_counter()
+
+
+@contextlib.contextmanager
+def _put_back(layout: _Layout, restored: dict):
+    """Keep a copy of every tensor vLLM's loader may write while the block runs, and put each back after it.
+
+    That is every parameter and persistent buffer (vLLM's AutoWeightsLoader loads those too), but the fused
+    expert weights, into which no probe is loaded. The copies are on the CPU, so a serving engine needs no GPU
+    memory for them. A tensor the loader gave new storage gets its own back, where vLLM's kernels read it. What
+    was derived from the weights after vLLM's load still matches them: `load_weights` derives nothing, and the
+    probes run no post-load processing. `restored` is filled with the tensors, bytes and seconds it took.
+    """
+    start = time.perf_counter()
+    fused = {
+        id(t)
+        for layer in layout.expert_layers.values()
+        for name in EXPERT_TENSORS.values()
+        for t in (getattr(layer, name, None), fp8_scales(layer, name))
+        if t is not None
+    }
+    loadable = {}
+    for module in layout.model.modules():
+        buffers = [b for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        loadable.update((id(t), t) for t in [*module.parameters(recurse=False), *buffers] if id(t) not in fused)
+    kept = [(t, t.data, t.detach().to("cpu", copy=True)) for t in loadable.values()]
+    restored.update(tensors=len(kept), bytes=sum(c.numel() * c.element_size() for _, _, c in kept))
+    copied = time.perf_counter() - start
+    try:
+        yield
+    finally:
+        start = time.perf_counter()
+        for tensor, storage, copy in kept:
+            storage.copy_(copy)  # `storage` is the tensor's own data, outside autograd
+            if tensor.data_ptr() != storage.data_ptr() or tensor.shape != storage.shape:
+                tensor.data = storage
+        restored["seconds"] = copied + time.perf_counter() - start  # both copies, not the learning between
+
+
+def _in_fused_experts(layout: _Layout, name: str) -> bool:
+    """Return whether vLLM's loader may write `name` into a fused expert weight.
+
+    That is an expert block, or a tensor of a module inside an expert layer, such as one expert's weight. A
+    layer's other tensors of its own, such as gpt-oss's expert biases, have parameters of their own.
+    """
+    parts = name.split(".")
+    inside = any(".".join(parts[:i]) in layout.expert_layers for i in range(1, len(parts) - 1))
+    return inside or (name.rpartition(".")[0] in layout.expert_layers and parts[-1] in EXPERT_TENSORS)
 
 
 def _learn(layout: _Layout, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
