@@ -2,13 +2,14 @@
 """On a GPU: what vLLM's start keeps in its sleep-mode pool while it quantizes the routed experts to FP8, layer by
 layer, with this process's allocator settings or with those helpers.serve_env gives an FP8 server (--serve-env).
 
-    python scripts/fp8_start_memory_check.py [--serve-env] [--layers 3] [--json OUT]
+    python scripts/fp8_start_memory_check.py [--serve-env] [--split-mb 20] [--layers 3] [--json OUT]
 
 It does what vLLM 0.34's start does for each MoE layer of the Moonlight-16B-A3B shape served in FP8 (the dummy
 loader's online quantization: the layer's bf16 experts materialized and filled, then fp8.py's
 process_weights_after_loading, vLLM's compiled per_block_cast_to_fp8 on each expert's w13 and w2, the bf16 freed),
 inside what vLLM's load_model puts around it: the sleep-mode allocator's "weights" pool and vLLM's own
-_scoped_allocator_max_split(20). After each layer it prints the bytes mapped for that pool and the part of them
+_scoped_allocator_max_split(20) (--split-mb: another limit in its place, a change to vLLM that would do
+what --serve-env does). After each layer it prints the bytes mapped for that pool and the part of them
 that is neither the FP8 weights and scales kept nor one layer's bf16 (freed, kept by PyTorch for the next layer):
 what the start holds for nothing, which on vLLM's defaults grows by 128 segments of 20 MiB a layer. From that, the
 pool's peak for the whole model's 26 such layers beside its 2.92 GiB of other weights.
@@ -32,6 +33,7 @@ MOE_LAYERS, OTHER_WEIGHTS_GIB = 26, 2.9155  # its MoE layers, and its weights ot
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve-env", action="store_true", help="run with helpers.serve_env('fp8') applied first")
+    p.add_argument("--split-mb", type=int, default=20, help="the load's max_split_size_mb (vLLM 0.34's: 20)")
     p.add_argument("--layers", type=int, default=3, help="MoE layers to quantize (default 3)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers as JSON here")
     return p.parse_args(argv)
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     allocator = CuMemAllocator.get_instance()
     kept, rows, start = [], [], time.perf_counter()
     # As vLLM 0.34's Worker.load_model: the "weights" pool, and its split limit, which it reads back from PyTorch.
-    with allocator.use_memory_pool(tag="weights"), Worker._scoped_allocator_max_split(None, max_split_size_mb=20):
+    split = Worker._scoped_allocator_max_split(None, max_split_size_mb=args.split_mb)
+    with allocator.use_memory_pool(tag="weights"), split:
         inside = torch._C._accelerator_getAllocatorSettings()
         print(f"[check] inside vLLM's load: allocator settings {inside!r}", flush=True)
         for layer in range(args.layers):
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch_version": torch.__version__,
         "gpu_name": torch.cuda.get_device_name(),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "load_split_mb": args.split_mb,
         "allocator_settings_in_load": inside,
         "layers": rows,
         "held_for_nothing_per_layer_bytes": per_layer,

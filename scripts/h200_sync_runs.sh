@@ -20,10 +20,11 @@
 #    against a2's bf16 one without other jobs on the GPU. Before helpers.serve_env it needed more than 80 GB: on an
 #    H100 80GB vLLM's start ran out of memory quantizing the experts beside the trainer's 30 GiB (9f57da0).
 # d1 and d2, for an 80 GB GPU, d1 first (each within 10 minutes; d2 writes the checkpoint again on a fresh machine):
-# d1: while the checkpoint is written, scripts/fp8_start_memory_check.py twice side by side (three of the Moonlight
-#    shape's MoE layers quantized to FP8 as vLLM's start does, in its sleep-mode pool: with PyTorch's default allocator
-#    settings, then with those helpers.serve_env gives an FP8 server); then the checkpoint with the routed experts
-#    served in FP8, direct loader, sleep level 0, 5 syncs, compiled.
+# d1: while the checkpoint is written, scripts/fp8_start_memory_check.py three times side by side (three of the
+#    Moonlight shape's MoE layers quantized to FP8 as vLLM's start does, in its sleep-mode pool: with PyTorch's default
+#    allocator settings; with those helpers.serve_env gives an FP8 server; with vLLM's split limit at 21 MiB instead
+#    of 20, the other way out); then the checkpoint with the routed experts served in FP8, direct loader, sleep
+#    level 0, 5 syncs, compiled.
 # d2: the same checkpoint in bf16, one server: the direct loader at sleep level 0, then at level 2, 5 syncs each.
 set -u
 stage=${1:?a1, a2, b1, b2, b3, c1, d1 or d2}; R=${2:?OUT}; mkdir -p "$R/logs"
@@ -91,8 +92,8 @@ elif [ "$stage" = c1 ]; then
 elif [ "$stage" = d1 ]; then
   [ -f "$CKPT/config.json" ] || (python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" \
     > "$R/logs/checkpoint-write.out" 2>&1; echo "rc=$?" >> "$R/logs/checkpoint-write.out") &
-  for how in defaults serve-env; do
-    flag=; [ $how = serve-env ] && flag=--serve-env
+  for how in defaults serve-env split-21; do
+    flag=; [ $how = serve-env ] && flag=--serve-env; [ $how = split-21 ] && flag="--split-mb 21"
     { timeout -k 10 150 env -u PYTORCH_CUDA_ALLOC_CONF python3 scripts/fp8_start_memory_check.py $flag \
         --json "$R/fp8-start-$how.json" 2>&1
       echo "rc=$?"; } | stamp > "$R/logs/fp8-start-$how.out" &
