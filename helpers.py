@@ -173,17 +173,19 @@ def serve_args(
 VLLM_LOAD_SPLIT_MB = 20
 FP8_START_SEGMENT_MB = 16  # above PyTorch's floor of 10, below VLLM_LOAD_SPLIT_MB
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_READ = (ALLOC_CONF, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch parses the first one set
 
 
 def serve_env(rollout_dtype: str = "bf16", environ: dict[str, str] | None = None) -> dict[str, str]:
     """Return the environment a `vllm serve` with serve_args(..., rollout_dtype=...) needs, for start_server's `env`.
 
     Pass it when the server's process starts, not to Server.serve(): PyTorch reads it once. With "fp8",
-    PYTORCH_CUDA_ALLOC_CONF (from `environ`, os.environ by default) with large_segment_size_mb set to
-    FP8_START_SEGMENT_MB, the rest kept; nothing for bf16."""
+    PYTORCH_CUDA_ALLOC_CONF: the settings PyTorch would read from `environ` (os.environ by default) with
+    large_segment_size_mb set to FP8_START_SEGMENT_MB; nothing for bf16."""
     if rollout_dtype != "fp8":
         return {}
-    current = (os.environ if environ is None else environ).get(ALLOC_CONF, "")
+    environ = os.environ if environ is None else environ
+    current = next((environ[name] for name in ALLOC_CONF_READ if name in environ), "")
     kept = [
         f for f in (f.strip() for f in current.split(",")) if f and f.split(":")[0].strip() != "large_segment_size_mb"
     ]

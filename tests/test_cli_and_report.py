@@ -1164,6 +1164,10 @@ def test_an_fp8_server_starts_with_pytorchs_segments_below_vllms_load_split_limi
     assert helpers.serve_env("fp8", {conf: "expandable_segments:True, large_segment_size_mb:32"}) == {
         conf: "expandable_segments:True,large_segment_size_mb:16"
     }
+    # Where PyTorch would read another variable, its settings are kept in the one it reads first.
+    assert helpers.serve_env("fp8", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == {
+        conf: "max_split_size_mb:64,large_segment_size_mb:16"
+    }
     assert 10 < helpers.FP8_START_SEGMENT_MB < helpers.VLLM_LOAD_SPLIT_MB  # PyTorch's floor; reused below the limit
     from contextlib import contextmanager
 
