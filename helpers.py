@@ -172,6 +172,33 @@ def serve_args(
     return flags
 
 
+# vLLM 0.34 loads its weights with PyTorch's max_split_size_mb at 20 (VLLM_LOAD_SPLIT_MB). PyTorch puts each
+# allocation of 1 to 10 MiB in a segment of large_segment_size_mb, 20 by default, and never again hands a free
+# segment of max_split_size_mb or more to an allocation smaller than that. So each expert weight that vLLM quantizes
+# to FP8 at its start leaves a 20 MiB segment behind in its sleep-mode pool until the load ends: by the code, 2.5 GiB
+# a Moonlight-16B-A3B layer, 65 GiB in all (docs/FP8.md). Segments smaller than the split limit are used again.
+VLLM_LOAD_SPLIT_MB = 20
+FP8_START_SEGMENT_MB = 16  # above PyTorch's floor of 10, below VLLM_LOAD_SPLIT_MB
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_READ = (ALLOC_CONF, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch parses the first one set
+
+
+def serve_env(rollout_dtype: str = "bf16", environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Return the environment a `vllm serve` with serve_args(..., rollout_dtype=...) needs, for start_server's `env`.
+
+    Pass it when the server's process starts, not to Server.serve(): PyTorch reads it once. With "fp8",
+    PYTORCH_CUDA_ALLOC_CONF: the settings PyTorch would read from `environ` (os.environ by default) with
+    large_segment_size_mb set to FP8_START_SEGMENT_MB; nothing for bf16."""
+    if rollout_dtype != "fp8":
+        return {}
+    environ = os.environ if environ is None else environ
+    current = next((environ[name] for name in ALLOC_CONF_READ if name in environ), "")
+    kept = [
+        f for f in (f.strip() for f in current.split(",")) if f and f.split(":")[0].strip() != "large_segment_size_mb"
+    ]
+    return {ALLOC_CONF: ",".join([*kept, f"large_segment_size_mb:{FP8_START_SEGMENT_MB}"])}
+
+
 def start_server(
     serve_args: Sequence[str] | None,
     *,
@@ -212,7 +239,9 @@ def start_server(
         # Raise what Popen would: started through the watchdog, a missing program fails only in the child.
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
     told_later = " ".join(launcher) + ", importing vLLM until Server.serve() gives it its flags"
-    Path(log_path).write_text("$ " + (" ".join(cmd) if serve_args is not None else told_later) + "\n")
+    # The log names an allocator setting given for this server, such as serve_env's: PyTorch read it at the start.
+    allocator = f"{ALLOC_CONF}={full_env[ALLOC_CONF]} " if ALLOC_CONF in (env or {}) else ""
+    Path(log_path).write_text("$ " + allocator + (" ".join(cmd) if serve_args is not None else told_later) + "\n")
     with open(log_path, "a") as log:  # appending, as Server.serve does
         proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop, serve_args is None)
     return Server(proc=proc, socket_path=socket_path, log_path=Path(log_path), watchdog_fds=watchdog_fds)

@@ -384,6 +384,8 @@ def colocated_job(
                 proof.before_gpu_work(model_path, loaders or [args.weight_loader])
             # The servers' workers import the direct loader and the exact check from this directory.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+            # Given at the server's start, before its PyTorch reads its allocator's settings; the other nodes' too.
+            env.update(helpers.serve_env(args.rollout_dtype))
             # vLLM imports itself, a third of its start, while Ray starts and places the trainers and they build
             # their models; it touches no GPU until serve() gives it its flags, the GPUs Ray gave them among them.
             with helpers.serving(None, socket_path=workdir / "vllm.sock", log_path=args.server_log, env=env) as server:

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Measure each GPU's memory after a sync, for the trainer rank and for the vLLM server's processes.
+"""Measure each GPU's memory after a sync, for the trainer rank and for the vLLM server's processes, and what a
+training step could use once vLLM sleeps.
 
 The trainer's comes from PyTorch's counters. The server's comes from NVML, told apart from other processes by
 the server's process group.
@@ -65,6 +66,20 @@ def memory_gib(trainer, server_pgid: int | None = None) -> GPUMemory:
         device_used=(total - free) / GiB,
         job_used=(mine + server) / GiB if server_pgid is not None else math.nan,
     )
+
+
+def free_for_step(trainers: list) -> list[dict]:
+    """Measure, on each rank's GPU, the memory a training step started now could use (see free_for_step_gib)."""
+    return ray.get([t.__ray_call__.remote(free_for_step_gib) for t in trainers])
+
+
+def free_for_step_gib(trainer) -> dict:
+    """Return, in GiB, what a step in this rank could allocate now: the GPU's free memory (`device_free`) and what
+    the rank's own PyTorch holds but has not handed out (`trainer_cached`), and their sum (`total`)."""
+    device = trainer.device
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return {"device_free": free / GiB, "trainer_cached": cached / GiB, "total": (free + cached) / GiB}
 
 
 def nvml_gpu_memory(gpu_uuid: str, server_pgid: int | None = None) -> tuple[float, float]:

@@ -57,6 +57,8 @@ class RoundRecord:
     change_test: dict | None = None  # After a step, whether vLLM followed the trainer's change; see ChangeTest.
     exact_check: dict | None = None  # ExactCheck: whether every engine holds, bit for bit, what was sent.
     exact_check_not_run: str | None = None  # Why this round had no exact check, such as "--tensor-parallel-size 2".
+    # Per rank, once vLLM slept and before a training step: what the step could use (memory.free_for_step_gib).
+    free_for_step_gib_per_rank: list[dict] | None = None
     # With --train only:
     reward_mean: float | None = None
     loss: float | None = None
@@ -212,6 +214,14 @@ def memory_growth_gib(rounds: list[RoundRecord]) -> float:
     return max(used(b) - used(a) for a, b in zip(first, last, strict=True))
 
 
+def least_free_for_step_gib(rounds: list[dict]) -> float | None:
+    """Return the least memory a training step could use, over the rounds' JSON and their GPUs; None if unmeasured.
+
+    The least, because a step must fit on every GPU in every round."""
+    totals = [m["total"] for r in rounds for m in r.get("free_for_step_gib_per_rank") or []]
+    return min(totals) if totals else None
+
+
 def failed_checks(result: dict, memory_tolerance_gib: float) -> list[str]:
     failures = [f"round {i}: logprob gate" for i, r in enumerate(result["rounds"], 1) if not r["gate_passed"]]
     failures += [
@@ -254,6 +264,7 @@ def run_result(
         "rounds": [r.to_json() for r in rounds],
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": memory_growth_gib(rounds),
+        "free_for_step_gib": least_free_for_step_gib([r.to_json() for r in rounds]),
         "retried_rounds": [i for i, r in enumerate(rounds, 1) if r.send_retries],
     }
 
@@ -372,6 +383,8 @@ def format_summary(result: dict) -> str:
         )
     if len(result["rounds"]) >= 3:
         lines.append(f"GPU memory growth, round 2 -> last: {result['memory_growth_gib']:+.3f} GiB")
+    if (free := least_free_for_step_gib(result["rounds"])) is not None:
+        lines.append(f"memory a training step could use once vLLM slept: {free:.2f} GiB (the least GPU, round)")
     if result.get("time_to_first_sync_s") is not None:
         lines.append(f"time to the first gated sync: {result['time_to_first_sync_s']:.1f} s")
     if result.get("weights_in_after_s") is not None:

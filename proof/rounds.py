@@ -33,7 +33,7 @@ from proof.logprob_gate import (
     job_logprob_gap,
     kernel_noise,
 )
-from proof.memory import memory, server_pgids_per_rank
+from proof.memory import free_for_step, memory, server_pgids_per_rank
 from proof.rank_measurement import measure, measured
 from proof.report import RoundRecord, print_round, report, round_record, run_result, show_layout
 
@@ -74,6 +74,7 @@ def judged_round(
     server_pgids: list | None = None,
     kernel_noise: KernelNoise | None = None,
     send_wall: tuple[float, float] | None = None,
+    free_at_step: list[dict] | None = None,
 ) -> RoundRecord:
     """Build and print a round's record as the JSON stores it, with the checks' verdicts.
 
@@ -81,8 +82,9 @@ def judged_round(
     sync, and the exact check. `noise` is the gap on identical weights, which is this round's `before` when the
     previous sync was proven exact. With --train, `training` is {"reward_mean", "loss"}, with loss None when no
     step was taken. `server_pgids` is as `memory` takes it, and `kernel_noise` is as measured before the first
-    sync. `send_wall` is the send phase's start and end by the machine's clock; see ray_call_split. The round
-    passes only if both the gate and the exact check pass; see failed_checks.
+    sync. `send_wall` is the send phase's start and end by the machine's clock; see ray_call_split.
+    `free_at_step` is, per rank, what a training step could have used once vLLM slept (memory.free_for_step_gib).
+    The round passes only if both the gate and the exact check pass; see failed_checks.
     """
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
@@ -95,6 +97,7 @@ def judged_round(
         phases, send_per_rank, synced, before, after, verdict, memory(trainers, server_pgids), weights_updated
     )
     record.send_retries = send_retries
+    record.free_for_step_gib_per_rank = free_at_step
     widened = (verdict.mean_tolerance, verdict.quantile_tolerance) != (tolerances.mean, tolerances.quantile)
     record.gate_tolerances = {
         "mean": verdict.mean_tolerance,
@@ -161,15 +164,22 @@ class RoundProof:
         self.before: LogprobGap | None = None
         self.training: dict | None = None
         self.send_retries = 0  # From send_all: sends the server failed part way through and that were repeated.
+        self.free_at_step: list[dict] | None = None  # Per rank, once vLLM slept: see memory.free_for_step_gib.
 
     def generated(self, batch: list[helpers.Completion]) -> None:
         """Record the tokens the trainer and every DP engine score, and measure their gap before the sync."""
         self.sequences = [c.prompt_token_ids + c.token_ids for c in batch]
         self.before = job_logprob_gap(self.job, self.sequences)
 
+    @contextmanager
     def step(self, name: str):
-        """Time a phase with PhaseTimer: `with proof.step("send"): ...`."""
-        return self.timer.phase(name)
+        """Time a phase with PhaseTimer: `with proof.step("send"): ...`.
+
+        After the sleep, outside its time and before a training step, measure what such a step could use."""
+        with self.timer.phase(name):
+            yield
+        if name == "sleep":
+            self.free_at_step = free_for_step(self.job.trainers)
 
     def trained(self, reward_mean: float, loss: float | None) -> None:
         """Record, with --train, the batch's mean reward and the step's loss, which is None if no step was taken."""
@@ -203,6 +213,7 @@ class RoundProof:
             server_pgids=self.server_pgids,
             kernel_noise=self.kernel_noise,
             send_wall=self.timer.wall.get("send"),
+            free_at_step=self.free_at_step,
         )
 
 

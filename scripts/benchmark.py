@@ -11,10 +11,12 @@ It starts the trainers and the server once, then for each loader in --loaders
      (with --check-coverage: zeroes them, syncs, and lists those left zero);
   2. runs --rounds syncs (default 3), each checked by the script's logprob gate,
      recording the seconds of every phase, where the send's time went on each
-     trainer rank, the memory of the trainer and the server on every GPU, and
-     the round against its floor: the bytes each GPU receives, copied once at
-     the rate this job's GPUs copy at (measured once, at the start, beside
-     what the sync's calls to vLLM and to the ranks cost, each made alone).
+     trainer rank, the memory of the trainer and the server on every GPU, what
+     a training step could use once vLLM slept (the least of the rounds beside
+     the variant's cycle: `free_for_step_gib`), and the round against its
+     floor: the bytes each GPU receives, copied once at the rate this job's
+     GPUs copy at (measured once, at the start, beside what the sync's calls
+     to vLLM and to the ranks cost, each made alone).
 With both loaders it then proves them equivalent: after a sync through vLLM's
 loader it fingerprints every vLLM parameter on every DP engine, zeroes them
 all, syncs through the direct loader, and requires every parameter to be back
@@ -239,6 +241,9 @@ def run_variant(
             time_to_first_sync_s = time.monotonic() - started_at
     rounds = proof.rounds
     profiled = profile[0] if profile and loader == "direct" else None  # its times include the profiler's
+    rounds_json = [
+        {**with_floor(r.to_json(), device_copy_gb_per_s), "profiled": i == profiled} for i, r in enumerate(rounds, 1)
+    ]
     return {
         "weight_loader": loader,
         "sleep_level": sleep_level,
@@ -246,11 +251,10 @@ def run_variant(
         "experts_in_place": job.experts_in_place if loader == "direct" else None,
         "tensors_in_place": job.tensors_in_place if loader == "direct" else None,
         "coverage": proof.coverage,
-        "rounds": [
-            {**with_floor(r.to_json(), device_copy_gb_per_s), "profiled": i == profiled}
-            for i, r in enumerate(rounds, 1)
-        ],
+        "rounds": rounds_json,
         "median_cycle_s": statistics.median(r.cycle_s for i, r in enumerate(rounds, 1) if i != profiled),
+        # Beside the sync's time, what it leaves a training step at this sleep level: the least over the rounds.
+        "free_for_step_gib": report.least_free_for_step_gib(rounds_json),
         "median_send_s": statistics.median(r.phases_s["send"] for r in rounds),
         "memory_gib_per_rank": rounds[-1].memory_gib_per_rank,
         "memory_growth_gib": report.memory_growth_gib(rounds),

@@ -17,10 +17,17 @@
 #    bit), tiny-mixtral in FP8 with --train, and a stale engine (tests/stale_block_worker.py: from the second
 #    sync on, one expert block left as it was), which the exact check must fail, named.
 # c1: the FP8 run of b2 alone (the checkpoint written first if a1 has not run on this machine): the FP8 sync
-#    against a2's bf16 one without other jobs on the GPU. It needs more than 80 GB: on an H100 80GB vLLM's start
-#    ran out of memory quantizing the experts beside the trainer's 30 GiB (docs/RESULTS.md, 9f57da0).
+#    against a2's bf16 one without other jobs on the GPU. Before helpers.serve_env it needed more than 80 GB: on an
+#    H100 80GB vLLM's start ran out of memory quantizing the experts beside the trainer's 30 GiB (9f57da0).
+# d1 and d2, for an 80 GB GPU, d1 first (each within 10 minutes; d2 writes the checkpoint again on a fresh machine):
+# d1: while the checkpoint is written, scripts/fp8_start_memory_check.py three times side by side (three of the
+#    Moonlight shape's MoE layers quantized to FP8 as vLLM's start does, in its sleep-mode pool: with PyTorch's default
+#    allocator settings; with those helpers.serve_env gives an FP8 server; with vLLM's split limit at 21 MiB instead
+#    of 20, the other way out); then the checkpoint with the routed experts served in FP8, direct loader, sleep
+#    level 0, 5 syncs, compiled.
+# d2: the same checkpoint in bf16, one server: the direct loader at sleep level 0, then at level 2, 5 syncs each.
 set -u
-stage=${1:?a1, a2, b1, b2, b3 or c1}; R=${2:?OUT}; mkdir -p "$R/logs"
+stage=${1:?a1, a2, b1, b2, b3, c1, d1 or d2}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
 CKPT=/root/ckpt-moonlight
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T.%N | cut -c1-12)" "$line"; done; }
@@ -34,12 +41,21 @@ run() {  # name seconds program flags...: one run, its output time-stamped line 
 summary() {
   for f in "$R"/logs/*.out; do
     echo "=== $(basename "$f" .out): $(tail -1 "$f")"
-    grep -E "healthy after|\[floor\] a sync|\[exact\]|\[gate\]|\[agree\]|\[sync\]|error:|Error|FAILED|warning:|rc=" "$f" | cut -c1-300 | tail -13
+    grep -E "healthy after|\[floor\] a sync|\[exact\]|\[gate\]|\[agree\]|\[sync\]|\[check\]|once vLLM slept|error:|Error|FAILED|warning:|rc=" \
+      "$f" | cut -c1-300 | tail -13
     log="${f%.out}.server.log"  # the engines' own lines: vLLM's early import, whether each sync kept its copies
-    [ -f "$log" ] && grep -E "\[wait for flags\]|a weight is off" "$log" | cut -c1-200 | head -3
+    [ -f "$log" ] && grep -E "\[wait for flags\]|a weight is off|Model loading took|CUDA out of memory" "$log" |
+      cut -c1-200 | head -4
     [ -f "$log" ] && echo "in-place copies kept: $(grep -c 'in-place copies kept' "$log"), worked out: $(grep -c 'in-place copies worked out' "$log")"
   done
+  # The GPU's memory sampled every half second through d1's and d2's jobs: the most it held, the start's included.
+  [ -f "$R/logs/gpu-memory.csv" ] && echo "GPU memory used, the most sampled: $(sort -n "$R/logs/gpu-memory.csv" |
+    tail -1) MiB of $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) MiB"
   echo "leftover vllm processes: $(pgrep -fc 'vllm.entrypoints|EngineCore|VLLM' || true)"
+}
+start_sampling_gpu_memory() {  # MiB used on GPU 0, a line every 500 ms, until `kill $sampler`
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 500 >> "$R/logs/gpu-memory.csv" &
+  sampler=$!
 }
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
@@ -73,6 +89,27 @@ elif [ "$stage" = c1 ]; then
     > "$R/logs/checkpoint-write.out" 2>&1
   run moonlight-checkpoint-fp8 360 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
     --rollout-dtype fp8 --rounds 6 --profile-round 6 --kv-cache-memory-bytes 1073741824
+elif [ "$stage" = d1 ]; then
+  [ -f "$CKPT/config.json" ] || (python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" \
+    > "$R/logs/checkpoint-write.out" 2>&1; echo "rc=$?" >> "$R/logs/checkpoint-write.out") &
+  for how in defaults serve-env split-21; do
+    flag=; [ $how = serve-env ] && flag=--serve-env; [ $how = split-21 ] && flag="--split-mb 21"
+    { timeout -k 10 150 env -u PYTORCH_CUDA_ALLOC_CONF python3 scripts/fp8_start_memory_check.py $flag \
+        --json "$R/fp8-start-$how.json" 2>&1
+      echo "rc=$?"; } | stamp > "$R/logs/fp8-start-$how.out" &
+  done
+  wait
+  start_sampling_gpu_memory
+  run moonlight-checkpoint-fp8 330 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --loaders direct \
+    --rollout-dtype fp8 --rounds 5 --kv-cache-memory-bytes 1073741824
+  kill $sampler
+elif [ "$stage" = d2 ]; then
+  [ -f "$CKPT/config.json" ] || python3 scripts/write_shape_checkpoint.py moonlight-16b-a3b-shape "$CKPT" \
+    > "$R/logs/checkpoint-write.out" 2>&1
+  start_sampling_gpu_memory
+  run moonlight-checkpoint-bf16 420 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --variants direct:0 direct:2 \
+    --rounds 5 --kv-cache-memory-bytes 1073741824
+  kill $sampler
 elif [ "$stage" = b1 ]; then
   run tiny-warm 200 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
 else

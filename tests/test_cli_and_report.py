@@ -1101,6 +1101,162 @@ def test_gpu_memory_is_told_apart_by_process_group():
     assert report.memory_growth_gib([round_with(math.nan, 90.0)] * 2 + [round_with(math.nan, 91.0)]) == 1.0
 
 
+def test_what_a_training_step_could_use_is_the_gpus_free_memory_and_the_trainers_own_cache(monkeypatch):
+    """memory.free_for_step_gib, in a rank: the GPU's free memory (cudaMemGetInfo) and what the rank's PyTorch
+    has reserved but not handed out, which a step in that process can also use; `total` is their sum."""
+    from types import SimpleNamespace
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (27 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 31 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 29 * gib + gib // 2)
+    free = memory.free_for_step_gib(SimpleNamespace(device="cuda:0"))
+    assert free == {"device_free": 27.0, "trainer_cached": 1.5, "total": 28.5}
+
+
+def test_a_round_records_what_a_training_step_could_use_once_vllm_slept(monkeypatch, capsys):
+    """judged_round puts what RoundProof measured after the sleep into the round's JSON
+    (`free_for_step_gib_per_rank`); the run's JSON, its table and each benchmark variant
+    (`free_for_step_gib`, beside `median_cycle_s`) give the least over the rounds and GPUs."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from scripts import benchmark
+
+    before, after, _ = _gate([0.01])
+    monkeypatch.setattr(
+        rounds,
+        "measured",
+        lambda trainers, what: [{"model": 4 * 10**9, "per_gpu": 10**9}] if what == "sync_bytes" else [{"total": 2.0}],
+    )
+    monkeypatch.setattr(rounds, "memory", lambda trainers, pgids: [MEMORY])
+    phases = {"sleep": 0.25, "wake_weights": 0.25, "send": 2.0, "wake_kv": 0.5}
+    free = [{"device_free": 27.0, "trainer_cached": 1.5, "total": 28.5}]
+    record = rounds.judged_round(
+        script.parse_args([]), ["rank 0"], phases, before, after, 0, True, free_at_step=free
+    ).to_json()
+    assert record["free_for_step_gib_per_rank"] == free
+
+    def measured_round(*totals):
+        r = _record()
+        r.free_for_step_gib_per_rank = [{"device_free": t - 1, "trainer_cached": 1.0, "total": t} for t in totals]
+        return r
+
+    records = [measured_round(30.0, 28.5), measured_round(29.0, 31.0), measured_round(30.5, 30.0)]
+    assert report.least_free_for_step_gib([r.to_json() for r in records]) == 28.5  # round 1, GPU 1
+    assert report.least_free_for_step_gib([_record().to_json()]) is None  # not measured: no number made up
+    result = {
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "num_gpus": 2,
+        "model": "m",
+        "architecture": "a",
+        "vllm_version": "0.34.0",
+        "server_start_s": 1.0,
+        "rounds": [r.to_json() for r in records],
+        "memory_gib_per_rank": records[-1].memory_gib_per_rank,
+        "memory_growth_gib": 0.0,
+    }
+    assert "memory a training step could use once vLLM slept: 28.50 GiB" in report.format_summary(result)
+
+    class Proof:  # what run_variant reads of the script's Proof: one record a round
+        coverage, rounds = None, []
+
+        @contextmanager
+        def round(self, i):
+            yield None
+            self.rounds.append(records[i - 1])
+
+    monkeypatch.setattr(script, "setup_weight_transfer_on_every_rank", lambda *a: None)
+    monkeypatch.setattr(script, "run_round", lambda *a: None)
+    monkeypatch.setattr(benchmark.coverage, "weight_checker", lambda *a: None)
+    job = SimpleNamespace(server=SimpleNamespace(socket_path="s"), experts_in_place=True, tensors_in_place=3)
+    variant = benchmark.run_variant(job, script.parse_args(["--rounds", "3"]), Proof(), "vllm", 2)
+    assert variant["free_for_step_gib"] == 28.5 and variant["median_cycle_s"] == 3.0
+    assert [r["free_for_step_gib_per_rank"] for r in variant["rounds"]] == [
+        r.free_for_step_gib_per_rank for r in records
+    ]
+
+
+def test_an_fp8_server_starts_with_pytorchs_segments_below_vllms_load_split_limit(monkeypatch, tmp_path):
+    """vLLM 0.34 loads with max_split_size_mb at 20, and PyTorch gives each allocation of 1 to 10 MiB a segment of
+    large_segment_size_mb, 20 by default: an FP8 expert quantized at vLLM's start then leaves its 20 MiB segment in
+    vLLM's sleep-mode pool, never used again. serve_env sets the segments below that limit for an FP8 server, the
+    user's other allocator settings kept; colocated_job gives it to the server's process as it starts, where PyTorch
+    reads it (and to the other nodes' servers), and the server's log says so; a bf16 server gets nothing."""
+    conf = helpers.ALLOC_CONF
+    assert helpers.serve_env("bf16", {conf: "expandable_segments:True"}) == {}
+    assert helpers.serve_env("fp8", {}) == {conf: "large_segment_size_mb:16"}
+    assert helpers.serve_env("fp8", {conf: "expandable_segments:True, large_segment_size_mb:32"}) == {
+        conf: "expandable_segments:True,large_segment_size_mb:16"
+    }
+    # Where PyTorch would read another variable, its settings are kept in the one it reads first.
+    assert helpers.serve_env("fp8", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == {
+        conf: "max_split_size_mb:64,large_segment_size_mb:16"
+    }
+    assert 10 < helpers.FP8_START_SEGMENT_MB < helpers.VLLM_LOAD_SPLIT_MB  # PyTorch's floor; reused below the limit
+    from contextlib import contextmanager
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    @contextmanager
+    def serving(serve_args, **start_kwargs):
+        seen["env"] = start_kwargs["env"]
+        raise Started
+        yield
+
+    monkeypatch.setattr(helpers, "serving", serving)
+    monkeypatch.setenv(conf, "expandable_segments:False")
+    for dtype, expected in (("fp8", "expandable_segments:False,large_segment_size_mb:16"), ("bf16", None)):
+        args = script.parse_args(["--model", "tiny", "--num-gpus", "1", "--rollout-dtype", dtype])
+        with pytest.raises(Started), script.colocated_job(args):
+            pass
+        assert seen["env"].get(conf) == expected and "PYTHONPATH" in seen["env"]
+    # The server's process has it from its start, and its log's first line says so.
+    import sys
+
+    from conftest import private_socket_path
+
+    echo = (sys.executable, "-c", f"import os; print('ALLOC', os.environ.get({conf!r}))")
+    log = tmp_path / "server.log"
+    server = helpers.start_server(
+        ["m"], socket_path=private_socket_path(), log_path=log, env=helpers.serve_env("fp8", {}), launcher=echo
+    )
+    try:
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        helpers.stop_server(server)
+    first, *rest = log.read_text().splitlines()
+    assert first.startswith(f"$ {conf}=large_segment_size_mb:16 ") and "ALLOC large_segment_size_mb:16" in rest
+
+
+def test_this_pytorch_takes_vllms_load_split_limit_over_the_fp8_servers_segments():
+    """What vLLM's load sets (its settings, then max_split_size_mb:20) parses in this PyTorch with serve_env's
+    segments; segments above the limit would make vLLM's own setting fail, and PyTorch has a floor of 10 MiB.
+    In a process of its own: the allocator's settings are the process's."""
+    import subprocess
+    import sys
+
+    fp8 = helpers.serve_env("fp8", {})[helpers.ALLOC_CONF]
+    program = (
+        "import sys, torch\n"
+        "try:\n"
+        "    torch._C._accelerator_setAllocatorSettings(sys.argv[1])\n"
+        "except ValueError as e:\n"
+        "    sys.exit(str(e))\n"
+    )
+    split = f"max_split_size_mb:{helpers.VLLM_LOAD_SPLIT_MB}"
+    for conf, refusal in (
+        (f"{fp8},{split}", None),
+        (f"large_segment_size_mb:24,{split}", "max_split_size_mb too small, must be >= 24"),
+        ("large_segment_size_mb:10", "large_segment_size_mb must be > 10"),
+    ):
+        proc = subprocess.run([sys.executable, "-c", program, conf], capture_output=True, text=True, timeout=120)
+        assert (proc.returncode == 0) == (refusal is None) and (refusal or "") in proc.stderr, (conf, proc.stderr)
+
+
 def test_the_kv_cache_is_freed_for_a_training_step_only_unless_told():
     assert not script.frees_kv_cache(script.parse_args(["--model", "tiny"]))
     assert script.frees_kv_cache(script.parse_args(["--model", "tiny", "--train"]))
@@ -1286,11 +1442,13 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
     """RoundProof, which the round calls at its named steps, hands the gate
     what the round did: the phases it timed, the retries, the training step
     (weights changed only on a first sync or a step taken), the exact check
-    (none with TP), and the gap before the sync as the change test's
-    reference only when the previous round's exact check passed."""
+    (none with TP), the gap before the sync as the change test's
+    reference only when the previous round's exact check passed, and what a
+    training step could use, measured once the sleep is through."""
     from types import SimpleNamespace
 
-    judged = []
+    judged, events = [], []
+    monkeypatch.setattr(rounds, "free_for_step", lambda trainers: events.append(("measured", trainers)) or ["free"])
     monkeypatch.setattr(rounds, "start_exact_check", lambda job: "started")
     monkeypatch.setattr(rounds, "exact_check", lambda started: f"verdict of {started}")
     monkeypatch.setattr(rounds, "judged_round", lambda *a, **kw: judged.append((a, kw)) or "record")
@@ -1305,9 +1463,9 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
         )
         proof.generated(batch)
         with proof.step("sleep"):
-            pass
+            events.append("sleep")
         with proof.step("send"):
-            pass
+            events.append("send")
         if loss != "no step":
             proof.trained(0.5, loss)
         proof.send_retries = 1
@@ -1322,6 +1480,7 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
     assert a[3] == ([[1, 2, 3]], "gap before") and a[4] == ([[1, 2, 3]], "gap after")
     assert kw["weights_updated"] and kw["exact"] == "verdict of started" and kw["noise"] is None
     assert kw["training"] is None and kw["server_pgids"] == [7] and kw["kernel_noise"] == "noise"
+    assert kw["free_at_step"] == ["free"] and events == ["sleep", ("measured", ["rank 0"]), "send"]  # after the sleep
     passed = SimpleNamespace(exact_check={"passed": True})
     (_, kw) = round_of(args, first_sync=False, previous=[passed], loss=None)  # trained: every reward the same
     assert not kw["weights_updated"] and kw["training"] == {"reward_mean": 0.5, "loss": None}
