@@ -1197,8 +1197,10 @@ def _cut_short_if_unanswered(sock: str | None, poll_s: float = 2.0):
             while not done.wait(poll_s):
                 misses = 0 if health(sock) else misses + 1
                 if misses >= 2:  # shutdown() ends a blocked read at once, unlike close()
-                    for key, conn in list(_connections.items()):
-                        if key[2] == sock and key[1] != threading.get_ident() and conn.sock is not None:
+                    with _clients_lock:
+                        held = [c for k, c in _connections.items() if k[2] == sock and k[1] != threading.get_ident()]
+                    for conn in held:
+                        if conn.sock is not None:
                             with suppress(OSError):
                                 conn.sock.shutdown(socket.SHUT_RDWR)
         finally:

@@ -26,8 +26,11 @@
 #    of 20, the other way out); then the checkpoint with the routed experts served in FP8, direct loader, sleep
 #    level 0, 5 syncs, compiled.
 # d2: the same checkpoint in bf16, one server: the direct loader at sleep level 0, then at level 2, 5 syncs each.
+# t1: a user's trainer under torchrun without Ray (tests/torchrun_rl.py), beside the copy table's first row alone in
+#    an empty folder: a tiny MoE checkpoint, the default process group NCCL alone, the server on the checkpoint's
+#    weights, two rounds through the direct loader and two through vLLM's, vLLM checked against the trainer after each.
 set -u
-stage=${1:?a1, a2, b1, b2, b3, c1, d1 or d2}; R=${2:?OUT}; mkdir -p "$R/logs"
+stage=${1:?a1, a2, b1, b2, b3, c1, d1, d2 or t1}; R=${2:?OUT}; mkdir -p "$R/logs"
 export PYTHONUNBUFFERED=1
 CKPT=/root/ckpt-moonlight
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T.%N | cut -c1-12)" "$line"; done; }
@@ -41,7 +44,7 @@ run() {  # name seconds program flags...: one run, its output time-stamped line 
 summary() {
   for f in "$R"/logs/*.out; do
     echo "=== $(basename "$f" .out): $(tail -1 "$f")"
-    grep -E "healthy after|\[floor\] a sync|\[exact\]|\[gate\]|\[agree\]|\[sync\]|\[check\]|once vLLM slept|error:|Error|FAILED|warning:|rc=" \
+    grep -E "healthy after|\[floor\] a sync|\[exact\]|\[gate\]|\[agree\]|\[sync\]|\[check\]|once vLLM slept|vLLM holds|process group:|serves after|group left|error:|Error|FAILED|warning:|rc=" \
       "$f" | cut -c1-300 | tail -13
     log="${f%.out}.server.log"  # the engines' own lines: vLLM's early import, whether each sync kept its copies
     [ -f "$log" ] && grep -E "\[wait for flags\]|a weight is off|Model loading took|CUDA out of memory" "$log" |
@@ -110,6 +113,24 @@ elif [ "$stage" = d2 ]; then
   run moonlight-checkpoint-bf16 420 scripts/benchmark.py --model "$CKPT" --num-gpus 1 --variants direct:0 direct:2 \
     --rounds 5 --kv-cache-memory-bytes 1073741824
   kill $sampler
+elif [ "$stage" = t1 ]; then
+  rm -rf /root/torchrun && mkdir -p /root/torchrun/weight_sync
+  cp helpers.py tests/torchrun_rl.py /root/torchrun/
+  cp weight_sync/__init__.py weight_sync/sources.py weight_sync/direct_load.py weight_sync/vllm_adapter.py /root/torchrun/weight_sync/
+  python3 - <<'EOF' > "$R/logs/tiny-checkpoint.out" 2>&1
+import sys, torch
+from pathlib import Path
+from transformers import AutoConfig, AutoModelForCausalLM
+sys.path.insert(0, ".")
+from weight_sync import models
+path = models.build_preset("tiny", Path("/root/tiny-moe"))
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+models.init_random_weights(model, seed=1)
+model.save_pretrained(path)
+EOF
+  (cd /root/torchrun && PYTHONPATH=/root/torchrun:$PYTHONPATH timeout -k 10 400 python3 -m torch.distributed.run \
+     --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" torchrun_rl.py /root/tiny-moe 2>&1 | stamp
+   echo "rc=${PIPESTATUS[0]}"; cp server.log "$R/logs/torchrun.server.log") > "$R/logs/torchrun.out" 2>&1
 elif [ "$stage" = b1 ]; then
   run tiny-warm 200 rlhf_ipc_fsdp_ep.py --model tiny --num-gpus 1
 else
