@@ -64,10 +64,10 @@ class MyTrainer:
 
     def setup_sender(self, sock: str) -> None:
         """vLLM's IPC trainer engine on this rank, as helpers.py's docstring builds it."""
-        self.sender = helpers.weight_sender(dist.get_rank(), helpers.weight_sync_client(sock), self.source())
+        self.sender = helpers.weight_sender(dist.get_rank(), helpers.WeightSyncClient(sock), self.source())
 
-    def send_weights(self) -> None:  # what helpers.send_all calls, on every rank at once
-        self.sender.send()
+    def send_weights(self, empty_cache: bool = False) -> int:  # what helpers.send_all calls, on every rank at once
+        return self.sender.send(empty_cache)
 
     def save_sent(self, folder: str) -> int:
         """Every tensor ModuleSource yields, full (each rank gathers its shards with the others), written
@@ -115,7 +115,7 @@ def sync(trainers: list, sock: str) -> None:
     helpers.ray_get_all([t.setup_sender.remote(sock) for t in trainers])
     freed = helpers.sleep_for_sync(sock, level=0, free_kv_cache=False)
     helpers.wake_weights(sock, level=0)
-    helpers.send_all(trainers, sock, retries=1)
+    helpers.send_all(trainers)
     helpers.wake_to_serve(sock, kv_cache=freed)
 
 
@@ -123,7 +123,7 @@ def sync_on_cpu(trainers: list, sock: str) -> None:
     """The CPU stand-in for the data plane: rank 0's calls to vLLM's weight routes with no chunk between
     them (the engine's reload starts and finishes), then what ModuleSource yields, through a file, into
     the same loader the IPC engine's receive_weights calls (model.load_weights)."""
-    client = helpers.FailAfterSend(helpers.weight_sync_client(sock))
+    client = helpers.FailAfterSend(helpers.WeightSyncClient(sock))
     client.init_weight_transfer_engine({"packed": True})
     client.start_weight_update()
     client.finish_weight_update()
