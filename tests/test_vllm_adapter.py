@@ -372,31 +372,63 @@ def test_an_internal_with_another_signature_is_named(monkeypatch):
     assert "takes (model, config), not (model, model_config, target_device)" in problem
 
 
-def test_without_an_internal_the_default_run_syncs_through_vllms_loader_exactly(monkeypatch, capsys, vllm_models):
-    """The script's own flags, as a user gives them: the direct loader left to its default, and the installed
-    vLLM lacking one internal it needs. The run says so in one line naming it, records the loader and why,
-    and its sync, through vLLM's own loader, holds exactly what the trainer sent."""
-    from vllm.distributed.weight_transfer import packed_tensor
+@pytest.mark.parametrize("entry", vllm_adapter.INTERNALS, ids=lambda entry: entry.name)
+def test_without_an_internal_the_default_run_syncs_and_its_exact_check_runs_or_says_why(entry, capsys, vllm_models):
+    """The script's own flags, as a user gives them, and the installed vLLM lacking one of INTERNALS (or having
+    it with another signature), in this process and in the engine's, which is a real vLLM model here. A name
+    the direct loader needs makes the run sync through vLLM's own loader, saying so in one line naming it,
+    and the engine says so too. A name the exact check needs leaves the run without one, its round's line
+    saying why; otherwise the exact check runs, both halves, and passes on a sync through the chosen loader:
+    no code of it reaches for a name it does not need."""
+    import json
 
-    monkeypatch.delattr(packed_tensor, "unpack_tensor")
-    args = script.parse_args(["--model", "tiny", "--num-gpus", "1"])
-    out = capsys.readouterr().out
-    assert args.weight_loader == "vllm"
-    assert "vllm.distributed.weight_transfer.packed_tensor.unpack_tensor is missing" in args.weight_loader_reason
-    assert f"[sync] {args.weight_loader_reason}" in out and "syncing through vLLM's own loader instead" in out
+    from lacking_worker import needed, take_away
+
+    from proof import report
+    from proof.rounds import Proof
 
     hf = build_model("qwen3_moe", device="cpu")
     with torch.no_grad():
         for t in hf.parameters():
             t.normal_()
-    vllm_model = vllm_models("qwen3_moe")
-    sent = _sent(hf, args.weight_loader)
-    metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), False] for n, t in sent]
-    targets, casts, values_only, whole = exact_placement.exact_targets(vllm_model, metas, vllm_model.test_vllm_config)
-    prints = exact_check_engine.exact_fingerprints(exact_check_engine.as_held(sent, casts))
-    _sync(vllm_model, sent, args.weight_loader)
-    checked, problems = exact_check_engine.exact_problems(vllm_model, targets, prints, values_only, whole)
-    assert problems == [] and checked > 0
+    vllm_model = vllm_models("qwen3_moe", own=True)
+    worker = _worker(vllm_model, exact_check_engine.ExactCheckWorker)
+    put_back = take_away(entry.module, entry.name)
+    try:
+        args = script.parse_args(["--model", "tiny", "--num-gpus", "1"])
+        not_run = Proof(args).why_no_exact_check()
+        for use, lacks in (("direct", args.weight_loader == "vllm"), ("exact", not_run is not None)):
+            needed_by = vllm_adapter.DIRECT_LOADER if use == "direct" else vllm_adapter.EXACT_CHECK
+            if lacks:
+                with pytest.raises(RuntimeError, match=rf"DP engine 0's vLLM lacks what {needed_by} needs: "):
+                    worker.direct_load_lacks(needed_by)
+            else:
+                assert worker.direct_load_lacks(needed_by) == []
+        sent = _sent(hf, args.weight_loader)
+        blocks = set(sources.expert_block_names(hf).values()) if args.weight_loader == "direct" else set()
+        metas = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), n in blocks] for n, t in sent]
+        if not_run is None:
+            prepared = worker.exact_check_prepare(json.dumps(metas))
+            casts = {int(i): d for i, d in prepared["casts"].items()}
+            rows = {int(i): r for i, r in prepared["rows"].items()}
+            expected = json.dumps({"": exact_check_engine.sent_fingerprints(sent, casts, rows)})
+        _sync(vllm_model, sent, args.weight_loader, hooks=False)
+        if not_run is None:
+            worker.exact_check_start()
+            assert worker.exact_check(expected)["bit_for_bit"] > 0
+    finally:
+        put_back()
+    named = f"{entry.module}.{entry.name} "
+    fallback = needed(entry, vllm_adapter.DIRECT_LOADER)
+    assert args.weight_loader == ("vllm" if fallback else "direct")
+    line = f"[sync] the direct loader needs what this vLLM lacks: {named}"
+    assert (line in capsys.readouterr().out) == fallback
+    if needed(entry, vllm_adapter.EXACT_CHECK):
+        assert report.exact_line(None, not_run).startswith(
+            f"[exact] not run: this vLLM lacks what the exact check needs: {named}"
+        )
+    else:
+        assert not_run is None
 
 
 def test_without_an_internal_the_direct_loader_asked_for_stops_naming_it(monkeypatch):
