@@ -4,9 +4,10 @@
 N FSDP2 trainer ranks, one Ray actor per GPU, share their N GPUs with one
 `vllm serve` that runs N / TP data-parallel engines with expert parallelism.
 The server listens on a Unix socket in a private directory, so only this user
-can reach it. main() starts the job, sets up the transfer on every rank,
-generates, and runs the rounds. run_round() does steps 1-6 of each round; the
-proof in proof/rounds.py wraps every step and does step 7 after the round:
+can reach it. main() starts the job, checks that the server's vLLM has what
+the loader needs, sets up the transfer on every rank, generates, and runs the
+rounds. run_round() does steps 1-6 of each round; the proof in proof/rounds.py
+wraps every step and does step 7 after the round:
 
   1. generate                               vLLM samples; the trainer and vLLM score the tokens
   2. /sleep?level=0                         vLLM pauses; with --train it frees its KV cache for the
@@ -54,7 +55,7 @@ from weight_sync.multinode import (
     start_node_servers,
     stop_node_servers,
 )
-from weight_sync.vllm_adapter import loader_choice, untested_vllm_warning
+from weight_sync.vllm_adapter import DIRECT_LOADER, loader_choice, untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = [
@@ -476,6 +477,23 @@ def build_models(trainers: list, args: argparse.Namespace, model_path: Path) -> 
 # --- The RL round ---------------------------------------------------------------------------------
 
 
+def choose_loader_on_the_engines(job: Job, args: argparse.Namespace) -> None:
+    """Make parse_args' loader choice again with the server's own vLLM, which may differ from this interpreter's.
+
+    Every engine checks what the direct loader needs (sources.engines_lack). If one lacks something, a run left
+    to the default syncs through vLLM's own loader, saying so in the line parse_args prints for this vLLM; a
+    run that asked for the direct loader stops with that line."""
+    if args.weight_loader != "direct":
+        return
+    lacks = sources.engines_lack(job.server.socket_path, DIRECT_LOADER, args.rollout_dtype)
+    if lacks is None:
+        return
+    where, line = lacks
+    asked = "direct" if args.weight_loader_reason == "asked for" else None
+    args.weight_loader, args.weight_loader_reason = loader_choice(asked, missing=lambda _: [line], where=where)
+    print(f"[sync] {args.weight_loader_reason}", flush=True)
+
+
 def setup_weight_transfer_on_every_rank(
     job: Job, args: argparse.Namespace, loader: str, proof: Proof | None = None
 ) -> None:
@@ -563,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proof = Proof(args, started)  # the checks and measurements, from outside every step below
     with colocated_job(args, proof=proof) as job:
+        choose_loader_on_the_engines(job, args)  # the server's vLLM may lack what this interpreter's has
         setup_weight_transfer_on_every_rank(job, args, args.weight_loader, proof)
         greedy = generate(job, args, "before the first sync")
         proof.before_rounds(greedy)  # the gate's basis: the trainer's own kernel noise on these tokens

@@ -17,6 +17,7 @@ import torch
 
 from proof.logprob_gate import QUANTILE
 from weight_sync import models, sources
+from weight_sync.vllm_adapter import internal
 
 
 def add_arguments(parser) -> None:
@@ -236,11 +237,10 @@ def gpu_capabilities() -> dict[int, tuple[int, int]]:
 
     On NVIDIA vLLM reads it through NVML, which creates no CUDA context and so takes no GPU memory.
     """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
+    platform = internal("vllm.platforms", "current_platform", None)
+    if platform is None or not platform.is_cuda():
         return {}
-    found = {i: current_platform.get_device_capability(i) for i in range(current_platform.device_count())}
+    found = {i: platform.get_device_capability(i) for i in range(platform.device_count())}
     return {i: tuple(capability) for i, capability in found.items() if capability is not None}
 
 

@@ -36,6 +36,8 @@ from proof.logprob_gate import (
 from proof.memory import free_for_step, memory, server_pgids_per_rank
 from proof.rank_measurement import measure, measured
 from proof.report import RoundRecord, print_round, report, round_record, run_result, show_layout
+from weight_sync.sources import engines_lack
+from weight_sync.vllm_adapter import EXACT_CHECK, exact_check_choice
 
 
 class PhaseTimer:
@@ -75,6 +77,7 @@ def judged_round(
     kernel_noise: KernelNoise | None = None,
     send_wall: tuple[float, float] | None = None,
     free_at_step: list[dict] | None = None,
+    exact_check_not_run: str | None = None,
 ) -> RoundRecord:
     """Build and print a round's record as the JSON stores it, with the checks' verdicts.
 
@@ -84,7 +87,8 @@ def judged_round(
     step was taken. `server_pgids` is as `memory` takes it, and `kernel_noise` is as measured before the first
     sync. `send_wall` is the send phase's start and end by the machine's clock; see ray_call_split.
     `free_at_step` is, per rank, what a training step could have used once vLLM slept (memory.free_for_step_gib).
-    The round passes only if both the gate and the exact check pass; see failed_checks.
+    Without an exact check, `exact_check_not_run` says why. The round passes only if both the gate and the exact
+    check pass; see failed_checks.
     """
     tolerances = Tolerances.from_args(args, kernel_noise)
     stepped = training is not None and training["loss"] is not None
@@ -111,8 +115,8 @@ def judged_round(
     }
     if exact is not None:
         record.exact_check = asdict(exact)
-    elif args.tensor_parallel_size > 1:
-        record.exact_check_not_run = f"--tensor-parallel-size {args.tensor_parallel_size}"
+    else:
+        record.exact_check_not_run = exact_check_not_run
     if training is not None:
         record.reward_mean, record.loss = training["reward_mean"], training["loss"]
         if training["loss"] is None:
@@ -121,6 +125,17 @@ def judged_round(
             record.unchanged_by_step = measured(trainers[:1], "unchanged_by_last_step")[0]
     print_round(record, tolerances)
     return record
+
+
+def exact_check_not_run(args, lacks: str | None = None) -> str | None:
+    """Say why the rounds have no exact check, or return None if they have one.
+
+    Under tensor parallelism each engine holds shards of the parameters, which the check does not compare.
+    `lacks` is exact_check_choice's answer for the driver's vLLM or the engines': what the check needs and
+    that vLLM lacks."""
+    if args.tensor_parallel_size > 1:
+        return f"--tensor-parallel-size {args.tensor_parallel_size}"
+    return lacks
 
 
 def ray_call_split(send_per_rank: list[dict], send_wall: tuple[float, float] | None) -> list[dict]:
@@ -143,7 +158,7 @@ class RoundProof:
     after the training step. Once the round is done, `verdict()` runs the exact check beside the gate and
     returns the round's record. `first_sync` means vLLM still holds its dummy weights. `previous` is [] or
     the previous round's record in a list. `kernel_noise` is the gate's basis, and `server_pgids` is as
-    `memory` takes it.
+    `memory` takes it. `exact_check_lacks` is what the check needs that vLLM lacks, if anything.
     """
 
     def __init__(
@@ -154,8 +169,10 @@ class RoundProof:
         previous: list[RoundRecord] = (),
         kernel_noise: KernelNoise | None = None,
         server_pgids: list | None = None,
+        exact_check_lacks: str | None = None,
     ) -> None:
         self.job, self.args, self.first_sync = job, args, first_sync
+        self.exact_check_not_run = exact_check_not_run(args, exact_check_lacks)
         self.kernel_noise, self.server_pgids = kernel_noise, server_pgids
         # If the previous sync passed the exact check, vLLM held the trainer's weights bit for bit.
         self.proven = any(r.exact_check and r.exact_check["passed"] for r in previous)
@@ -189,13 +206,13 @@ class RoundProof:
         """Run the exact check and the gate, and return the round's record.
 
         The exact check runs in its own thread beside the gate. It is skipped with tensor parallelism,
-        because each engine then holds shards. The gate checks that vLLM now scores the batch as the trainer
-        does. If the previous sync was proven exact, vLLM held the trainer's weights bit for bit when `before`
+        because each engine then holds shards, and where vLLM lacks what it needs. The gate checks that vLLM
+        now scores the batch as the trainer does. If the previous sync was proven exact, vLLM held the trainer's weights bit for bit when `before`
         was measured, so `before` is the change test's reference. It never widens the gate's tolerance; only
         the trainer's own noise does.
         """
         job, args = self.job, self.args
-        started = start_exact_check(job) if args.tensor_parallel_size == 1 else None
+        started = start_exact_check(job) if self.exact_check_not_run is None else None
         after = job_logprob_gap(job, self.sequences)
         exact = exact_check(started) if started is not None else None
         stepped = self.training is not None and self.training["loss"] is not None
@@ -214,6 +231,7 @@ class RoundProof:
             kernel_noise=self.kernel_noise,
             send_wall=self.timer.wall.get("send"),
             free_at_step=self.free_at_step,
+            exact_check_not_run=self.exact_check_not_run,
         )
 
 
@@ -235,6 +253,8 @@ class Proof:
         self.coverage: dict | None = None  # --check-coverage's result for the most recent transfer.
         self.rounds: list[RoundRecord] = []  # Records of the rounds run through the most recent transfer.
         self.time_to_first_sync_s: float | None = None
+        # What the exact check needs and this interpreter's vLLM lacks; job_started asks the engines too.
+        self.exact_check_lacks = exact_check_choice(args.rollout_dtype == "fp8")
 
     # colocated_job's hooks
 
@@ -251,10 +271,21 @@ class Proof:
     def job_started(self, job) -> None:
         """Record the job once the server is up and the trainers' weights are loaded.
 
-        Also find the process group of each rank's node's server, to tell its GPU memory from other processes'.
+        Also find the process group of each rank's node's server, to tell its GPU memory from other processes',
+        and ask every engine whether its vLLM, which may differ from this interpreter's, lacks what the exact
+        check needs: if one does, the rounds have no exact check, each saying why.
         """
         self.job = job
         self.server_pgids = server_pgids_per_rank(job.server, job.node_servers, self.args.num_gpus, self.args.num_nodes)
+        if self.why_no_exact_check() is None:
+            lacks = engines_lack(job.server.socket_path, EXACT_CHECK, self.args.rollout_dtype)
+            if lacks is not None:
+                where, line = lacks
+                self.exact_check_lacks = exact_check_choice(missing=lambda *_, **__: [line], where=where)
+
+    def why_no_exact_check(self) -> str | None:
+        """Say why the rounds have no exact check, or return None if they have one."""
+        return exact_check_not_run(self.args, self.exact_check_lacks)
 
     def job_ending(self) -> None:
         """Settle a round's exact check that is still running, before the job leaves Ray."""
@@ -265,14 +296,14 @@ class Proof:
     def transfer_ready(self, job, args) -> None:
         """Start measuring once every rank's sender is built with `args`.
 
-        From now on every send is timed and fingerprinted and every step is watched. Without tensor
-        parallelism, the engines learn what will be sent for the exact check, which leaves zeros where they
-        probe; with tensor parallelism each parameter is sharded and not checked. With --check-coverage, the
-        coverage sync runs here. The rounds that follow belong to this transfer.
+        From now on every send is timed and fingerprinted and every step is watched. Where the rounds have an
+        exact check (see exact_check_not_run), the engines learn what will be sent for it, which leaves zeros
+        where they probe. With --check-coverage, the coverage sync runs here. The rounds that follow belong to
+        this transfer.
         """
         self.args, self.rounds = args, []
         measure(job.trainers)
-        if args.tensor_parallel_size == 1:
+        if self.why_no_exact_check() is None:
             prepare_exact_check(job)
         self.coverage = check_coverage(job, args.sleep_level) if args.check_coverage else None
 
@@ -283,14 +314,15 @@ class Proof:
         sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
         self.kernel_noise = kernel_noise(self.job.trainers, sequences, fp8=self.args.rollout_dtype == "fp8")
         if Tolerances.from_args(self.args, self.kernel_noise).beyond_ceiling():
+            not_run = self.why_no_exact_check()
             print(
                 f"[gate] {self.args.noise_multiple:g} x the trainer's kernel noise is beyond the gate's ceiling "
                 f"(mean {MEAN_CEILING}, p{QUANTILE * 100:.0f} {QUANTILE_CEILING}): the gate cannot see a sync on "
                 "this model; "
                 + (
                     "the exact check gives each round's verdict"
-                    if self.args.tensor_parallel_size == 1
-                    else "with tensor parallelism there is no exact check, so the gate holds at its ceiling"
+                    if not_run is None
+                    else f"there is no exact check ({not_run}), so the gate holds at its ceiling"
                 ),
                 flush=True,
             )
@@ -309,6 +341,7 @@ class Proof:
             previous=self.rounds[-1:],
             kernel_noise=self.kernel_noise,
             server_pgids=self.server_pgids,
+            exact_check_lacks=self.exact_check_lacks,
         )
         yield round_proof
         self.rounds.append(round_proof.verdict())

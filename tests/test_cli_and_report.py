@@ -1356,11 +1356,13 @@ KERNEL_NOISE = logprob_gate.KernelNoise(mean=0.01, quantile=0.02, attention="sdp
 
 
 def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
-    """main() starts the job, sets up the transfer, generates, then runs the rounds; the proof (one
-    Proof) is told at its named points, in this order: before GPU work, the trainers placed, the job
-    up, the transfer ready (the sends measured, the exact check prepared, the coverage sync) before the
-    first completions, the kernel noise on their tokens, a verdict after each round, the job's end,
-    the report. Round 1 replaces the dummy weights unless the coverage sync did."""
+    """main() starts the job, checks the loader on the engines, sets up the transfer, generates, then runs
+    the rounds; the proof (one Proof) is told at its named points, in this order: before GPU work, the
+    trainers placed, the job up (the engines asked what their vLLM lacks for the exact check), then the
+    engines asked what it lacks for the direct loader, the transfer ready (the sends measured, the exact
+    check prepared, the coverage sync) before the first completions, the kernel noise on their tokens, a
+    verdict after each round, the job's end, the report. Round 1 replaces the dummy weights unless the
+    coverage sync did."""
     from contextlib import contextmanager
     from types import SimpleNamespace
 
@@ -1383,6 +1385,9 @@ def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
         rounds, "kernel_noise", lambda trainers, sequences, fp8: calls.append(sequences) or KERNEL_NOISE
     )
     monkeypatch.setattr(rounds, "settle_exact_checks", called("settle"))
+    engines_lack = lambda sock, needed_by, rollout_dtype: calls.append(("engines lack", needed_by))  # noqa: E731
+    monkeypatch.setattr(rounds, "engines_lack", engines_lack)
+    monkeypatch.setattr(sources, "engines_lack", engines_lack)
     monkeypatch.setattr(rounds, "run_result", lambda *a: calls.append(("run_result", *a[2:])) or {})
     monkeypatch.setattr(rounds, "report", called("report", 0))
 
@@ -1409,16 +1414,18 @@ def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
     batch = [helpers.Completion("", [1], [2])]
     monkeypatch.setattr(helpers, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)
     assert script.main(["--model", "tiny", "--rounds", "2", "--prompt", "a", "--check-coverage"]) == 0
-    assert calls[:7] == [
+    assert calls[:9] == [
         "before_gpu_work",
         "layout",
         "placement",
         "pgids",
+        ("engines lack", "the exact check"),
+        ("engines lack", "the direct loader"),
         "measure",
         "prepare_exact_check",
         "coverage",
     ]
-    assert calls[7:-2] == [
+    assert calls[9:-2] == [
         "generate",
         [[1, 2]],  # the kernel noise, on the first completions' tokens
         "round",

@@ -76,12 +76,14 @@ from dataclasses import dataclass, field
 import torch
 
 from weight_sync.vllm_adapter import (  # noqa: F401  TrainerSource and untested_vllm_warning are re-exported
+    DIRECT_LOADER,
     TESTED_VLLM_VERSIONS,
     TrainerSource,
     internal,
     local_expert_ids,
     post_load_hooks,
     post_load_needed_again,
+    raise_if_engine_lacks,
     untested_vllm_warning,
     vllm_load_form,
 )
@@ -143,6 +145,18 @@ class _Session:
 
 class DirectLoadWorker:
     """Mixed into vLLM's worker class; every method runs on every engine."""
+
+    def direct_load_lacks(self, needed_by: str = DIRECT_LOADER, rollout_dtype: str = "bf16") -> list:
+        """Check this engine's vLLM for what `needed_by` needs (vllm_adapter's INTERNALS and ATTRIBUTES).
+
+        The driver checks its own vLLM before any GPU work, and this engine's may differ, on another node or in
+        another environment: so the driver calls this on every engine once the server is healthy, before it
+        sets up a transfer (sources.engines_lack). `needed_by` is "the direct loader" or "the exact check".
+        /collective_rpc answers with the first DP engine's result alone, so an engine that lacks something
+        raises, naming it, which fails the call whichever engine it is; otherwise it returns [].
+        """
+        raise_if_engine_lacks(self, needed_by, rollout_dtype == "fp8")
+        return []
 
     def direct_load_start(self, in_place: str | dict = "") -> dict:
         """Start a sync; the send's first chunk calls this if the caller has not.

@@ -32,7 +32,7 @@ FP8_AS_QUANTIZED_BACKENDS = ("TRITON", "BATCHED_TRITON")  # vLLM's Fp8MoeBackend
 
 def fp8_shards(experts: torch.nn.Module, param_name: str) -> int:
     """Return how many row blocks, such as gate and up, a fused expert weight stacks; each is padded alone."""
-    return getattr(experts.moe_config, "w13_num_shards", 2) if param_name == "w13_weight" else 1
+    return getattr(getattr(experts, "moe_config", None), "w13_num_shards", 2) if param_name == "w13_weight" else 1
 
 
 def fp8_padded_shape(shape, shards: int) -> tuple[int, ...]:
@@ -43,7 +43,7 @@ def fp8_padded_shape(shape, shards: int) -> tuple[int, ...]:
 
 def fp8_backend_problem(experts: torch.nn.Module) -> str | None:
     """Say why this FP8 expert layer's kernel would not read the quantized tensors as written, or return None."""
-    method = experts.quant_method
+    method = getattr(experts, "quant_method", None)  # A layer without one names no backend, and is refused.
     method = getattr(method, "old_quant_method", method)  # vLLM may wrap it in a modular kernel's method.
     backend = getattr(getattr(method, "fp8_backend", None), "name", None)
     if backend in FP8_AS_QUANTIZED_BACKENDS:
@@ -88,7 +88,7 @@ def fp8_scales_to_kernel(experts: torch.nn.Module) -> None:
     read those. The kernel's quantization config keeps the new ones, so without this copy every
     forward outside a CUDA graph would read the scales of the last sync through vLLM's loader.
     """
-    method = experts.quant_method
+    method = getattr(experts, "quant_method", None)  # Without one there is no kernel to point at the scales.
     methods = (method, getattr(method, "old_quant_method", None))  # A modular kernel's method wraps the other.
     for quant_method in {id(m): m for m in methods if m is not None}.values():
         config = getattr(quant_method, "moe_quant_config", None)

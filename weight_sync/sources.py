@@ -5,7 +5,9 @@ CheckpointForm and BF16Source produce the weights in checkpoint form, which is w
 every family's checkpoint names, persistent buffers included, gathered one FSDP module at a time. The direct
 loader's trainer half is LocalExpertSource, which sends each rank's own expert blocks without a gather;
 InPlace, which lets the engine copy those blocks, and every tensor a rank holds whole as it is sent, straight
-from the trainer's memory; and DirectLoadClient, which hands the chunks to the server's direct_load.py. A rank builds its sender like this:
+from the trainer's memory; and DirectLoadClient, which hands the chunks to the server's direct_load.py.
+engines_lack asks the server's engines whether their vLLM lacks what the direct loader needs. A rank builds its
+sender like this:
 
     source = weight_source(model, world_size, "direct")     # or "vllm": vLLM's own loader
     client = sync_client(sock, "direct", source, trainer_gpu_uuids)
@@ -25,8 +27,9 @@ from functools import partial
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from helpers import WeightSyncClient, collective_rpc, every_rank, metadata_bytes
+from helpers import ServerError, WeightSyncClient, collective_rpc, every_rank, metadata_bytes
 from weight_sync.direct_load import TrainerSource, vllm_load_form
+from weight_sync.vllm_adapter import DIRECT_LOADER, engine_lacks
 
 
 def weight_source(model: torch.nn.Module, world_size: int, loader: str = "direct") -> TrainerSource:
@@ -53,6 +56,20 @@ def sync_client(sock: str, loader: str, source: TrainerSource, trainer_gpu_uuids
         ]
         return DirectLoadClient(sock, trainer_gpu_uuids, source.expert_blocks, in_place, packed_bytes, others)
     return WeightSyncClient(sock)
+
+
+def engines_lack(sock: str, needed_by: str = DIRECT_LOADER, rollout_dtype: str = "bf16") -> tuple[str, str] | None:
+    """Ask every engine whether its vLLM lacks what `needed_by` needs ("the direct loader" or "the exact check").
+
+    Return None if none does, else (which engine's vLLM, what it lacks, in one line), from the first engine that
+    lacks something (DirectLoadWorker.direct_load_lacks)."""
+    try:
+        collective_rpc(sock, "direct_load_lacks", needed_by, rollout_dtype)
+    except ServerError as e:
+        if (lacks := engine_lacks(str(e))) is None:
+            raise
+        return lacks
+    return None
 
 
 class DirectLoadClient:

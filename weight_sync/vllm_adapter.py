@@ -1,13 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""List every vLLM name beyond the public API that the direct loader, its FP8 path and the exact check use.
+"""List every vLLM name beyond the public API that this project reads, and what a vLLM without it gets.
 
-vLLM's public weight-transfer API is all that vLLM's own loader path needs: the IPC trainer engine, its HTTP
-client, `WeightSource` and `ModuleSource`. helpers.py uses nothing else. The direct loader reaches further, into
-the engine's model, and a newer vLLM may move what it reaches for. So each such name is listed here once, with
-its purpose and the versions that have it: `INTERNALS` for what a module defines, which `missing_internals()`
-checks before any GPU work, with the signature the code expects; if one is missing, the script falls back to
-vLLM's own loader and names it. `ATTRIBUTES` lists what is read off the engine's objects, and what a vLLM
-without each gets.
+vLLM's public API is taken here to be what vLLM's own RL examples (examples/rl/) use and what its
+weight-transfer package exports, `PUBLIC_API`: `vllm`'s top level (`vllm.__version__`, LLM, SamplingParams),
+the names `vllm.distributed.weight_transfer` lists in `__all__`, where they are defined (WeightSource,
+ModuleSource and ParamMeta in `base`, WeightTransferTrainerFactory in `factory`, HTTPVLLMWeightSyncClient in
+`clients`), the IPC engine's classes in `ipc_engine`, and the `vllm` command's modules (`vllm serve`). A member
+of these whose name starts with an underscore is not public. vLLM's own loader path needs nothing else.
+tests/test_vllm_adapter.py reads every module of the project and fails on a vLLM name that is neither public
+nor listed here.
+
+The direct loader and the exact check reach further, into the engine's model, and a newer vLLM may move what
+they reach for. So each such name is listed here once, with its purpose, the versions that have it, who needs
+it (`needed_by`: the direct loader, the exact check, or nothing when it is read with a default) and what a vLLM
+without it gets (`if_absent`):
+
+* `INTERNALS`: what a vLLM module defines. `missing_internals()` checks these before any GPU work, in the
+  driver's interpreter, with the signature the code expects. The server's vLLM, on another node or in another
+  environment, may differ, so each engine checks its own again at setup (DirectLoadWorker.direct_load_lacks),
+  with `ATTRIBUTES`' needed ones too. Lacking one the direct loader needs, the default run syncs through
+  vLLM's own loader and says so in one line (`loader_choice`); lacking one the exact check needs, the run has
+  no exact check, and each round's line and JSON say why (`exact_check_choice`).
+* `ATTRIBUTES`: what is read off the engine's objects, which exist only once it has built its model.
 
 Everything that differs between the tested vLLM versions is in this module:
 
@@ -24,9 +38,12 @@ Everything that differs between the tested vLLM versions is in this module:
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib
 import inspect
+import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,6 +52,38 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+
+# vLLM's public API as this project reads it: each module, and the names in it that are public. A module with
+# no names is public as a module, such as the one the `vllm` command runs.
+PUBLIC_API = {
+    "vllm": ("__version__", "LLM", "SamplingParams"),
+    "vllm.distributed.weight_transfer": (
+        "WeightSource",
+        "ModuleSource",
+        "ParamMeta",
+        "WeightTransferTrainerFactory",
+        "HTTPVLLMWeightSyncClient",
+    ),
+    "vllm.distributed.weight_transfer.base": ("WeightSource", "ModuleSource", "ParamMeta"),
+    "vllm.distributed.weight_transfer.factory": ("WeightTransferTrainerFactory",),
+    "vllm.distributed.weight_transfer.clients": ("HTTPVLLMWeightSyncClient",),
+    "vllm.distributed.weight_transfer.ipc_engine": (
+        "IPCTrainerInitInfo",
+        "IPCTrainerWeightTransferEngine",
+        "IPCWeightTransferEngine",
+        "IPCWeightTransferInitInfo",
+    ),
+    "vllm.entrypoints.cli.main": (),  # what the `vllm` command runs
+    "vllm.entrypoints.cli.serve": (),  # its `serve` command
+}
+
+# Who needs a listed name.
+DIRECT_LOADER, EXACT_CHECK = "the direct loader", "the exact check"
+_WITHOUT = {
+    (DIRECT_LOADER,): "the default run syncs through vLLM's own loader, saying so; --weight-loader direct stops",
+    (DIRECT_LOADER, EXACT_CHECK): "the default run syncs through vLLM's own loader, saying so, and has no exact "
+    "check, each round saying why; --weight-loader direct stops",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +97,13 @@ class Internal:
     parameters: tuple[str, ...] = ()  # The leading parameters a function must take, in order.
     fp8_only: bool = False  # Needed only with --rollout-dtype fp8.
     needed_from: str | None = None  # Needed only from this vLLM version on; earlier ones lack it.
+    needed_by: tuple[str, ...] = (DIRECT_LOADER,)  # Empty: read with a default, `absent` says what then.
+    absent: str = ""
+
+    @property
+    def if_absent(self) -> str:
+        """Say what a vLLM without this name gets."""
+        return self.absent or _WITHOUT[self.needed_by]
 
 
 INTERNALS = (
@@ -56,6 +112,20 @@ INTERNALS = (
         "PackedBufferImporter",
         "open the trainer's packed CUDA IPC buffer once per send, as vLLM's IPC engine does",
         "0.32.0, 0.33.0, 0.34.0",
+    ),
+    Internal(
+        "vllm.distributed.weight_transfer.packed_tensor",
+        "PackedBufferImporter.rebuild",
+        "map the buffer from the handle each chunk carries",
+        "0.32.0, 0.33.0, 0.34.0",
+        ("self", "list_args"),
+    ),
+    Internal(
+        "vllm.distributed.weight_transfer.packed_tensor",
+        "PackedBufferImporter.close",
+        "release the mapping at the end of a send, or before a send starts afresh",
+        "0.32.0, 0.33.0, 0.34.0",
+        ("self",),
     ),
     Internal(
         "vllm.distributed.weight_transfer.packed_tensor",
@@ -84,12 +154,14 @@ INTERNALS = (
         "set_current_vllm_config",
         "the config context vLLM's loaders and post-load processing expect",
         "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
     ),
     Internal(
         "vllm.model_executor.layers.fused_moe.routed_experts",
         "RoutedExperts",
         "find the fused expert layers and their w13_weight / w2_weight",
         "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
     ),
     Internal(
         "vllm.model_executor.layers.attention",
@@ -97,6 +169,7 @@ INTERNALS = (
         "attention layers that derive weights from others after a load (MLA's W_UK_T / W_UV); the exact check checks them",
         "0.32.0, 0.33.0, 0.34.0",
         ("layer",),
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
     ),
     Internal(
         "vllm.model_executor.layers.quantization.base_config",
@@ -119,6 +192,24 @@ INTERNALS = (
         ("x",),
         fp8_only=True,
     ),
+    Internal(
+        "vllm.platforms",
+        "current_platform",
+        "whether the engine runs on CUDA (post_load_needed_again), and each GPU's compute capability for "
+        "--rollout-dtype fp8 (is_cuda, get_device_capability, device_count)",
+        "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(),
+        absent="the platform is taken as not CUDA: a later sync runs every written layer's post-load processing "
+        "again; --rollout-dtype fp8 does not check the GPUs' FP8 support before starting",
+    ),
+    Internal(
+        "vllm.model_executor.models.gpt_oss",
+        "GptOssModel._try_load_streamed_expert",
+        "whether vLLM's GPT-OSS loader takes each expert on its own (takes_gpt_oss_experts_one_by_one)",
+        "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(),
+        absent="GPT-OSS's experts are sent to vLLM's loader fused",
+    ),
 )
 
 
@@ -126,23 +217,56 @@ INTERNALS = (
 class Attribute:
     """Describe one attribute of vLLM's objects read beyond the public API.
 
-    These exist only once an engine has built its model, so nothing checks them before GPU work; each is read
-    with a default where a missing one is safe, and `if_absent` says what a vLLM without it gets."""
+    These exist only once an engine has built its model. Each engine checks at setup those that `needed_by`
+    names (engine_attribute_problems), and a vLLM without one gets what INTERNALS' needed ones get; every other
+    is read with a default, and `if_absent` says what a vLLM without it gets."""
 
     owner: str
-    name: str
+    name: str  # One attribute, a dotted path of them, or several joined by ", ".
     purpose: str
     seen_in: str
-    if_absent: str
+    absent: str = ""
+    needed_by: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> list[str]:
+        return [n.strip() for n in self.name.split(",")]
+
+    @property
+    def if_absent(self) -> str:
+        """Say what a vLLM without this attribute gets."""
+        return self.absent or f"{_WITHOUT[self.needed_by]} (each engine checks at setup)"
 
 
 ATTRIBUTES = (
+    Attribute(
+        "the GPU worker",
+        "model_runner.get_model",
+        "the engine's model, which the direct loader writes and the exact check reads",
+        "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
+    ),
+    Attribute(
+        "the GPU worker",
+        "vllm_config.model_config, vllm_config.parallel_config.data_parallel_rank",
+        "the config vLLM's loader and post-load processing take, and the engine's DP rank, which its answers "
+        "and messages name",
+        "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
+    ),
     Attribute(
         "the GPU worker",
         "_weight_update_active",
         "refuse to start a direct load while vLLM's own weight update is open",
         "0.32.0, 0.33.0, 0.34.0",
         "no refusal",
+    ),
+    Attribute(
+        "the engine's model",
+        "load_weights",
+        "vLLM's loader for what the direct loader does not copy itself, and the exact check's probes",
+        "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
     ),
     Attribute(
         "a layer",
@@ -153,11 +277,26 @@ ATTRIBUTES = (
         "the layer is not processed again: what its method derives from the weights stays as it was",
     ),
     Attribute(
+        "a layer",
+        "quant_method",
+        "the layer's quantization method: its post-load processing, and an FP8 expert layer's kernel",
+        "0.32.0, 0.33.0, 0.34.0",
+        "no post-load processing runs for the layer after a later sync; FP8 experts are refused at setup, naming "
+        "their backend as None",
+    ),
+    Attribute(
+        "a fused expert layer",
+        "layer_name",
+        "the name the trainer sends an expert block under, and the exact check's name for the layer",
+        "0.32.0, 0.33.0, 0.34.0",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
+    ),
+    Attribute(
         "a fused expert layer",
         "expert_map_manager.expert_map, expert_map_manager.global_num_experts",
         "the experts an engine holds (local_expert_ids)",
         "0.32.0, 0.33.0, 0.34.0",
-        "AttributeError at setup, naming it",
+        needed_by=(DIRECT_LOADER, EXACT_CHECK),
     ),
     Attribute(
         "a fused expert layer",
@@ -174,6 +313,13 @@ ATTRIBUTES = (
         "FP8 experts are refused by the direct loader at setup, naming their dtype",
     ),
     Attribute(
+        "a fused expert layer",
+        "moe_config.w13_num_shards",
+        "how many row blocks an FP8 expert weight stacks, each padded on its own (fp8_shards)",
+        "0.32.0, 0.33.0, 0.34.0",
+        "two: gate and up",
+    ),
+    Attribute(
         "an expert layer's quantization method",
         "unquantized_backend, fp8_backend, old_quant_method, moe_quant_config",
         "the MoE kernel's backend, and the scale tensors an FP8 kernel reads",
@@ -188,20 +334,18 @@ ATTRIBUTES = (
         "0.32.0, 0.33.0, 0.34.0",
         "such a weight is taken as on the GPU",
     ),
-    Attribute(
-        "vllm.model_executor.models.gpt_oss.GptOssModel",
-        "_try_load_streamed_expert",
-        "whether vLLM's GPT-OSS loader takes each expert on its own (takes_gpt_oss_experts_one_by_one)",
-        "0.32.0, 0.33.0, 0.34.0",
-        "GPT-OSS's experts are sent fused",
-    ),
 )
+
+# What each engine checks its ATTRIBUTES on, by owner.
+ENGINE_OBJECTS = ("the GPU worker", "the engine's model", "a fused expert layer")
 
 
 def _resolve(internal: Internal):
     """Return the object `internal` names; raise ImportError or AttributeError if it is not there."""
     obj = importlib.import_module(internal.module)
     for part in internal.name.split("."):
+        if isinstance(obj, type) and part not in vars(obj):  # What a base class defines is not the same code.
+            raise AttributeError(f"{obj.__name__} does not define {part} itself")
         obj = getattr(obj, part)
     return obj
 
@@ -223,8 +367,8 @@ def internal_problem(internal: Internal) -> str | None:
     return None
 
 
-def missing_internals(fp8: bool = False) -> list[str]:
-    """List what the direct loader needs that the installed vLLM lacks, one line each; empty if nothing."""
+def missing_internals(fp8: bool = False, needed_by: str = DIRECT_LOADER) -> list[str]:
+    """List what `needed_by` needs that the installed vLLM lacks, one line each; empty if nothing."""
     import vllm
     from packaging.version import Version
 
@@ -232,17 +376,94 @@ def missing_internals(fp8: bool = False) -> list[str]:
     needed = [
         i
         for i in INTERNALS
-        if (fp8 or not i.fp8_only) and (i.needed_from is None or installed >= Version(i.needed_from))
+        if needed_by in i.needed_by
+        and (fp8 or not i.fp8_only)
+        and (i.needed_from is None or installed >= Version(i.needed_from))
     ]
     return [p for i in needed if (p := internal_problem(i)) is not None]
 
 
-def internal(module: str, name: str):
-    """Return the vLLM object INTERNALS lists under `module` and `name`; raise, naming it, if it is missing."""
+_REQUIRED = object()
+
+
+def internal(module: str, name: str, default=_REQUIRED):
+    """Return the vLLM object INTERNALS lists under `module` and `name`.
+
+    If the installed vLLM lacks it, return `default`, or raise, naming it, without one."""
     entry = next((i for i in INTERNALS if i.module == module and i.name == name), None)
     if entry is None:
         raise KeyError(f"{module}.{name} is not listed in weight_sync/vllm_adapter.py's INTERNALS")
-    return _resolve(entry)
+    try:
+        return _resolve(entry)
+    except (ImportError, AttributeError):
+        if default is _REQUIRED:
+            raise
+        return default
+
+
+def engine_attribute_problems(worker, needed_by: str = DIRECT_LOADER) -> list[str]:
+    """List what `needed_by` reads off this engine's objects (ATTRIBUTES) that they lack, one line each.
+
+    `worker` is vLLM's worker with the direct loader's extension; its model, and the model's fused expert
+    layers, are checked too once the worker has what reaches them."""
+    objects: dict[str, list] = {"the GPU worker": [worker]}
+    get_model = getattr(getattr(worker, "model_runner", None), "get_model", None)
+    model = get_model() if callable(get_model) else None
+    objects["the engine's model"] = [model] if model is not None else []
+    experts = internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts", None)
+    objects["a fused expert layer"] = (
+        [m for m in model.modules() if isinstance(m, experts)] if model is not None and experts else []
+    )
+    problems = []
+    for attribute in (a for a in ATTRIBUTES if needed_by in a.needed_by):
+        for name in attribute.names:
+            if any(not _has(obj, name) for obj in objects[attribute.owner]):
+                problems.append(f"{attribute.owner}'s {name} is missing")
+    return problems
+
+
+def _has(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def lacking(problems: list[str]) -> str:
+    """Name the first of `problems` and count the rest, in one line."""
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+# An engine's list of what its vLLM lacks rides in its error message, encoded so that no quoting of the server's
+# error reply can change it.
+_LACKS_TOKEN = "engine-lacks="
+
+
+def engine_lacks_error(where: str, needed_by: str, problems: list[str]) -> str:
+    """Return the message an engine raises when `where`, its vLLM, lacks what `needed_by` needs (`problems`).
+
+    engine_lacks reads it back."""
+    line = lacking(problems)
+    token = base64.urlsafe_b64encode(json.dumps([where, line]).encode()).decode()
+    return f"{where} lacks what {needed_by} needs: {line} [{_LACKS_TOKEN}{token}]"
+
+
+def raise_if_engine_lacks(worker, needed_by: str = DIRECT_LOADER, fp8: bool = False) -> None:
+    """Raise engine_lacks_error's message if this engine's vLLM lacks what `needed_by` needs, in INTERNALS or
+    in ATTRIBUTES; `worker` is vLLM's worker with the direct loader's extension."""
+    problems = missing_internals(fp8, needed_by) + engine_attribute_problems(worker, needed_by)
+    if problems:
+        config = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+        rank = getattr(config, "data_parallel_rank", "?")
+        raise RuntimeError(engine_lacks_error(f"DP engine {rank}'s vLLM", needed_by, problems))
+
+
+def engine_lacks(error: str) -> tuple[str, str] | None:
+    """Return (which engine's vLLM, what it lacks, in one line) from an error that carries engine_lacks_error's
+    message, or None if it carries none."""
+    found = re.search(re.escape(_LACKS_TOKEN) + r"([A-Za-z0-9_=-]+)", error)
+    return tuple(json.loads(base64.urlsafe_b64decode(found[1]))) if found else None
 
 
 # Quantization methods whose post-load processing a sync can skip. A layer whose weights were rewritten in
@@ -255,10 +476,9 @@ _SKIPPED_POST_LOAD_BACKENDS = {"UnquantizedFusedMoEMethod": ("TRITON", "BATCHED_
 
 def post_load_needed_again(module: torch.nn.Module) -> bool:
     """Return whether `module`'s quantization method must process its weights again after an in-place rewrite."""
-    from vllm.platforms import current_platform
-
+    platform = internal("vllm.platforms", "current_platform", None)
     method = getattr(module, "quant_method", None)
-    if method is None or not current_platform.is_cuda():
+    if method is None or platform is None or not platform.is_cuda():
         return method is not None
     kind = type(method).__name__
     if kind == "UnquantizedLinearMethod":
@@ -281,8 +501,7 @@ def post_load_hooks(model: torch.nn.Module, model_config, device: torch.device) 
     attention hooks, so with any weight offloaded the list is that function itself. vLLM 0.32 and 0.33 run
     the attention layers' hooks, then the model's own.
     """
-    weight_utils = importlib.import_module("vllm.model_executor.model_loader.weight_utils")
-    finalize = getattr(weight_utils, "finalize_model_weights", None)  # from 0.34 on; see INTERNALS
+    finalize = internal("vllm.model_executor.model_loader.weight_utils", "finalize_model_weights", None)  # 0.34 on
     if finalize is None:
         is_deferred = internal("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
         hooks = [attention_post_load_hook(module, model_config) for module in model.modules() if is_deferred(module)]
@@ -388,9 +607,7 @@ _GPT_OSS_PER_EXPERT = {
 
 def takes_gpt_oss_experts_one_by_one() -> bool:
     """Return whether this vLLM's GPT-OSS loader takes each expert on its own, as 0.33 and later do."""
-    from vllm.model_executor.models import gpt_oss
-
-    return hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert")
+    return internal("vllm.model_executor.models.gpt_oss", "GptOssModel._try_load_streamed_expert", None) is not None
 
 
 def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, list[tuple]]:
@@ -414,21 +631,34 @@ def vllm_load_form(model: torch.nn.Module, metadata: list[tuple]) -> dict[str, l
     return out
 
 
-def loader_choice(asked: str | None, fp8: bool = False, missing: Callable[[bool], list[str]] = missing_internals):
+def loader_choice(
+    asked: str | None,
+    fp8: bool = False,
+    missing: Callable[[bool], list[str]] = missing_internals,
+    where: str = "this vLLM",
+):
     """Choose the loader for a run; return (loader, reason).
 
     `asked` is the --weight-loader flag, or None if not given. By default the direct loader is used, unless
-    the installed vLLM lacks an internal it needs; then vLLM's own loader is used and the reason names what
-    is missing. If the direct loader was asked for explicitly, a missing internal raises SystemExit instead.
+    `where`, the installed vLLM or an engine's, lacks what it needs; then vLLM's own loader is used and the
+    reason names what is missing. If the direct loader was asked for explicitly, a missing internal raises
+    SystemExit instead.
     """
     if asked == "vllm":
         return "vllm", "asked for"
     problems = missing(fp8)
     if not problems:
         return "direct", "asked for" if asked == "direct" else "the default"
-    line = f"the direct loader needs what this vLLM lacks: {problems[0]}" + (
-        f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    )
+    line = f"{DIRECT_LOADER} needs what {where} lacks: {lacking(problems)}"
     if asked == "direct":
         raise SystemExit(f"error: {line}; sync through vLLM's loader instead: --weight-loader vllm")
     return "vllm", f"{line}; syncing through vLLM's own loader instead"
+
+
+def exact_check_choice(
+    fp8: bool = False, missing: Callable[..., list[str]] = missing_internals, where: str = "this vLLM"
+) -> str | None:
+    """Say why the run can have no exact check, because `where`, the installed vLLM or an engine's, lacks
+    what it needs; return None if it lacks nothing."""
+    problems = missing(fp8, needed_by=EXACT_CHECK)
+    return f"{where} lacks what {EXACT_CHECK} needs: {lacking(problems)}" if problems else None
