@@ -1,25 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sync an FSDP2 trainer's weights into a vLLM server on the same GPUs over CUDA IPC.
+"""Sync an FSDP2 trainer's weights into a vLLM server on the same GPUs over CUDA IPC: the server on a private
+socket, its routes, and each trainer rank's send, on torch.distributed alone (torchrun's ranks or Ray actors).
 
-Copy this file alone for vLLM's own weight loader, or with weight_sync/ for the direct loader. The server
-listens on a Unix socket in a directory only your user can enter: anyone who reaches it can run code in it.
-Each trainer rank is a Ray actor of your own class whose send_weights() calls sender.send():
+Copy this file alone for vLLM's own weight loader, or with weight_sync/ for the direct loader. Anyone who reaches
+the server can run code in it: it listens on a Unix socket in a directory only your user can enter. Every
+trainer rank runs, with its model sharded (weight_sync/ray_trainers.py has the Ray driver's version):
 
-    trainers, pg = start_trainers(MyTrainer, num_gpus, trainer_args=(...))
-    gpu_ids = [p["gpu_ids"][0] for p in placements(trainers)]  # serve on the trainers' GPUs
-    with serving([model_path, *serve_args(model_name, gpu_ids)], socket_path=private_dir / "vllm.sock",
-                 log_path="vllm-server.log") as server:
-        wait_until_healthy(server, timeout_s=1200)
-        sock = server.socket_path  # each rank, once: weight_sender(rank, weight_sync_client(sock), ModuleSource(model))
-        freed = sleep_for_sync(sock, level=0, free_kv_cache=True)
-        wake_weights(sock, level=0)  # maps the weights back at levels 1 and 2 only
-        send_all(trainers, sock, retries=1)  # every rank's send_weights()
-        wake_to_serve(sock, kv_cache=freed)  # if freed, after torch.cuda.empty_cache() on every rank
+    gpus = rank_gpus()  # each rank's GPU: for --device-ids, and its UUID
+    with vllm_server([model_path, *serve_args(name, [g["gpu_id"] for g in gpus])], log_path="vllm.log") as sock:
+        sender = weight_sender(dist.get_rank(), WeightSyncClient(sock), ModuleSource(model))  # vLLM's
+        freed = on_rank_zero(sleep_for_sync, sock, level, free_kv_cache=True)  # then train in the freed memory
+        on_rank_zero(wake_weights, sock, level)  # sleep levels 1 and 2 only
+        sender.send(empty_cache=freed)  # every rank; sent again where the server failed part way
+        on_rank_zero(wake_to_serve, sock, kv_cache=freed)
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import http.client
 import json
@@ -39,9 +36,8 @@ import time
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -172,33 +168,6 @@ def serve_args(
     return flags
 
 
-# vLLM 0.34 loads its weights with PyTorch's max_split_size_mb at 20 (VLLM_LOAD_SPLIT_MB). PyTorch puts each
-# allocation of 1 to 10 MiB in a segment of large_segment_size_mb, 20 by default, and never again hands a free
-# segment of max_split_size_mb or more to an allocation smaller than that. So each expert weight that vLLM quantizes
-# to FP8 at its start leaves a 20 MiB segment behind in its sleep-mode pool until the load ends: by the code, 2.5 GiB
-# a Moonlight-16B-A3B layer, 65 GiB in all (docs/FP8.md). Segments smaller than the split limit are used again.
-VLLM_LOAD_SPLIT_MB = 20
-FP8_START_SEGMENT_MB = 16  # above PyTorch's floor of 10, below VLLM_LOAD_SPLIT_MB
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-ALLOC_CONF_READ = (ALLOC_CONF, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch parses the first one set
-
-
-def serve_env(rollout_dtype: str = "bf16", environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Return the environment a `vllm serve` with serve_args(..., rollout_dtype=...) needs, for start_server's `env`.
-
-    Pass it when the server's process starts, not to Server.serve(): PyTorch reads it once. With "fp8",
-    PYTORCH_CUDA_ALLOC_CONF: the settings PyTorch would read from `environ` (os.environ by default) with
-    large_segment_size_mb set to FP8_START_SEGMENT_MB; nothing for bf16."""
-    if rollout_dtype != "fp8":
-        return {}
-    environ = os.environ if environ is None else environ
-    current = next((environ[name] for name in ALLOC_CONF_READ if name in environ), "")
-    kept = [
-        f for f in (f.strip() for f in current.split(",")) if f and f.split(":")[0].strip() != "large_segment_size_mb"
-    ]
-    return {ALLOC_CONF: ",".join([*kept, f"large_segment_size_mb:{FP8_START_SEGMENT_MB}"])}
-
-
 def start_server(
     serve_args: Sequence[str] | None,
     *,
@@ -239,8 +208,9 @@ def start_server(
         # Raise what Popen would: started through the watchdog, a missing program fails only in the child.
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
     told_later = " ".join(launcher) + ", importing vLLM until Server.serve() gives it its flags"
-    # The log names an allocator setting given for this server, such as serve_env's: PyTorch read it at the start.
-    allocator = f"{ALLOC_CONF}={full_env[ALLOC_CONF]} " if ALLOC_CONF in (env or {}) else ""
+    # The log names an allocator setting given for this server (vllm_adapter.serve_env's): PyTorch reads it at start.
+    conf = "PYTORCH_CUDA_ALLOC_CONF"
+    allocator = f"{conf}={full_env[conf]} " if conf in (env or {}) else ""
     Path(log_path).write_text("$ " + allocator + (" ".join(cmd) if serve_args is not None else told_later) + "\n")
     with open(log_path, "a") as log:  # appending, as Server.serve does
         proc, watchdog_fds = _start_watched(cmd, log, full_env, also_stop, serve_args is None)
@@ -459,9 +429,7 @@ def log_tail(server: Server, lines: int = 40) -> str:
 
 def first_error(server: Server) -> str | None:
     """Return the log's first line that names an error, or None; vLLM's INFO, WARNING and DEBUG lines are skipped.
-
-    A failed start often ends with "Engine core initialization failed. See root cause above"; this is that cause,
-    which may lie hundreds of lines above the tail."""
+    A failed start often ends with "Engine core initialization failed. See root cause above": this is that cause."""
     try:
         lines = server.log_path.read_text(errors="replace").splitlines()
     except OSError:
@@ -483,7 +451,7 @@ def start_failure(server: Server, code: int) -> str:
 
 START_MILESTONES = (  # log lines that mark a starting server's progress, used only to print it
     ("Initializing a V1 LLM engine", "engines starting"),
-    ("Model loading took", "model built (dummy weights)"),
+    ("Model loading took", "model built"),
     ("Starting torch.compile", "torch.compile ..."),
     ("torch.compile took", "torch.compile done"),
     ("Capturing CUDA", "capturing CUDA graphs ..."),
@@ -551,6 +519,27 @@ def serving(serve_args: Sequence[str] | None, **start_kwargs):
                 stop_server(server)
             except ServerError as e:  # print it, and let the error that brought us here propagate
                 print(f"[shutdown] {e}", flush=True)
+
+
+@contextmanager
+def vllm_server(serve_args: Sequence[str], log_path: str | os.PathLike, timeout_s: float = 1200, **start_kwargs):
+    """Serve `vllm serve <serve_args>` on a socket in a private directory of its own; yield the socket's path once
+    healthy; stop it and remove the directory on the way out. Under torch.distributed every rank calls it at
+    once: rank 0 serves, and every rank gets the path. A process without a process group serves itself."""
+    serves = not dist.is_initialized() or dist.get_rank() == 0
+    with tempfile.TemporaryDirectory(prefix="vllm-") if serves else nullcontext() as folder:  # 0700, yours alone
+        socket_path = os.path.join(folder, "vllm.sock") if serves else None
+        with (
+            serving(serve_args, socket_path=socket_path, log_path=log_path, **start_kwargs)
+            if serves
+            else nullcontext() as server
+        ):
+            yield on_rank_zero(_healthy_socket, server, timeout_s)
+
+
+def _healthy_socket(server: Server, timeout_s: float) -> str:
+    server.healthy_after_s = wait_until_healthy(server, timeout_s)
+    return server.socket_path
 
 
 @contextmanager
@@ -672,11 +661,9 @@ def sleep_for_sync(sock: str, level: int, free_kv_cache: bool = True) -> bool:
 
 
 def reset_prefix_cache(sock: str, tries: int = 5, wait_s: float = 0.05) -> None:
-    """POST /reset_prefix_cache until vLLM says it is done, or raise ServerError.
-
-    vLLM answers {"success": false} while blocks are still held, briefly after a pause: try again after
-    `wait_s`, twice as long each time, 0.75 s in all, beside the send. A vLLM that answers nothing is taken at
-    its word."""
+    """POST /reset_prefix_cache until vLLM says it is done, or raise ServerError. vLLM answers {"success": false}
+    while blocks are still held, briefly after a pause: try again after `wait_s`, twice as long each time (0.75 s
+    in all, beside the send). A vLLM that answers nothing is taken at its word."""
     for attempt in range(tries):
         time.sleep(wait_s * 2 ** (attempt - 1) if attempt else 0)
         if (reply := request(sock, "POST", "/reset_prefix_cache")) is None or reply.get("success", True):
@@ -714,24 +701,16 @@ def wake_to_serve(sock: str, kv_cache: bool = True) -> None:
 
 
 def wake_failure(error: str, kv_cache: bool) -> str:
-    if kv_cache and "out of memory" in error.lower():
-        return (
-            "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another "
-            "process on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it "
-            f"smaller: {error}"
-        )
-    return error
+    if not (kv_cache and "out of memory" in error.lower()):
+        return error
+    return (
+        "vLLM could not map its KV cache back: the GPU's memory it freed was taken meanwhile (by another process "
+        f"on the GPU, or kept by the trainer); keep the KV cache through the sync, or make it smaller: {error}"
+    )
 
 
 def is_sleeping(sock: str) -> bool:
     return request(sock, "GET", "/is_sleeping")["is_sleeping"]
-
-
-@dataclass
-class Completion:
-    text: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
 
 
 def openai_client(sock: str):
@@ -746,41 +725,6 @@ def openai_client(sock: str):
         with _clients_lock:
             _openai_clients[key] = client
     return client
-
-
-def post_completions(sock: str, dp_rank: int | None = None, **fields):
-    """POST /v1/completions, raising ServerError; `dp_rank` pins one DP engine, `extra_body` takes vLLM's fields."""
-    import openai
-
-    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    try:
-        return openai_client(sock).completions.create(extra_headers=headers, timeout=SERVER_CALL_TIMEOUT_S, **fields)
-    except openai.APIStatusError as e:
-        forget_client(sock)  # as request() does after an error reply
-        raise ServerError(f"POST /v1/completions -> HTTP {e.status_code}: {e.response.text[:2000]}") from e
-    except openai.APIError as e:
-        forget_client(sock)
-        raise ServerError(f"POST /v1/completions failed: {e!r}") from e
-
-
-def completions(
-    sock: str, model: str, prompts: list[str], max_tokens: int, temperature: float = 0.0, dp_rank: int | None = None
-) -> list[Completion]:
-    """Return one completion per prompt, greedy by default, with the prompt's and the output's token ids."""
-    out = post_completions(
-        sock,
-        dp_rank,
-        model=model,
-        prompt=prompts,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        extra_body={"return_token_ids": True},
-    )
-    by_index = {c.index: c for c in out.choices}
-    return [
-        Completion(c.text, list(c.prompt_token_ids), list(c.token_ids))
-        for c in (by_index[i] for i in range(len(prompts)))
-    ]
 
 
 def collective_rpc(sock: str, method: str, *args: str, timeout: float = SERVER_CALL_TIMEOUT_S) -> list:
@@ -866,257 +810,14 @@ class FailAfterSend:
             self._failure = self._failure or e
 
 
-# ---- The trainer ranks: one Ray actor per GPU, in one process group ----
-# Call every rank at once, as they run collectives. A rank is of any class: these run in it via __ray_call__.
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # longer than SERVER_CALL_TIMEOUT_S
-
-
-class PlacementError(RuntimeError):
-    """Ray cannot give every trainer rank its GPU on the nodes asked for."""
-
-
-class TrainerDied(RuntimeError):
-    """A trainer rank's process died: it was killed, ran out of memory, or crashed."""
-
-
-_store = None  # on rank 0: the store the ranks meet at
-
-
-def open_rendezvous(host: str, world_size: int, rendezvous=None) -> str | int:
-    """On rank 0, open the store the ranks meet at; return its file's path, or its port if `rendezvous` opened it."""
-    global _store
-    if rendezvous is not None:
-        _store, port = rendezvous.open(host, world_size, COLLECTIVE_TIMEOUT)
-        return port
-    folder = Path(tempfile.mkdtemp(prefix="rlhf-ipc-rendezvous-"))  # 0700: unlike a port, private to this user
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # when this rank exits normally
-    path = folder / "store"
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # owner-only, created before torch opens it
-    _store = file_store(path, world_size)
-    return str(path)
-
-
-def join_process_group(rank: int, world_size: int, host: str, where: str | int, rendezvous=None) -> None:
-    """Join the process group at what open_rendezvous returned, with the same `rendezvous`."""
-    if rendezvous is not None:
-        store = rendezvous.join(rank, host, where, world_size, _store, COLLECTIVE_TIMEOUT)
-    else:
-        store = _store if rank == 0 else file_store(where, world_size)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",  # chunk barriers on gloo wait on the host
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-
-
-def placement() -> dict:
-    """Return the GPU and node Ray gave this rank; run it in the rank."""
-    import ray
-
-    info = {
-        "rank": dist.get_rank(),
-        "pid": os.getpid(),
-        "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-        "node": ray.get_runtime_context().get_node_id(),
-        "node_ip": ray.util.get_node_ip_address(),
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu_name=props.name, gpu_uuid=str(props.uuid))
-    return info
-
-
-def placements(trainers: list) -> list[dict]:
-    return ray_get_all([t.__ray_call__.remote(_in_rank, placement) for t in trainers])
-
-
-def _in_rank(_trainer, fn, *args):
-    return fn(*args)  # __ray_call__ passes the actor first: run `fn` without it
-
-
-def file_store(path: str | os.PathLike, world_size: int) -> dist.FileStore:
-    """Open a FileStore with the collectives' timeout; torch reopens the file, so keep it while the ranks run."""
-    store = dist.FileStore(str(path), world_size)
-    store.set_timeout(COLLECTIVE_TIMEOUT)
-    return store
-
-
-_rendezvous_dirs: dict[str, Path] = {}  # placement group id -> the directory of its trainers' FileStore
-
-
-def remove_rendezvous(pg) -> None:
-    if (where := _rendezvous_dirs.pop(pg.id.hex(), None)) is not None:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-@atexit.register
-def _remove_rendezvous_left() -> None:
-    """At exit, remove what remove_rendezvous missed: Ray stops a job's trainers with its driver anyway."""
-    for where in _rendezvous_dirs.values():
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def start_trainers(
-    trainer_cls: type,
-    num_trainers: int,
-    num_nodes: int = 1,
-    gpus_per_trainer: float = 1,
-    placement_timeout_s: float = 60,
-    trainer_args: tuple = (),
-    rendezvous=None,
-) -> tuple[list, object]:
-    """Start `num_trainers` Ray actors of `trainer_cls`, any class, in one process group; return them and their pg."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    if num_nodes > 1 and rendezvous is None:
-        raise ValueError(
-            f"trainer ranks on {num_nodes} nodes meet over TCP, which helpers.py does not do alone: copy "
-            "weight_sync/multinode.py beside it and pass start_trainers(..., rendezvous=multinode.TCPRendezvous)"
-        )
-    rendezvous = rendezvous if num_nodes > 1 else None
-    have = ray.cluster_resources().get("GPU", 0)
-    if gpus_per_trainer and have < num_trainers * gpus_per_trainer:
-        raise PlacementError(f"asked for {num_trainers} GPUs but the Ray cluster has {have:g}")
-    per_node = num_trainers // num_nodes
-    here = ray.get_runtime_context().get_node_id()
-    here_gpus = next(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == here)
-    if here_gpus < per_node * gpus_per_trainer:
-        raise PlacementError(
-            f"this node has {here_gpus:g} GPUs in Ray, and needs {per_node * gpus_per_trainer:g}: "
-            "run the script on a GPU node (it runs vLLM's API server and trainer rank 0)"
-        )
-    # One bundle per node, the first on this one: CUDA IPC needs each rank on its GPU's engine's machine.
-    bundle = {"CPU": per_node, **({"GPU": per_node * gpus_per_trainer} if gpus_per_trainer else {})}
-    pg = placement_group(
-        [bundle] * num_nodes,
-        strategy="STRICT_SPREAD" if num_nodes > 1 else "STRICT_PACK",
-        bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (num_nodes - 1),
-    )
-    if not pg.wait(timeout_seconds=placement_timeout_s):
-        ray.util.remove_placement_group(pg)
-        raise PlacementError(
-            f"Ray could not place {num_trainers} trainers on {num_nodes} node(s) ({bundle} on each, "
-            f"the first one this node) within {placement_timeout_s:.0f}s; cluster resources: "
-            f"{ray.cluster_resources()}"
-        )
-    actor = trainer_cls if isinstance(trainer_cls, ray.actor.ActorClass) else ray.remote(trainer_cls)
-    try:
-        trainers = [
-            actor.options(
-                num_cpus=1,
-                num_gpus=gpus_per_trainer,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r // per_node),
-            ).remote(*trainer_args)
-            for r in range(num_trainers)
-        ]
-        # Meet on loopback on one node; on more, at rank 0's address, which the other nodes can reach.
-        host = "127.0.0.1" if num_nodes == 1 else ray.util.get_node_ip_address()
-        opened = trainers[0].__ray_call__.remote(_in_rank, open_rendezvous, host, num_trainers, rendezvous)
-        where = ray_get_all([opened])[0]
-        if isinstance(where, str):  # one node: the FileStore's path, in a directory of its own
-            _rendezvous_dirs[pg.id.hex()] = Path(where).parent
-        ray_get_all(
-            [
-                t.__ray_call__.remote(_in_rank, join_process_group, r, num_trainers, host, where, rendezvous)
-                for r, t in enumerate(trainers)
-            ]
-        )
-    except BaseException:  # a rank failed to start, or Ctrl-C: the caller never gets `pg` to remove
-        ray.util.remove_placement_group(pg)  # which stops its trainers too
-        remove_rendezvous(pg)
-        raise
-    return trainers, pg
-
-
-def leave_ray(started_ray: bool, pg) -> None:
-    """Shut Ray down if we started it, else remove our placement group; remove the rendezvous directory too."""
-    import ray
-
-    if started_ray:
-        ray.shutdown()
-    elif pg is not None:
-        ray.util.remove_placement_group(pg)
-    if pg is not None:
-        remove_rendezvous(pg)
-
-
-def ray_get_all(refs: list, who: str = "a trainer rank", also_check=None):
-    """ray.get(refs), but raise as soon as one fails, as the others may wait for it; a dead actor is TrainerDied."""
-    import ray
-
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=None if also_check is None else 2)
-        if not done:
-            also_check()
-            continue
-        try:
-            ray.get(done[0])
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ServerError):
-                raise ServerError(f"{who}: {e.cause}") from None
-            raise
-        except ray.exceptions.RayActorError as e:
-            raise TrainerDied(f"{who}'s process died: {death_cause(e)}") from e
-    return ray.get(refs)
-
-
-def death_cause(error: Exception) -> str:
-    """Return the first line of Ray's report, plus the error that killed the actor if it names one."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    cause = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
-    return lines[0] + (f" ... {cause[-1]}" if cause and cause[-1] != lines[0] else "")
-
-
-def send_all(trainers: list, empty_cache: bool = False, check_failure=None) -> tuple[list, int]:
-    """Call send_weights(empty_cache) on every rank; return their results and how often the send was repeated.
-
-    Each rank's WeightSender.send retries and agrees with the others; `check_failure`, given the error of a failed
-    send, may raise a better cause, such as another node's dead server."""
-    try:
-        results = ray_get_all([t.send_weights.remote(empty_cache=empty_cache) for t in trainers])
-    except ServerError as e:
-        if check_failure:
-            check_failure(e)
-        raise
-    return results, max((r for r in results if isinstance(r, int)), default=0)
-
-
-def wait_until_ready(server: Server, filling: list, timeout_s: float, also_check=None) -> float:
-    """Wait for the `filling` refs, then for health; return when the weights were in, in seconds since start."""
-    import ray
-
-    while filling and server.proc.poll() is None:
-        done, filling = ray.wait(filling, num_returns=len(filling), timeout=2)
-        ray_get_all(done)
-        if also_check:
-            also_check()
-        print_progress(server)
-    filled_after_s = time.monotonic() - server.started_at
-    if not filling:  # else the server exited first, and wait_until_healthy reports how
-        print(f"[trainers] weights in, {filled_after_s:.0f} s into the server's start", flush=True)
-    server.healthy_after_s = wait_until_healthy(server, timeout_s - filled_after_s, also_check=also_check)
-    told = f", given its flags at {server.serving_after_s:.1f} s" if server.serving_after_s is not None else ""
-    print(f"[server] healthy after {server.healthy_after_s:.1f} s{told} at {server.socket_path}", flush=True)
-    return filled_after_s
-
-
 # ---- Every trainer rank at once, on torch.distributed alone: a Ray actor's or torchrun's ----
 _own_group: tuple | None = None  # (the default group, a gloo group of the same ranks made beside it)
 
 
 def sync_group():
-    """Return the process group the sync's own small collectives run on, whatever the default group's backend.
-
-    That is the default group, unless it can run them neither on the CPU nor on this rank's GPU (as one made with
-    init_process_group("cuda:gloo") on a machine without a GPU); then a gloo group of the same ranks, made once.
-    Every rank calls it at once, as it may make a group."""
+    """Return the group the sync's own small collectives run on, whatever the default group's backend: the default
+    group, unless it can run them neither on the CPU nor on this rank's GPU (as init_process_group("cuda:gloo")
+    on a machine without one); then a gloo group of the same ranks, made once. Every rank calls it at once."""
     global _own_group
     devices = {pair.split(":")[0] for pair in dist.get_backend_config().split(",")}
     if "cpu" in devices or ("cuda" in devices and torch.cuda.is_available()):
@@ -1136,11 +837,10 @@ def every_rank(value) -> list:
 
 
 def on_rank_zero(fn, *args, **kwargs):
-    """Call fn(*args, **kwargs) on rank 0 once every rank is here, and return its result on every rank.
+    """Call fn(*args, **kwargs) on rank 0 once every rank is here; return its result, or raise, on every rank.
 
-    For trainer ranks without a driver, such as torchrun's: every rank calls it at once, so that rank 0 calls the
-    server once, after what every rank did before (its training step, or torch.cuda.empty_cache() before vLLM
-    maps its KV cache back), and if the call fails every rank raises, instead of waiting for rank 0."""
+    For ranks without a driver, such as torchrun's, all calling it at once: rank 0 calls the server once, after
+    what every rank did before (its step, or emptying PyTorch's cache), and no rank waits on a failed call."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn(*args, **kwargs)
     group, outcome = sync_group(), [None]
@@ -1153,27 +853,22 @@ def on_rank_zero(fn, *args, **kwargs):
         raise
     finally:
         dist.broadcast_object_list(outcome, src=0, group=group)
-    if outcome[0] is None:
-        raise ServerError("rank 0 stopped before it called the server")
-    returned, value = outcome[0]
+    returned, value = outcome[0] or (False, ServerError("rank 0 stopped before it called the server"))
     if not returned:
         raise value
     return value
 
 
 def physical_gpu_id(index: int) -> str:
-    """Return how `vllm serve --device-ids` names this process's CUDA device `index`.
-
-    That is its entry in CUDA_VISIBLE_DEVICES, which start_server drops from the server's environment, or the
-    index itself where that is unset. Under `CUDA_VISIBLE_DEVICES=2,3 torchrun ...`, rank 0's cuda:0 is GPU 2."""
+    """Return how `--device-ids` names this process's CUDA device `index`: its CUDA_VISIBLE_DEVICES entry (which
+    start_server drops), or the index. Under `CUDA_VISIBLE_DEVICES=2,3 torchrun ...`, rank 0's cuda:0 is GPU 2."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     return visible.split(",")[index].strip() if visible else str(index)
 
 
 def rank_gpus() -> list[dict]:
-    """Return each trainer rank's GPU in rank order: {"gpu_id": for `--device-ids`, "gpu_uuid": ...}.
-
-    Every rank calls it at once, on its current CUDA device. A rank without a GPU has gpu_id None, gpu_uuid ""."""
+    """Return each rank's current GPU in rank order, {"gpu_id": for `--device-ids`, "gpu_uuid": ...}; every rank
+    calls it at once. A rank without a GPU has gpu_id None and gpu_uuid ""."""
     mine = {"gpu_id": None, "gpu_uuid": ""}
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
@@ -1183,30 +878,23 @@ def rank_gpus() -> list[dict]:
 
 @contextmanager
 def _cut_short_if_unanswered(sock: str | None, poll_s: float = 2.0):
-    """Inside, cut short this process's calls to `sock` once GET /health fails twice in a row.
-
-    A call waiting on an engine that died is never answered: vLLM's API server waits on it for good."""
-    if sock is None:
-        yield
-        return
+    """Inside, cut short this process's calls to `sock` once GET /health fails twice in a row: vLLM's API server
+    waits for good on a call to an engine that died."""
     done = threading.Event()
 
     def watch() -> None:
         misses = 0
-        try:
-            while not done.wait(poll_s):
-                misses = 0 if health(sock) else misses + 1
-                if misses >= 2:  # shutdown() ends a blocked read at once, unlike close()
-                    with _clients_lock:
-                        held = [c for k, c in _connections.items() if k[2] == sock and k[1] != threading.get_ident()]
-                    for conn in held:
-                        if conn.sock is not None:
-                            with suppress(OSError):
-                                conn.sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            forget_client(sock)  # this thread's own connection
+        while not done.wait(poll_s):
+            misses = 0 if health(sock) else misses + 1
+            with _clients_lock:  # the other threads' connections; shutdown() ends a blocked read, unlike close()
+                held = [c for k, c in _connections.items() if k[2] == sock and k[1] != threading.get_ident()]
+            for conn in held if misses >= 2 else ():
+                with suppress(OSError, AttributeError):  # (a connection not open has no socket)
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+        forget_client(sock)  # this thread's own connection
 
-    threading.Thread(target=watch, name="send-watch", daemon=True).start()
+    if sock is not None:
+        threading.Thread(target=watch, name="send-watch", daemon=True).start()
     try:
         yield
     finally:
@@ -1220,8 +908,7 @@ def metadata_bytes(metadata) -> int:
 
 def source_metadata(source) -> list:
     """Return a weight source's metadata: an attribute from vLLM 0.33 on, a method in vLLM 0.32's ModuleSource."""
-    metadata = source.metadata
-    return metadata() if callable(metadata) else metadata
+    return source.metadata() if callable(source.metadata) else source.metadata
 
 
 @dataclass
@@ -1240,11 +927,10 @@ class WeightSender:
     def send(self, empty_cache: bool = False) -> int:
         """Send every weight and return how many times it was sent again; every rank calls it at once.
 
-        Rank 0's calls to the server raise only once the send is through, as the ranks meet at a barrier for every
-        chunk, and are cut short if the server stops answering. If the server failed the send part way and still
-        answers, every rank sends again, up to `retries` times. With `empty_cache`, every rank then returns
-        PyTorch's cached GPU memory to the device before any rank returns, so that vLLM can map back a KV cache it
-        freed (wake_to_serve). If the send failed, every rank raises the same ServerError."""
+        Rank 0's server calls raise only after the send, as the ranks meet for every chunk, and are cut short if
+        the server stops answering. If it failed the send part way and still answers, every rank sends again, up
+        to `retries` times. With `empty_cache`, every rank empties PyTorch's cache before any rank returns, so that
+        vLLM can map back a KV cache it freed (wake_to_serve). A failed send raises one ServerError on every rank."""
         first = None
         for attempt in range(self.retries + 1):
             with _cut_short_if_unanswered(self.sock if self.rank == 0 else None):
@@ -1271,11 +957,8 @@ class WeightSender:
     def _verdict(self, failure: ServerError, first: ServerError, attempt: int) -> str:
         """On rank 0: "retry", or why the send failed, for every rank to raise."""
         if attempt < self.retries and (self.sock is None or health(self.sock)):
-            print(
-                f"[send] {failure}\n[send] vLLM is still asleep: sending every weight again "
-                f"(retry {attempt + 1} of {self.retries})",
-                flush=True,
-            )
+            print(f"[send] {failure}\n[send] vLLM is still asleep: sending every weight again", end=" ")
+            print(f"(retry {attempt + 1} of {self.retries})", flush=True)
             return "retry"
         if attempt < self.retries:
             detail = "not retried: the server does not answer"

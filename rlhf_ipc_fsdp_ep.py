@@ -43,10 +43,9 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from helpers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
 from proof import preflight, program, toy_rl
 from proof.rounds import Proof, RoundProof
-from weight_sync import models, sources
+from weight_sync import generation, models, sources, vllm_adapter
 from weight_sync.multinode import (
     TCPRendezvous,
     free_port,
@@ -55,6 +54,7 @@ from weight_sync.multinode import (
     start_node_servers,
     stop_node_servers,
 )
+from weight_sync.ray_trainers import leave_ray, placements, ray_get_all, send_all, start_trainers, wait_until_ready
 from weight_sync.vllm_adapter import DIRECT_LOADER, loader_choice, untested_vllm_warning
 
 HERE = Path(__file__).resolve().parent
@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class FSDPTrainer:
-    """One FSDP2 rank on one GPU, run as a Ray actor; helpers.start_trainers starts one per GPU."""
+    """One FSDP2 rank on one GPU, run as a Ray actor; ray_trainers.start_trainers starts one per GPU."""
 
     model = optimizer = sender = None
 
@@ -386,7 +386,7 @@ def colocated_job(
             # The servers' workers import the direct loader and the exact check from this directory.
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
             # Given at the server's start, before its PyTorch reads its allocator's settings; the other nodes' too.
-            env.update(helpers.serve_env(args.rollout_dtype))
+            env.update(vllm_adapter.serve_env(args.rollout_dtype))
             # vLLM imports itself, a third of its start, while Ray starts and places the trainers and they build
             # their models; it touches no GPU until serve() gives it its flags, the GPUs Ray gave them among them.
             with helpers.serving(None, socket_path=workdir / "vllm.sock", log_path=args.server_log, env=env) as server:
@@ -527,7 +527,7 @@ def run_round(job: Job, args: argparse.Namespace, proof: RoundProof) -> None:
     # 1. Generate: one greedy completion per prompt, or several samples to train on.
     prompts = args.prompts * (args.samples_per_prompt if args.train else 1)
     temperature = args.temperature if args.train else 0.0
-    batch = helpers.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
+    batch = generation.completions(sock, job.served_name, prompts, args.max_tokens, temperature)
     proof.generated(batch)
     samples, reward_mean = toy_rl.policy_gradient_samples(batch) if args.train else ([], None)
     # 2-6. The sync, with the training step while vLLM's memory is free.
@@ -569,9 +569,9 @@ def round_numbers(args: argparse.Namespace) -> Iterator[int]:
         yield done
 
 
-def generate(job: Job, args: argparse.Namespace, label: str) -> list[helpers.Completion]:
+def generate(job: Job, args: argparse.Namespace, label: str) -> list[generation.Completion]:
     """One greedy completion per prompt, printed under `label`."""
-    batch = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
+    batch = generation.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
     print(f"--- {label} ---", *(f"{p!r} -> {c.text!r}" for p, c in zip(args.prompts, batch, strict=True)), sep="\n")
     return batch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 import helpers
-from weight_sync import multinode
+from weight_sync import multinode, ray_trainers
 
 
 def weight_checker(sock: str, action: str, baseline: dict | None = None) -> dict:
@@ -32,7 +32,7 @@ def zero_vllm_weights(sock: str, sleep_level: int) -> dict[str, str]:
 def check_coverage(job, sleep_level: int) -> dict:
     """Sync into zeroed vLLM weights and report what the sync left zero."""
     zeros = zero_vllm_weights(job.server.socket_path, sleep_level)
-    helpers.send_all(job.trainers, check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
+    ray_trainers.send_all(job.trainers, check_failure=functools.partial(multinode.raise_node_failure, job.node_servers))
     helpers.wake_to_serve(job.server.socket_path)
     result = coverage(job.server.socket_path, zeros)
     print(f"[coverage] {result['parameters']} vLLM parameters, unwritten: {result['unwritten']}", flush=True)

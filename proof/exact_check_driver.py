@@ -20,6 +20,7 @@ import ray
 import helpers
 from proof.exact_accounting import expert_holders
 from proof.rank_measurement import _measurement_call, measured, rank_fingerprints
+from weight_sync import ray_trainers
 
 
 def prepare_exact_check(job) -> dict:
@@ -194,7 +195,7 @@ def _trainers_answer(trainers: list, method: str, timeout_s: float, *args) -> li
         if not done:
             late = ", ".join(str(refs.index(ref)) for ref in pending)
             raise CheckTimedOut(f"trainer rank {late} did not answer {method} within {timeout_s:.0f} s")
-        helpers.ray_get_all(done, who=f"trainer rank {refs.index(done[0])}")
+        ray_trainers.ray_get_all(done, who=f"trainer rank {refs.index(done[0])}")
     return ray.get(refs)
 
 

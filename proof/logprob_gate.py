@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import helpers
-from weight_sync import fp8_experts, sources
+from weight_sync import fp8_experts, generation, ray_trainers, sources
 
 
 def _worst(values: list[float]) -> float:
@@ -29,7 +28,7 @@ def prompt_logprobs(sock: str, model: str, token_ids: list[int], dp_rank: int | 
 
     `dp_rank` pins the request to one DP engine.
     """
-    out = helpers.post_completions(
+    out = generation.post_completions(
         sock, dp_rank, model=model, prompt=token_ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
     )
     per_position = out.choices[0].prompt_logprobs
@@ -113,7 +112,7 @@ def logprob_gap(
 
 def trainer_logprobs(trainers: list, sequences: list[list[int]]) -> list[list[float]]:
     """Return the trainer's log-probabilities of `sequences`; every rank runs the forward."""
-    return helpers.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
+    return ray_trainers.ray_get_all([t.token_logprobs.remote(sequences) for t in trainers])[0]
 
 
 def job_logprob_gap(job, sequences: list[list[int]]) -> LogprobGap:
@@ -160,7 +159,7 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) 
     """
     reference = trainer_logprobs(trainers, sequences)
     refs = [t.__ray_call__.remote(other_attention_logprobs, sequences) for t in trainers]
-    other = helpers.ray_get_all(refs)[0]
+    other = ray_trainers.ray_get_all(refs)[0]
     if other is None:
         print("[noise] the trainer's model has one attention implementation: no kernel noise measured", flush=True)
         if not fp8:
@@ -175,7 +174,7 @@ def kernel_noise(trainers: list, sequences: list[list[int]], fp8: bool = False) 
             flush=True,
         )
     if fp8:
-        lps = helpers.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
+        lps = ray_trainers.ray_get_all([t.__ray_call__.remote(fp8_experts_logprobs, sequences) for t in trainers])[0]
         noise.fp8_mean, noise.fp8_quantile = dlogp_stats(reference, lps)[1], dlogp_quantile(reference, lps)
         print(
             f"[noise] the trainer's own model, its experts in FP8 as vLLM serves them: |dlogp| mean "

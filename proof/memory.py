@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-import helpers
+from weight_sync import ray_trainers
 
 GiB = 1024**3
 
@@ -38,7 +38,10 @@ def server_pgids_per_rank(server, node_servers: list, num_gpus: int, num_nodes: 
 
     Ranks go in node order.
     """
-    per_node = [server.pgid, *helpers.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor")]
+    per_node = [
+        server.pgid,
+        *ray_trainers.ray_get_all([s.pgid.remote() for s in node_servers], who="a node's server actor"),
+    ]
     return [per_node[r // (num_gpus // num_nodes)] for r in range(num_gpus)]
 
 

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 import psutil
 import ray
 
-from helpers import PlacementError, ServerError, TrainerDied, start_time
+from helpers import ServerError, start_time
 from weight_sync.multinode import job_env
+from weight_sync.ray_trainers import PlacementError, TrainerDied
 
 
 def cli(main_fn) -> None:

@@ -19,12 +19,13 @@ import torch.distributed as dist
 
 import helpers
 from proof import exact_check_engine, exact_placement
+from weight_sync import ray_trainers
 from weight_sync.direct_load import TrainerSource
 
 
 def measure(trainers: list) -> None:
     """Install a RankMeasurement on every rank; call it after each setup_weight_transfer builds `trainer.sender`."""
-    helpers.ray_get_all([t.__ray_call__.remote(_start_measuring) for t in trainers])
+    ray_trainers.ray_get_all([t.__ray_call__.remote(_start_measuring) for t in trainers])
 
 
 def _start_measuring(trainer) -> None:
@@ -33,7 +34,7 @@ def _start_measuring(trainer) -> None:
 
 def measured(trainers: list, method: str, *args) -> list:
     """Call RankMeasurement.<method>(*args) on every rank of `trainers` and return the results."""
-    return helpers.ray_get_all([t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers])
+    return ray_trainers.ray_get_all([t.__ray_call__.remote(_measurement_call, method, *args) for t in trainers])
 
 
 def _measurement_call(trainer, method: str, *args):

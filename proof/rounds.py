@@ -12,7 +12,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict
 
-import helpers
 from proof import preflight
 from proof.coverage import check_coverage
 from proof.exact_check_driver import (
@@ -36,6 +35,7 @@ from proof.logprob_gate import (
 from proof.memory import free_for_step, memory, server_pgids_per_rank
 from proof.rank_measurement import measure, measured
 from proof.report import RoundRecord, print_round, report, round_record, run_result, show_layout
+from weight_sync import generation
 from weight_sync.sources import engines_lack
 from weight_sync.vllm_adapter import EXACT_CHECK, exact_check_choice
 
@@ -183,7 +183,7 @@ class RoundProof:
         self.send_retries = 0  # From send_all: sends the server failed part way through and that were repeated.
         self.free_at_step: list[dict] | None = None  # Per rank, once vLLM slept: see memory.free_for_step_gib.
 
-    def generated(self, batch: list[helpers.Completion]) -> None:
+    def generated(self, batch: list[generation.Completion]) -> None:
         """Record the tokens the trainer and every DP engine score, and measure their gap before the sync."""
         self.sequences = [c.prompt_token_ids + c.token_ids for c in batch]
         self.before = job_logprob_gap(self.job, self.sequences)
@@ -309,7 +309,7 @@ class Proof:
 
     # main()'s calls
 
-    def before_rounds(self, greedy: list[helpers.Completion]) -> None:
+    def before_rounds(self, greedy: list[generation.Completion]) -> None:
         """Measure the gate's basis: the trainer's own kernel noise on these completions' tokens."""
         sequences = [c.prompt_token_ids + c.token_ids for c in greedy]
         self.kernel_noise = kernel_noise(self.job.trainers, sequences, fp8=self.args.rollout_dtype == "fp8")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import helpers
+from weight_sync import generation
 
 
 def add_arguments(parser) -> None:
@@ -66,7 +66,7 @@ def reward(text: str) -> float:
     return sum(("a" <= c <= "z") or c == " " for c in text) / len(text) if text else 0.0
 
 
-def policy_gradient_samples(batch: list[helpers.Completion]) -> tuple[list[dict], float]:
+def policy_gradient_samples(batch: list[generation.Completion]) -> tuple[list[dict], float]:
     """Return samples for PolicyGradientStep.train_step, and the batch's mean reward.
 
     Each advantage is reward - batch mean, which is REINFORCE with a mean baseline. Return no samples if every

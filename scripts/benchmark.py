@@ -43,6 +43,7 @@ import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 from proof import coverage, preflight, rank_measurement, report  # noqa: E402
 from proof.rounds import Proof  # noqa: E402
+from weight_sync import generation  # noqa: E402
 
 LOADERS = ("vllm", "direct")
 
@@ -115,7 +116,7 @@ def generation_throughput(job: script.Job, prompts: int, tokens: int, repeats: i
 
     def batch() -> tuple[float, int]:
         def one(rank: int) -> int:
-            out = helpers.post_completions(
+            out = generation.post_completions(
                 job.server.socket_path,
                 rank,
                 model=job.served_name,
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     proof = Proof(args, start)
     with script.colocated_job(args, loaders=bench.loaders, proof=proof) as job:
         result = {**report.run_facts(args, job), "weight_loader": bench.loaders, "rounds_per_loader": args.rounds}
-        greedy = helpers.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
+        greedy = generation.completions(job.server.socket_path, job.served_name, args.prompts, args.max_tokens)
         proof.before_rounds(greedy)  # the gate's basis: the trainer's own kernel noise
         result["kernel_noise"] = asdict(proof.kernel_noise) if proof.kernel_noise else None
         # The floor every round is measured against: this job's GPUs' own copy rate (the slowest one's).

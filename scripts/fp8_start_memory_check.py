@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """On a GPU: what vLLM's start keeps in its sleep-mode pool while it quantizes the routed experts to FP8, layer by
-layer, with this process's allocator settings or with those helpers.serve_env gives an FP8 server (--serve-env).
+layer, with this process's allocator settings or with those vllm_adapter.serve_env gives an FP8 server (--serve-env).
 
     python scripts/fp8_start_memory_check.py [--serve-env] [--split-mb 20] [--layers 3] [--json OUT]
 
@@ -32,7 +32,7 @@ MOE_LAYERS, OTHER_WEIGHTS_GIB = 26, 2.9155  # its MoE layers, and its weights ot
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--serve-env", action="store_true", help="run with helpers.serve_env('fp8') applied first")
+    p.add_argument("--serve-env", action="store_true", help="run with vllm_adapter.serve_env('fp8') applied first")
     p.add_argument("--split-mb", type=int, default=20, help="the load's max_split_size_mb (vLLM 0.34's: 20)")
     p.add_argument("--layers", type=int, default=3, help="MoE layers to quantize (default 3)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers as JSON here")
@@ -42,9 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def with_serve_env(argv: list[str]) -> None:
     """Run this program again, in a fresh process, with serve_env's variables: PyTorch reads them at its start."""
     sys.path.insert(0, str(HERE))
-    import helpers
+    from weight_sync import vllm_adapter
 
-    env = {**os.environ, **helpers.serve_env("fp8"), "FP8_START_CHECK_ENV_APPLIED": "1"}
+    env = {**os.environ, **vllm_adapter.serve_env("fp8"), "FP8_START_CHECK_ENV_APPLIED": "1"}
     os.execve(sys.executable, [sys.executable, __file__, *argv], env)
 
 

@@ -17,12 +17,12 @@
 #    bit), tiny-mixtral in FP8 with --train, and a stale engine (tests/stale_block_worker.py: from the second
 #    sync on, one expert block left as it was), which the exact check must fail, named.
 # c1: the FP8 run of b2 alone (the checkpoint written first if a1 has not run on this machine): the FP8 sync
-#    against a2's bf16 one without other jobs on the GPU. Before helpers.serve_env it needed more than 80 GB: on an
+#    against a2's bf16 one without other jobs on the GPU. Before vllm_adapter.serve_env it needed more than 80 GB: on an
 #    H100 80GB vLLM's start ran out of memory quantizing the experts beside the trainer's 30 GiB (9f57da0).
 # d1 and d2, for an 80 GB GPU, d1 first (each within 10 minutes; d2 writes the checkpoint again on a fresh machine):
 # d1: while the checkpoint is written, scripts/fp8_start_memory_check.py three times side by side (three of the
 #    Moonlight shape's MoE layers quantized to FP8 as vLLM's start does, in its sleep-mode pool: with PyTorch's default
-#    allocator settings; with those helpers.serve_env gives an FP8 server; with vLLM's split limit at 21 MiB instead
+#    allocator settings; with those vllm_adapter.serve_env gives an FP8 server; with vLLM's split limit at 21 MiB instead
 #    of 20, the other way out); then the checkpoint with the routed experts served in FP8, direct loader, sleep
 #    level 0, 5 syncs, compiled.
 # d2: the same checkpoint in bf16, one server: the direct loader at sleep level 0, then at level 2, 5 syncs each.

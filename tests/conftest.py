@@ -33,6 +33,7 @@ os.environ.update(
 )
 
 import helpers  # noqa: E402
+from weight_sync import ray_trainers  # noqa: E402
 
 CPU_LAUNCHER = (sys.executable, str(ROOT / "tests" / "cpu_vllm_launcher.py"))
 SERVED_NAME = "tiny"
@@ -255,12 +256,12 @@ def _rank_main(rank, world_size, ports, fn, args):
 
     trainer = script.RLTrainer()
     if rank == 0:
-        port = helpers.open_rendezvous("127.0.0.1", world_size)
+        port = ray_trainers.open_rendezvous("127.0.0.1", world_size)
         for _ in range(world_size - 1):
             ports.put(port)
     else:
         port = ports.get()
-    helpers.join_process_group(rank, world_size, "127.0.0.1", port)
+    ray_trainers.join_process_group(rank, world_size, "127.0.0.1", port)
     fn(trainer, *args)
 
 
@@ -288,7 +289,7 @@ def fresh_cpu_trainers(ray_cluster):
     def start(n=2, **kwargs):
         trainer_cls = kwargs.pop("trainer_cls", script.FSDPTrainer)
         trainers, _ = script.start_trainers(trainer_cls, n, gpus_per_trainer=0, **kwargs)
-        placements = helpers.placements(trainers)
+        placements = ray_trainers.placements(trainers)
         started.append((trainers, [p["pid"] for p in placements]))
         return trainers
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from weight_sync import sources
+from weight_sync import ray_trainers, sources
 
 
 class MyTrainer:
@@ -66,10 +66,10 @@ def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
         with helpers.serving(
             [model_dir, *serve_flags], socket_path=socket_path, log_path="server.log", launcher=tuple(launcher)
         ) as server:
-            trainers, _ = helpers.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
-            helpers.ray_get_all([t.shard.remote() for t in trainers])
-            forms = helpers.ray_get_all([t.source_form.remote() for t in trainers])
-            print("ranks", [p["rank"] for p in helpers.placements(trainers)])
+            trainers, _ = ray_trainers.start_trainers(MyTrainer, 2, gpus_per_trainer=0, trainer_args=(model_dir,))
+            ray_trainers.ray_get_all([t.shard.remote() for t in trainers])
+            forms = ray_trainers.ray_get_all([t.source_form.remote() for t in trainers])
+            print("ranks", [p["rank"] for p in ray_trainers.placements(trainers)])
             print("same names and shapes on every rank:", forms[0] == forms[1])
             print("expert blocks:", json.dumps(forms[0][1], sort_keys=True))
             helpers.wait_until_healthy(server, timeout_s=300)
@@ -79,7 +79,7 @@ def main(model_dir: str, serve_flags: list[str], launcher: list[str]) -> None:
             # refuses before any send.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             print("one rank:", MyTrainer(model_dir).check_before_send(sock, [""]))
-            two = helpers.ray_get_all([t.check_before_send.remote(sock, ["", "GPU-1"]) for t in trainers])
+            two = ray_trainers.ray_get_all([t.check_before_send.remote(sock, ["", "GPU-1"]) for t in trainers])
             print("two ranks:", two[0].replace("\n", " ")[:300])
             print("health:", helpers.health(sock))
     finally:

@@ -30,7 +30,7 @@ import conftest  # noqa: E402,F401  (its environment: no auth, offline, ...)
 import helpers  # noqa: E402
 import rlhf_ipc_fsdp_ep as script  # noqa: E402
 from proof import program, report  # noqa: E402
-from weight_sync import models, multinode  # noqa: E402
+from weight_sync import models, multinode, ray_trainers  # noqa: E402
 
 SLEEPS = (
     sys.executable,
@@ -172,14 +172,16 @@ def main(out_path: str, log_dir: str) -> None:
     try:
         seen["driver_node"] = ray.get_runtime_context().get_node_id()
         seen["one_node_for_two"] = _error_of(
-            lambda: helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5)
+            lambda: ray_trainers.start_trainers(script.FSDPTrainer, 2, num_nodes=1, placement_timeout_s=5)
         )
 
-        trainers, pg = helpers.start_trainers(script.FSDPTrainer, 2, num_nodes=2, rendezvous=multinode.TCPRendezvous)
-        placements = helpers.placements(trainers)
+        trainers, pg = ray_trainers.start_trainers(
+            script.FSDPTrainer, 2, num_nodes=2, rendezvous=multinode.TCPRendezvous
+        )
+        placements = ray_trainers.placements(trainers)
         seen["placements"] = placements
         seen["strategy"] = placement_group_table(pg)["strategy"]
-        seen["all_reduce"] = helpers.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
+        seen["all_reduce"] = ray_trainers.ray_get_all([t.__ray_call__.remote(_all_reduce_rank) for t in trainers])
         seen["node1_env"] = ray.get(
             trainers[1].__ray_call__.remote(
                 lambda _: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")}
@@ -200,7 +202,9 @@ def main(out_path: str, log_dir: str) -> None:
         failing = multinode.start_node_servers(pg, "tiny", log, {}, seen["flags"][1:], launcher=FAILS)
         begin = time.monotonic()
         seen["failed_start"] = _error_of(
-            lambda: helpers.wait_until_ready(first, [], 120, also_check=partial(multinode.raise_node_failure, failing))
+            lambda: ray_trainers.wait_until_ready(
+                first, [], 120, also_check=partial(multinode.raise_node_failure, failing)
+            )
         )
         seen["failed_start_s"] = time.monotonic() - begin
         helpers.stop_server(first)
@@ -241,7 +245,7 @@ def main(out_path: str, log_dir: str) -> None:
         ray.get([s.__ray_ready__.remote() for s in senders])  # their workers' start is not the send's time
         begin = time.monotonic()
         seen["send_with_a_dead_node"] = _error_of(
-            lambda: helpers.send_all(senders, check_failure=partial(multinode.raise_node_failure, running))
+            lambda: ray_trainers.send_all(senders, check_failure=partial(multinode.raise_node_failure, running))
         )
         seen["send_with_a_dead_node_s"] = time.monotonic() - begin
         seen["sends_with_a_dead_node"] = ray.get([s.sends.remote() for s in senders])

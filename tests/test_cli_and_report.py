@@ -16,7 +16,7 @@ import torch
 import helpers
 import rlhf_ipc_fsdp_ep as script
 from proof import exact_check_driver, logprob_gate, memory, preflight, rank_measurement, report, rounds, toy_rl
-from weight_sync import models, sources
+from weight_sync import generation, models, ray_trainers, sources, vllm_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -629,9 +629,9 @@ def test_reward_and_advantages():
     assert toy_rl.reward("ab c") == 1.0
     assert toy_rl.reward("aB1!") == 0.25
     batch = [
-        helpers.Completion("abcd", [1, 2], [3, 4]),
-        helpers.Completion("AB!!", [1, 2], [5, 6]),
-        helpers.Completion("", [1, 2], []),  # no tokens: nothing to learn from
+        generation.Completion("abcd", [1, 2], [3, 4]),
+        generation.Completion("AB!!", [1, 2], [5, 6]),
+        generation.Completion("", [1, 2], []),  # no tokens: nothing to learn from
     ]
     samples, mean = toy_rl.policy_gradient_samples(batch)
     assert mean == pytest.approx(1 / 3)
@@ -642,7 +642,7 @@ def test_reward_and_advantages():
 def test_equal_rewards_take_no_step():
     """Every advantage zero: a step would change nothing and the round would
     wrongly fail as 'logprobs unchanged'; no samples, so no step is taken."""
-    batch = [helpers.Completion("abc", [1], [3]), helpers.Completion("xyz", [1], [4])]
+    batch = [generation.Completion("abc", [1], [3]), generation.Completion("xyz", [1], [4])]
     assert toy_rl.policy_gradient_samples(batch) == ([], 1.0)
 
 
@@ -737,7 +737,7 @@ def test_a_job_that_cannot_place_its_trainers_leaves_a_ray_it_did_not_start_runn
     placement group goes with it, once it has one, is
     test_trainer.py's test_a_job_that_fails_after_placing_its_trainers_removes_its_placement_group.)"""
     args = script.parse_args(["--model", "tiny", "--num-gpus", "2"])
-    with pytest.raises(helpers.PlacementError, match="asked for 2 GPUs"):
+    with pytest.raises(ray_trainers.PlacementError, match="asked for 2 GPUs"):
         with script.colocated_job(args):
             pass
     assert ray.is_initialized()
@@ -1183,17 +1183,19 @@ def test_an_fp8_server_starts_with_pytorchs_segments_below_vllms_load_split_limi
     vLLM's sleep-mode pool, never used again. serve_env sets the segments below that limit for an FP8 server, the
     user's other allocator settings kept; colocated_job gives it to the server's process as it starts, where PyTorch
     reads it (and to the other nodes' servers), and the server's log says so; a bf16 server gets nothing."""
-    conf = helpers.ALLOC_CONF
-    assert helpers.serve_env("bf16", {conf: "expandable_segments:True"}) == {}
-    assert helpers.serve_env("fp8", {}) == {conf: "large_segment_size_mb:16"}
-    assert helpers.serve_env("fp8", {conf: "expandable_segments:True, large_segment_size_mb:32"}) == {
+    conf = vllm_adapter.ALLOC_CONF
+    assert vllm_adapter.serve_env("bf16", {conf: "expandable_segments:True"}) == {}
+    assert vllm_adapter.serve_env("fp8", {}) == {conf: "large_segment_size_mb:16"}
+    assert vllm_adapter.serve_env("fp8", {conf: "expandable_segments:True, large_segment_size_mb:32"}) == {
         conf: "expandable_segments:True,large_segment_size_mb:16"
     }
     # Where PyTorch would read another variable, its settings are kept in the one it reads first.
-    assert helpers.serve_env("fp8", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == {
+    assert vllm_adapter.serve_env("fp8", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == {
         conf: "max_split_size_mb:64,large_segment_size_mb:16"
     }
-    assert 10 < helpers.FP8_START_SEGMENT_MB < helpers.VLLM_LOAD_SPLIT_MB  # PyTorch's floor; reused below the limit
+    assert (
+        10 < vllm_adapter.FP8_START_SEGMENT_MB < vllm_adapter.VLLM_LOAD_SPLIT_MB
+    )  # PyTorch's floor; reused below the limit
     from contextlib import contextmanager
 
     class Started(Exception):
@@ -1222,7 +1224,7 @@ def test_an_fp8_server_starts_with_pytorchs_segments_below_vllms_load_split_limi
     echo = (sys.executable, "-c", f"import os; print('ALLOC', os.environ.get({conf!r}))")
     log = tmp_path / "server.log"
     server = helpers.start_server(
-        ["m"], socket_path=private_socket_path(), log_path=log, env=helpers.serve_env("fp8", {}), launcher=echo
+        ["m"], socket_path=private_socket_path(), log_path=log, env=vllm_adapter.serve_env("fp8", {}), launcher=echo
     )
     try:
         assert server.proc.wait(timeout=60) == 0
@@ -1239,7 +1241,7 @@ def test_this_pytorch_takes_vllms_load_split_limit_over_the_fp8_servers_segments
     import subprocess
     import sys
 
-    fp8 = helpers.serve_env("fp8", {})[helpers.ALLOC_CONF]
+    fp8 = vllm_adapter.serve_env("fp8", {})[vllm_adapter.ALLOC_CONF]
     program = (
         "import sys, torch\n"
         "try:\n"
@@ -1247,7 +1249,7 @@ def test_this_pytorch_takes_vllms_load_split_limit_over_the_fp8_servers_segments
         "except ValueError as e:\n"
         "    sys.exit(str(e))\n"
     )
-    split = f"max_split_size_mb:{helpers.VLLM_LOAD_SPLIT_MB}"
+    split = f"max_split_size_mb:{vllm_adapter.VLLM_LOAD_SPLIT_MB}"
     for conf, refusal in (
         (f"{fp8},{split}", None),
         (f"large_segment_size_mb:24,{split}", "max_split_size_mb too small, must be >= 24"),
@@ -1411,7 +1413,7 @@ def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
     monkeypatch.setattr(script, "colocated_job", job_with_hooks)
     monkeypatch.setattr(script, "ray_get_all", lambda refs: [{"tensors": 3, "experts": True}])
     monkeypatch.setattr(script, "run_round", lambda job, args, round_proof: calls.append("round"))
-    batch = [helpers.Completion("", [1], [2])]
+    batch = [generation.Completion("", [1], [2])]
     monkeypatch.setattr(helpers, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)
     assert script.main(["--model", "tiny", "--rounds", "2", "--prompt", "a", "--check-coverage"]) == 0
     assert calls[:9] == [
@@ -1460,7 +1462,7 @@ def test_the_round_proof_judges_what_the_round_reported_at_its_steps(monkeypatch
     monkeypatch.setattr(rounds, "exact_check", lambda started: f"verdict of {started}")
     monkeypatch.setattr(rounds, "judged_round", lambda *a, **kw: judged.append((a, kw)) or "record")
     job = SimpleNamespace(trainers=["rank 0"])
-    batch = [helpers.Completion("hi", [1, 2], [3])]
+    batch = [generation.Completion("hi", [1, 2], [3])]
 
     def round_of(args, first_sync, previous=(), loss="no step"):
         gaps = iter(["gap before", "gap after"])

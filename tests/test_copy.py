@@ -129,7 +129,7 @@ def test_helpers_alone_refuses_more_nodes_and_names_what_to_copy(tmp_path):
         "import sys; sys.path.insert(0, '.')\n"
         "import ray, helpers\n"
         "try:\n"
-        "    helpers.start_trainers(object, 2, num_nodes=2)\n"
+        "    ray_trainers.start_trainers(object, 2, num_nodes=2)\n"
         "except ValueError as e:\n"
         "    print('refused:', e, '| ray started:', ray.is_initialized())\n"
     )
@@ -247,4 +247,4 @@ def test_a_torchrun_trainer_syncs_with_the_documented_calls(tmp_path, tiny_dense
             line = re.search(rf"{loader}: round {step}: vLLM holds the trainer's weights: (\w+) \((\d+) of (\d+)", out)
             assert line and line[1] == "True", out
             assert 0 < int(line[2]) <= int(line[3]), line[0]
-    assert re.search(r"serves after the rounds: [1-9]", out) and "group left: []" in out, out
+    assert re.search(r"serves after the rounds: [1-9]", out) and "left: processes [] | its folder: False" in out, out

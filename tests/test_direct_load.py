@@ -12,7 +12,7 @@ import torch
 
 import helpers
 from proof import exact_check_engine, exact_placement
-from weight_sync import direct_load, fp8_experts, sources
+from weight_sync import direct_load, fp8_experts, generation, sources
 
 
 def test_the_layout_the_direct_loader_relies_on(cpu_server, tiny_checkpoint):
@@ -706,7 +706,7 @@ def test_an_fp8_cpu_server_holds_what_fp8_reference_makes_and_the_direct_loader_
     )
     try:
         sock = server.socket_path
-        assert len(helpers.completions(sock, "tiny", ["Hello"], 4)[0].token_ids) == 4
+        assert len(generation.completions(sock, "tiny", ["Hello"], 4)[0].token_ids) == 4
         (layout,) = helpers.collective_rpc(sock, "direct_load_layout")
         checkpoint = load_file(tiny_checkpoint / "model.safetensors")
         blocks = {}

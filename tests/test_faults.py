@@ -20,7 +20,7 @@ import helpers
 import rlhf_ipc_fsdp_ep as script
 from conftest import start_cpu_server
 from proof import coverage, program
-from weight_sync import models, sources
+from weight_sync import models, ray_trainers, sources
 
 # Ray's workers cannot import this test module: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -248,7 +248,7 @@ def test_a_rank_that_cannot_fill_its_weights_ends_the_start_at_once(fresh_cpu_tr
     begin = time.monotonic()
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="missing has no safetensors files on this node"):
-            helpers.wait_until_ready(server, filling, timeout_s=240)
+            ray_trainers.wait_until_ready(server, filling, timeout_s=240)
     finally:
         helpers.stop_server(server)
     assert time.monotonic() - begin < 120  # not the 240 s timeout
@@ -265,7 +265,7 @@ def test_a_server_that_dies_while_the_trainers_fill_ends_the_start_at_once(ray_c
     server = _never_healthy_server(tmp_path, "import sys; print('no GPU here'); sys.exit(3)")
     begin = time.monotonic()
     with pytest.raises(helpers.ServerError, match=r"exited with code 3 during start(.|\n)*no GPU here"):
-        helpers.wait_until_ready(server, [slow_fill], timeout_s=240)
+        ray_trainers.wait_until_ready(server, [slow_fill], timeout_s=240)
     assert time.monotonic() - begin < 90  # not the fill's 120 s
     helpers.stop_server(server)
     ray.cancel(slow_fill, force=True)

@@ -305,7 +305,7 @@ def test_sigterm_still_unwinds_after_ray_starts():
                 program.init_ray()
                 ref = slow.remote()
                 print("ready", flush=True)
-                helpers.ray_get_all([ref], also_check=lambda: None)
+                ray_trainers.ray_get_all([ref], also_check=lambda: None)
             finally:
                 time.sleep(4)  # past the point where Ray's handler aborts
                 ray.shutdown()

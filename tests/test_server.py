@@ -29,6 +29,7 @@ from conftest import (
     start_cpu_server,
 )
 from proof import logprob_gate
+from weight_sync import generation
 
 
 def test_health_and_sleep_state(cpu_server):
@@ -83,8 +84,8 @@ def test_completions_are_greedy_and_carry_token_ids(cpu_server, tiny_checkpoint)
     from transformers import AutoTokenizer
 
     prompts = ["The capital of France is", "Hello, my name is"]
-    first = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
-    second = helpers.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    first = generation.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
+    second = generation.completions(cpu_server.socket_path, SERVED_NAME, prompts, max_tokens=6)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     for prompt, c in zip(prompts, first, strict=True):
@@ -114,7 +115,7 @@ def test_the_sleep_and_wake_sequence_of_a_sync(cpu_server):
     assert helpers.is_sleeping(sock)
     helpers.wake_to_serve(sock)
     assert not helpers.is_sleeping(sock)
-    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    assert len(generation.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
 def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server):
@@ -130,7 +131,7 @@ def test_the_sleep_and_wake_sequence_of_a_sync_that_keeps_the_weights(cpu_server
     assert helpers.is_sleeping(sock)
     helpers.wake_to_serve(sock)
     assert not helpers.is_sleeping(sock)
-    assert len(helpers.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+    assert len(generation.completions(sock, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
 
 
 def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts(cpu_server):
@@ -140,16 +141,16 @@ def test_a_sync_without_a_step_keeps_the_kv_cache_and_forgets_the_cached_prompts
     after the sync must not be served from them."""
     sock = cpu_server.socket_path
     prompt = ["Reinforcement learning moves weights into a server after every step. " * 12]
-    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    generation.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     hits = prefix_cache_hits(sock)
-    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    generation.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     assert prefix_cache_hits(sock) > hits  # the prompt's blocks were cached: the check below can fail
     assert helpers.sleep_for_sync(sock, 0, free_kv_cache=False) is False  # nothing for wake_to_serve to map back
     helpers.wake_weights(sock, 0)
     helpers.wake_to_serve(sock, kv_cache=False)
     assert not helpers.is_sleeping(sock)
     hits = prefix_cache_hits(sock)
-    helpers.completions(sock, SERVED_NAME, prompt, max_tokens=1)
+    generation.completions(sock, SERVED_NAME, prompt, max_tokens=1)
     assert prefix_cache_hits(sock) == hits
 
 
@@ -511,7 +512,7 @@ def test_a_failed_call_leaves_no_connection_open(tmp_path):
             with pytest.raises(helpers.ServerError, match="HTTP 404"):
                 helpers.collective_rpc(sock, "exact_check")
             with pytest.raises(helpers.ServerError, match="HTTP 404"):
-                helpers.post_completions(sock, model="tiny", prompt=[1, 2], max_tokens=1)
+                generation.post_completions(sock, model="tiny", prompt=[1, 2], max_tokens=1)
         # The server's thread sees a closed connection a moment after the client closes it.
         deadline = time.monotonic() + 5
         while (open_now := helpers.request(sock, "GET", "/connections")["open"]) != 1 and time.monotonic() < deadline:
@@ -694,7 +695,7 @@ def test_a_cpu_vllm_server_started_without_flags_serves_once_given_them(tiny_che
         log = server.log_path.read_text()
         assert "importing vLLM early failed" not in log and "[wait for flags] vLLM imported in " in log
         assert 0 < server.serving_after_s < time.monotonic() - server.started_at
-        assert len(helpers.completions(server.socket_path, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
+        assert len(generation.completions(server.socket_path, SERVED_NAME, ["Hello"], max_tokens=2)[0].token_ids) == 2
     finally:
         helpers.stop_server(server)
 

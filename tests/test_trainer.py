@@ -15,6 +15,7 @@ import helpers
 import rlhf_ipc_fsdp_ep as script
 from conftest import SERVED_NAME, listening_tcp, metrics_text, run_ranks
 from proof import exact_check_driver, logprob_gate, rank_measurement
+from weight_sync import generation, ray_trainers
 
 
 def _gather_source(trainer, ckpt, random_init, out_dir, loader):
@@ -186,7 +187,7 @@ def test_random_init_follows_the_seed_and_gives_each_rank_its_own_shard(tmp_path
 def test_trainers_are_placed_one_per_bundle_on_one_node(cpu_trainers):
     from ray.util.placement_group import placement_group_table
 
-    placements = helpers.placements(cpu_trainers)
+    placements = ray_trainers.placements(cpu_trainers)
     assert [p["rank"] for p in placements] == [0, 1]
     assert len({p["node"] for p in placements}) == 1
     assert all(p["gpu_ids"] == [] for p in placements)  # Ray reports what it gave: no GPUs here
@@ -208,7 +209,7 @@ def test_the_trainers_rendezvous_on_one_node_is_a_private_file_not_a_port(cpu_tr
 
         return {
             "store": type(_get_default_store().underlying_store).__name__,
-            "dir": os.path.dirname(helpers._store.path) if helpers._store else "",
+            "dir": os.path.dirname(ray_trainers._store.path) if ray_trainers._store else "",
             "pid": os.getpid(),
         }
 
@@ -226,7 +227,7 @@ def test_opening_the_rendezvous_on_one_node_listens_on_no_port():
     import shutil
 
     before = set(listening_tcp([os.getpid()]))
-    where = helpers.open_rendezvous("127.0.0.1", 2)
+    where = ray_trainers.open_rendezvous("127.0.0.1", 2)
     try:
         assert set(listening_tcp([os.getpid()])) == before
     finally:
@@ -236,17 +237,17 @@ def test_opening_the_rendezvous_on_one_node_listens_on_no_port():
 def test_server_calls_give_up_before_the_trainers_collectives_do():
     """A hung server must surface as a server error, not as a trainer rank
     timing out in a collective."""
-    assert helpers.SERVER_CALL_TIMEOUT_S + 10 < helpers.COLLECTIVE_TIMEOUT.total_seconds()
+    assert helpers.SERVER_CALL_TIMEOUT_S + 10 < ray_trainers.COLLECTIVE_TIMEOUT.total_seconds()
 
 
 def test_too_few_gpus_is_a_clear_error(ray_cluster):
-    with pytest.raises(helpers.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
+    with pytest.raises(ray_trainers.PlacementError, match="asked for 2 GPUs but the Ray cluster has 0"):
         script.start_trainers(script.FSDPTrainer, 2, gpus_per_trainer=1)
 
 
 def test_unplaceable_trainers_time_out_with_the_reason(ray_cluster):
     start = time.monotonic()
-    with pytest.raises(helpers.PlacementError, match="could not place 16 trainers"):
+    with pytest.raises(ray_trainers.PlacementError, match="could not place 16 trainers"):
         script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, placement_timeout_s=2)
     assert time.monotonic() - start < 30
 
@@ -260,7 +261,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers
 
 
 def test_a_trainer_that_fails_to_start_says_why(ray_cluster, fresh_cpu_trainers):
-    with pytest.raises(helpers.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
+    with pytest.raises(ray_trainers.TrainerDied, match=r"process died: .*CUDA out of memory\. Tried to allocate 20"):
         fresh_cpu_trainers(trainer_cls=TrainerThatCannotStart)
 
 
@@ -292,7 +293,7 @@ def test_a_trainer_rank_that_dies_mid_collective_surfaces_at_once(ray_cluster, f
     waiting = trainers[1].token_logprobs.remote([[5, 6, 7, 8]])  # blocks without rank 0
     start = time.monotonic()
     ray_cluster.kill(trainers[0])
-    with pytest.raises(helpers.TrainerDied, match="a trainer rank's process died"):
+    with pytest.raises(ray_trainers.TrainerDied, match="a trainer rank's process died"):
         script.ray_get_all([_call_on_a_killed_actor(ray_cluster, trainers[0]), waiting])
     assert time.monotonic() - start < 120  # not the collective's 10-minute timeout
 
@@ -340,14 +341,14 @@ def test_the_benchmark_times_each_of_a_syncs_calls_alone_and_leaves_vllm_serving
     assert got["total"] == pytest.approx(sum(got[p] for p in parts))
     assert pauses_and_resumes() == [before[0] + 3, before[1] + 3]
     assert not helpers.is_sleeping(cpu_server.socket_path)
-    assert helpers.completions(cpu_server.socket_path, SERVED_NAME, ["a"], 2)[0].token_ids
+    assert generation.completions(cpu_server.socket_path, SERVED_NAME, ["a"], 2)[0].token_ids
 
 
 def test_logprob_gate_passes_on_equal_weights_and_fails_on_other_weights(cpu_server, cpu_trainers, tiny_checkpoint):
     sock = cpu_server.socket_path
     script.ray_get_all([t.build_model.remote(str(tiny_checkpoint)) for t in cpu_trainers])
     script.ray_get_all([t.init_weights.remote(str(tiny_checkpoint), False) for t in cpu_trainers])
-    outs = helpers.completions(sock, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
+    outs = generation.completions(sock, SERVED_NAME, ["The capital of France is", "Hello"], max_tokens=8)
     sequences = [o.prompt_token_ids + o.token_ids for o in outs]
 
     # The trainer's own kernel noise: a second forward through the other
@@ -637,7 +638,7 @@ def test_trainers_that_cannot_be_placed_leave_no_placement_group(ray_cluster):
     taking the GPUs of whatever runs next)."""
     before = set(_groups_not_removed())
     try:
-        with pytest.raises(helpers.PlacementError, match="could not place 16 trainers"):
+        with pytest.raises(ray_trainers.PlacementError, match="could not place 16 trainers"):
             script.start_trainers(script.FSDPTrainer, 16, gpus_per_trainer=0, placement_timeout_s=1)
         assert _groups_left_since(before) == []
     finally:
@@ -649,7 +650,7 @@ def test_a_trainer_that_fails_to_start_leaves_no_placement_group(ray_cluster):
     raises before it returns the group, so no caller can remove it."""
     before = set(_groups_not_removed())
     try:
-        with pytest.raises(helpers.TrainerDied, match="CUDA out of memory"):
+        with pytest.raises(ray_trainers.TrainerDied, match="CUDA out of memory"):
             script.start_trainers(RankThatCannotStart, 1, gpus_per_trainer=0)
         assert _groups_left_since(before) == []
     finally:
@@ -672,7 +673,7 @@ def test_another_user_cannot_read_write_or_plant_the_trainers_rendezvous(cpu_tra
     import errno
     import os
 
-    path = ray.get(cpu_trainers[0].__ray_call__.remote(lambda _: helpers._store.path))
+    path = ray.get(cpu_trainers[0].__ray_call__.remote(lambda _: ray_trainers._store.path))
     assert os.path.exists(path)
     assert _open_as_another_user(path, os.O_RDWR | os.O_CREAT) == errno.EACCES
     assert _open_as_another_user(path, os.O_RDONLY) == errno.EACCES
@@ -685,10 +686,10 @@ def test_the_one_node_rendezvous_directory_goes_with_the_trainers(ray_cluster):
     import os
 
     trainers, pg = script.start_trainers(NoModelRank, 2, gpus_per_trainer=0)
-    store = ray.get(trainers[0].__ray_call__.remote(lambda _: helpers._store.path))
+    store = ray.get(trainers[0].__ray_call__.remote(lambda _: ray_trainers._store.path))
     folder = os.path.dirname(store)
     assert os.path.isdir(folder)
-    helpers.leave_ray(False, pg)
+    ray_trainers.leave_ray(False, pg)
     assert not os.path.exists(folder)
 
 
@@ -697,7 +698,7 @@ def test_a_trainer_that_is_a_ray_actor_already_starts_as_it_is(fresh_cpu_trainer
     (`@ray.remote class Trainer`, as in vLLM's example), whose ranks then
     join one process group the same way."""
     trainers = fresh_cpu_trainers(trainer_cls=ray.remote(script.FSDPTrainer))
-    placements = helpers.placements(trainers)
+    placements = ray_trainers.placements(trainers)
     assert [p["rank"] for p in placements] == [0, 1]
 
 

@@ -17,7 +17,6 @@ yields travels through a file to vLLM's loader instead. The direct loader's set-
 their process-group calls, and on the server the check and the learning its client's first call starts.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -102,6 +101,19 @@ def sent_through_a_file(source, folder: str) -> str:
     return folder
 
 
+def processes_on(sock: str) -> list[int]:
+    """Live processes whose command line names the server's socket: the server's and its watchdog's."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if sock.encode() in argv and helpers.start_time(pid) is not None:
+            found.append(int(pid))
+    return found
+
+
 def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -> None:
     dist.init_process_group("nccl" if ON_GPU else "gloo")  # the user's own group: on a GPU, NCCL alone
     if ON_GPU:
@@ -128,17 +140,8 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
     if rank == 0:
         print("process group:", dist.get_backend_config(), "| ranks:", world_size, "| GPUs:", json.dumps(gpus))
         print("serve flags:", json.dumps(flags), flush=True)
-    private = Path(tempfile.mkdtemp(prefix="torchrun-rl-sock-")) if rank == 0 else None  # 0700: yours alone
-    serving = (
-        helpers.serving(
-            [model_dir, *flags], socket_path=private / "vllm.sock", log_path="server.log", launcher=tuple(launcher)
-        )
-        if rank == 0
-        else contextlib.nullcontext()
-    )
     try:
-        with serving as server:
-            sock = helpers.on_rank_zero(healthy, server)  # every rank learns the socket once the server answers
+        with helpers.vllm_server([model_dir, *flags], log_path="server.log", launcher=tuple(launcher)) as sock:
             for loader in ("direct", "vllm"):
                 level = SLEEP_LEVEL[loader]
                 source = sources.weight_source(model, world_size, loader)
@@ -173,14 +176,15 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
                         )
                     before = reference
             if rank == 0:
-                completion = helpers.completions(sock, SERVED_NAME, ["The capital of France is"], max_tokens=8)[0]
-                print("serves after the rounds:", len(completion.token_ids), "tokens", flush=True)
+                client = helpers.openai_client(sock)  # the server's OpenAI API, over its socket
+                completion = client.completions.create(
+                    model=SERVED_NAME, prompt="The capital of France is", max_tokens=8
+                )
+                print("serves after the rounds:", completion.usage.completion_tokens, "tokens", flush=True)
         if rank == 0:
-            print("group left:", helpers.group_members(server.pgid), flush=True)
+            print("left: processes", processes_on(sock), "| its folder:", os.path.exists(os.path.dirname(sock)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
         dist.destroy_process_group()
 
 

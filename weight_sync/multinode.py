@@ -47,7 +47,8 @@ from pathlib import Path
 import ray
 import torch.distributed as dist
 
-from helpers import DEFAULT_LAUNCHER, ServerError, death_cause, log_tail, ray_get_all, start_server, stop_server
+from helpers import DEFAULT_LAUNCHER, ServerError, log_tail, start_server, stop_server
+from weight_sync.ray_trainers import death_cause, ray_get_all
 
 _listener = None  # rank 0's: the TCP socket its store listens on
 
@@ -56,7 +57,7 @@ def open_tcp_rendezvous(host: str, world_size: int, timeout) -> tuple:
     """On rank 0, open a TCPStore bound to rank 0's address `host` only; return the store and its port.
 
     torch's own TCPStore listens on every interface. Neither has authentication, so the job needs a network you
-    trust. helpers.open_rendezvous calls this for trainers on several nodes."""
+    trust. ray_trainers.open_rendezvous calls this for trainers on several nodes."""
     global _listener
     _listener = socket.create_server((host, 0))
     port = _listener.getsockname()[1]
@@ -76,7 +77,7 @@ def join_tcp_rendezvous(rank: int, host: str, port: int, world_size: int, rank0_
     """Return the store a rank joins the process group at: rank 0's own, or a client of it at `host`:`port`.
 
     It also points gloo at the interface of this node's cluster address, which the other nodes reach.
-    helpers.join_process_group calls this."""
+    ray_trainers.join_process_group calls this."""
     os.environ.update(gloo_interface_env(ray.util.get_node_ip_address()))
     if rank == 0:
         return rank0_store
@@ -84,7 +85,7 @@ def join_tcp_rendezvous(rank: int, host: str, port: int, world_size: int, rank0_
 
 
 class TCPRendezvous:
-    """How trainer ranks on several nodes meet; pass it as helpers.start_trainers(..., rendezvous=TCPRendezvous).
+    """How trainer ranks on several nodes meet; pass it as ray_trainers.start_trainers(..., rendezvous=TCPRendezvous).
 
     start_trainers runs `open` on rank 0 and `join` on every rank. helpers imports nothing of this project, so it
     is handed this class."""

@@ -43,6 +43,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -662,3 +663,30 @@ def exact_check_choice(
     what it needs; return None if it lacks nothing."""
     problems = missing(fp8, needed_by=EXACT_CHECK)
     return f"{where} lacks what {EXACT_CHECK} needs: {lacking(problems)}" if problems else None
+
+
+# vLLM 0.34 loads its weights with PyTorch's max_split_size_mb at 20 (VLLM_LOAD_SPLIT_MB). PyTorch puts each
+# allocation of 1 to 10 MiB in a segment of large_segment_size_mb, 20 by default, and never again hands a free
+# segment of max_split_size_mb or more to an allocation smaller than that. So each expert weight that vLLM quantizes
+# to FP8 at its start leaves a 20 MiB segment behind in its sleep-mode pool until the load ends: by the code, 2.5 GiB
+# a Moonlight-16B-A3B layer, 65 GiB in all (docs/FP8.md). Segments smaller than the split limit are used again.
+VLLM_LOAD_SPLIT_MB = 20
+FP8_START_SEGMENT_MB = 16  # above PyTorch's floor of 10, below VLLM_LOAD_SPLIT_MB
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_READ = (ALLOC_CONF, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch parses the first one set
+
+
+def serve_env(rollout_dtype: str = "bf16", environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Return the environment a `vllm serve` with serve_args(..., rollout_dtype=...) needs, for start_server's `env`.
+
+    Pass it when the server's process starts, not to Server.serve(): PyTorch reads it once. With "fp8",
+    PYTORCH_CUDA_ALLOC_CONF: the settings PyTorch would read from `environ` (os.environ by default) with
+    large_segment_size_mb set to FP8_START_SEGMENT_MB; nothing for bf16."""
+    if rollout_dtype != "fp8":
+        return {}
+    environ = os.environ if environ is None else environ
+    current = next((environ[name] for name in ALLOC_CONF_READ if name in environ), "")
+    kept = [
+        f for f in (f.strip() for f in current.split(",")) if f and f.split(":")[0].strip() != "large_segment_size_mb"
+    ]
+    return {ALLOC_CONF: ",".join([*kept, f"large_segment_size_mb:{FP8_START_SEGMENT_MB}"])}

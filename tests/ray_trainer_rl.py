@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A user's own RL code beside helpers.py alone, with vLLM's own loader and a dense model, as vLLM's
-own example has it. tests/test_copy.py copies the two into an empty folder and runs this there, with
-nothing else of this project importable; on a GPU machine it runs the same way by hand.
+"""A user's own RL code with Ray, beside helpers.py and weight_sync/ray_trainers.py alone, with vLLM's own
+loader and a dense model, as vLLM's own example has it. tests/test_copy.py copies them into an empty folder
+and runs this there, with nothing else of this project importable; on a GPU machine it runs the same way.
 
-It does what helpers.py's docstring shows: its own FSDP2 trainer class as 2 Ray ranks, a vLLM server
-started with `serving([model, *serve_args(name, gpu_ids)])` (dummy weights, vLLM's default worker, no
-extension of ours), and vLLM's ModuleSource over the trainer's model.
+It does what the README's Ray path shows for vLLM's loader: its own FSDP2 trainer class as 2 Ray ranks, a
+vLLM server started with `serving([model, *serve_args(name, gpu_ids)])` (dummy weights, vLLM's default
+worker, no extension of ours), and vLLM's ModuleSource over the trainer's model.
 
-    python helpers_alone_rl.py MODEL_DIR [LAUNCHER_JSON]
+    python ray_trainer_rl.py MODEL_DIR [LAUNCHER_JSON]
 
 On a GPU (one or more), the sync is the real one: sleep, every rank's send through vLLM's IPC trainer
 engine, wake. On CPU vLLM has neither sleep mode nor CUDA IPC, so the tensors ModuleSource yields travel
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import helpers
+from weight_sync import ray_trainers
 
 SERVED_NAME = "tiny"
 ON_GPU = torch.cuda.is_available()
@@ -66,7 +67,7 @@ class MyTrainer:
         """vLLM's IPC trainer engine on this rank, as helpers.py's docstring builds it."""
         self.sender = helpers.weight_sender(dist.get_rank(), helpers.WeightSyncClient(sock), self.source())
 
-    def send_weights(self, empty_cache: bool = False) -> int:  # what helpers.send_all calls, on every rank at once
+    def send_weights(self, empty_cache: bool = False) -> int:  # what ray_trainers.send_all calls, on every rank at once
         return self.sender.send(empty_cache)
 
     def save_sent(self, folder: str) -> int:
@@ -97,6 +98,14 @@ def reload_from(sock: str, folder: str) -> None:
         helpers.request(sock, "POST", "/collective_rpc", body={"method": method, "kwargs": kwargs})
 
 
+def greedy(sock: str, prompt: str) -> list[int]:
+    """The server's greedy completion of `prompt`, 8 tokens, through the OpenAI client over its socket."""
+    out = helpers.openai_client(sock).completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0.0, extra_body={"return_token_ids": True}
+    )
+    return list(out.choices[0].token_ids)
+
+
 def watchdogs(socket_path: str) -> list[int]:
     """Live processes of this server's watchdog (its command line: the marker and the socket)."""
     found = []
@@ -112,10 +121,10 @@ def watchdogs(socket_path: str) -> list[int]:
 
 def sync(trainers: list, sock: str) -> None:
     """One sync as helpers.py's docstring has it: sleep, send on every rank, wake."""
-    helpers.ray_get_all([t.setup_sender.remote(sock) for t in trainers])
+    ray_trainers.ray_get_all([t.setup_sender.remote(sock) for t in trainers])
     freed = helpers.sleep_for_sync(sock, level=0, free_kv_cache=False)
     helpers.wake_weights(sock, level=0)
-    helpers.send_all(trainers)
+    ray_trainers.send_all(trainers)
     helpers.wake_to_serve(sock, kv_cache=freed)
 
 
@@ -131,7 +140,7 @@ def sync_on_cpu(trainers: list, sock: str) -> None:
     print("weight routes round trip:", True)
     folder = tempfile.mkdtemp(prefix="sent-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    counts = helpers.ray_get_all([t.save_sent.remote(folder) for t in trainers])
+    counts = ray_trainers.ray_get_all([t.save_sent.remote(folder) for t in trainers])
     reload_from(sock, folder)
     print("sent", counts)
 
@@ -147,10 +156,10 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
     try:
         # One rank per GPU (each engine reads the buffer of the rank on its GPU); 2 on CPU.
         ranks = torch.cuda.device_count() if ON_GPU else 2
-        trainers, _ = helpers.start_trainers(
+        trainers, _ = ray_trainers.start_trainers(
             MyTrainer, ranks, gpus_per_trainer=1 if ON_GPU else 0, trainer_args=(model_dir,)
         )
-        gpu_ids = [p["gpu_ids"][0] for p in helpers.placements(trainers)] if ON_GPU else ["0"]
+        gpu_ids = [p["gpu_ids"][0] for p in ray_trainers.placements(trainers)] if ON_GPU else ["0"]
         flags = helpers.serve_args(
             SERVED_NAME, gpu_ids, experts=False, enforce_eager=True, max_model_len=512, kv_cache_tokens=1024
         )
@@ -158,9 +167,9 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
         with helpers.serving(
             [model_dir, *flags], socket_path=socket_path, log_path="server.log", launcher=tuple(launcher)
         ) as server:
-            helpers.ray_get_all([t.shard.remote() for t in trainers])
-            metas = helpers.ray_get_all([t.metadata.remote() for t in trainers])
-            print("ranks", [p["rank"] for p in helpers.placements(trainers)])
+            ray_trainers.ray_get_all([t.shard.remote() for t in trainers])
+            metas = ray_trainers.ray_get_all([t.metadata.remote() for t in trainers])
+            print("ranks", [p["rank"] for p in ray_trainers.placements(trainers)])
             print("same metadata on every rank:", all(m == metas[0] for m in metas))
             with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:  # what vLLM's loader reads
                 loaded = sorted((name, list(f.get_slice(name).get_shape())) for name in f.keys())
@@ -175,7 +184,7 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
             dummy, prompt = checksums(sock), ["The capital of France is"]
             (sync if ON_GPU else sync_on_cpu)(trainers, sock)
             synced = checksums(sock)
-            after_sync = helpers.completions(sock, SERVED_NAME, prompt, max_tokens=8)[0].token_ids
+            after_sync = greedy(sock, prompt[0])
             reload_from(sock, model_dir)  # the reference: vLLM's own loader reading the checkpoint itself
             reference = checksums(sock)
             print(
@@ -185,7 +194,7 @@ def main(model_dir: str, launcher: tuple[str, ...] = helpers.DEFAULT_LAUNCHER) -
                 sum(synced[k] != dummy[k] for k in reference),
             )
             print("every parameter as vLLM loads the checkpoint:", synced == reference)
-            after_reload = helpers.completions(sock, SERVED_NAME, prompt, max_tokens=8)[0].token_ids
+            after_reload = greedy(sock, prompt[0])
             print("same greedy completion:", after_sync == after_reload, len(after_sync))
         print("group left:", helpers.group_members(server.pgid))
         print("watchdogs left:", watchdogs(socket_path))
