@@ -140,22 +140,22 @@ def test_every_flag_is_in_the_readme_and_only_those():
 
 
 def test_the_readmes_headline_and_version_table_numbers_are_those_of_the_json_they_link():
-    """The README's headline table quotes a benchmark: its vLLM version,
-    date, the direct loader's and vLLM's cycles after the first sync (as
-    ranges, to the digits printed), the floor ratios and the loaders'
-    agreement are those of the JSON files it links, and so are the tested-
-    versions table's Moonlight numbers: a number edited by hand, or a JSON
-    replaced, fails here until both say the same."""
+    """The README's headline quotes benchmarks: each row's cycles after the first sync (as ranges, to the digits
+    printed), floor ratios, first sync and the memory a training step could use are those of the JSON it links,
+    as are its GPU, vLLM version, date and commit, and the sentence on vLLM's own loader; so are the
+    tested-versions table's Moonlight numbers: a number edited by hand, or a JSON replaced, fails here until both
+    say the same."""
     import json
 
     readme = (ROOT / "README.md").read_text()
-    intro = readme.split("\n## ", 1)[0].replace("\n", " ")
-    links = dict(re.findall(r"\[([a-z -]+|JSON)\]\((docs/benchmarks/[^)]+\.json)\)", intro))
-    run, layerwise = (json.loads((ROOT / links[k]).read_text()) for k in ("JSON", "layer-wise"))
+    head = readme.split("\n## ", 1)[0]
+    intro = " ".join(head.split())
 
-    def cycles(result: dict, loader: str) -> list[float]:
+    def cycles(result: dict, loader: str, sleep_level: int | None = None) -> list[float]:
         """After the first sync, which replaces dummy weights; without a round the benchmark profiled."""
-        (variant,) = [v for v in result["variants"] if v["weight_loader"] == loader]
+        (variant,) = [
+            v for v in result["variants"] if v["weight_loader"] == loader and sleep_level in (None, v["sleep_level"])
+        ]
         asked = re.search(r"--profile-round (\d+)", result["command"])
         profiled = int(asked.group(1)) if asked and loader == "direct" else None
         return [r["cycle_s"] for i, r in enumerate(variant["rounds"][1:], 2) if i != profiled]
@@ -163,38 +163,60 @@ def test_the_readmes_headline_and_version_table_numbers_are_those_of_the_json_th
     def quoted(values: list[float], digits: int) -> str:
         return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
-    floor_s = run["variants"][0]["rounds"][0]["bytes_per_gpu"] / (run["device_copy_gb_per_s"][0] * 1e9)
-    first = run["variants"][0]["rounds"][0]["cycle_s"]
-    assert run["variants"][0]["weight_loader"] == "direct" and f"the first one {first:.2f} s" in intro
-    assert f"vLLM {run['vllm_version']}, {run['date'][:10]}" in intro
+    rows = {row.split(" | ")[0].strip("| "): row for row in head.splitlines() if row.startswith("| ")}
+    for label, link_text, level in [
+        ("bf16, `--sleep-level 0` (the default)", "JSON", 0),
+        ("bf16, `--sleep-level 2`", "JSON", 2),
+        ("`--rollout-dtype fp8`", "FP8 JSON", 0),
+    ]:
+        row = rows[label]
+        (link,) = re.findall(rf"\[{link_text}\]\((docs/benchmarks/[^)]+\.json)\)", row)
+        run = json.loads((ROOT / link).read_text())
+        (variant,) = [v for v in run["variants"] if v["sleep_level"] == level]
+        assert run["rollout_dtype"] == ("fp8" if "fp8" in label else "bf16") and variant["weight_loader"] == "direct"
+        after = cycles(run, "direct", level)
+        assert f"| {quoted(after, 3)} s" in row, (row, after)
+        if level == 0:
+            ratios = [r["floor_ratio"] for r in variant["rounds"][1:]]
+            assert f"{quoted(after, 3)} s ({quoted(ratios, 1)}×" in row, (row, ratios)
+            assert f"the first {variant['rounds'][0]['cycle_s']:.2f} s" in row, row
+        assert f"| {variant['free_for_step_gib']:.1f} GiB |" in row, row
+        assert all(r["exact_check"]["passed"] and r["gate_passed"] for r in variant["rounds"])
+        commit = re.search(r"-([0-9a-f]{7})\.json$", link)[1]
+        assert f"on one {run['gpu_name'].removeprefix('NVIDIA ').removesuffix(' HBM3')}" in intro
+        assert f"vLLM {run['vllm_version']}, {run['date'][:10]}, commit {commit})" in intro
+        assert f"{variant['rounds'][0]['bytes_per_gpu'] / 1e9:.1f} GB" in intro
+    # vLLM's own loader, and the direct loader beside it, on the run that measured both.
+    links = dict(
+        re.findall(r"\[(JSON|layer-wise)\]\((docs/benchmarks/[^)]+\.json)\)", intro.split("vLLM's own loader", 1)[1])
+    )
+    run, layerwise = (json.loads((ROOT / links[k]).read_text()) for k in ("JSON", "layer-wise"))
     assert run["vllm_reload_mode"] == "direct" and layerwise["vllm_reload_mode"] == "layerwise"
-    assert f"{quoted(cycles(run, 'direct'), 3)} s ({quoted([c / floor_s for c in cycles(run, 'direct')], 1)}×" in intro
-    table = {
-        row.split(" | ")[0].strip("| "): row for row in readme.split("\n## ", 1)[0].splitlines() if row.startswith("| ")
-    }
-    assert f"| {quoted(cycles(run, 'vllm'), 2)} s |" in table["vLLM's loader in its fastest mode, in place"]
-    assert f"| {quoted(cycles(layerwise, 'vllm'), 1)} s |" in table["vLLM's loader, layer-wise (its default)"]
-    assert f"{quoted(cycles(run, 'direct'), 3)} s" in table["the direct loader (the default)"]
-    assert f"{run['variants'][0]['rounds'][0]['bytes_per_gpu'] / 1e9:.1f} GB" in intro
-    assert run["loaders_agree"]["agree"] and "bit for bit the same" in intro
-    assert all(
+    said = f"takes {quoted(cycles(run, 'vllm'), 2)} s a sync on this shape in place"
+    assert said in intro and f"{quoted(cycles(layerwise, 'vllm'), 1)} s layer-wise" in intro, intro
+    commit = re.search(r"-([0-9a-f]{7})\.json$", links["JSON"])[1]
+    assert (
+        f"the direct loader took {quoted(cycles(run, 'direct'), 3)} s (one H200, {run['date'][:10]}, commit {commit})"
+        in intro
+    )
+    assert run["loaders_agree"]["agree"] and all(
         r["exact_check"]["passed"] and r["gate_passed"]
         for r in [r for result in (run, layerwise) for v in result["variants"] for r in v["rounds"]]
     )
-    # The tested-versions table: 0.34.0's Moonlight sync is the headline's, set against 0.33.0's, whose row
-    # quotes the JSON it links (cycles and floor ratios after the first sync).
-    rows = {
+    # The tested-versions table: 0.34.0's Moonlight sync on the H200 set against 0.33.0's, whose row quotes the
+    # JSON it links (cycles and floor ratios after the first sync).
+    versions = {
         row.split(" | ")[0].strip("| `").split(" ")[0]: row for row in readme.splitlines() if row.startswith("| 0.3")
     }
-    (older_json,) = re.findall(r"\(docs/benchmarks/([^)]+\.json)\)", rows["0.33.0"])
+    (older_json,) = re.findall(r"\(docs/benchmarks/([^)]+\.json)\)", versions["0.33.0"])
     older = json.loads((ROOT / "docs" / "benchmarks" / older_json).read_text())
     assert older["vllm_version"] == "0.33.0"
     older_cycles = cycles(older, "direct")
     older_ratios = [r["floor_ratio"] for r in older["variants"][0]["rounds"][1:]]
-    assert f"direct sync {quoted(older_cycles, 3)} s, {quoted(older_ratios, 1)}× the copy time" in rows["0.33.0"]
+    assert f"direct sync {quoted(older_cycles, 3)} s, {quoted(older_ratios, 1)}× the copy time" in versions["0.33.0"]
     assert (
         f"{quoted(cycles(run, 'direct'), 3)} s on the Moonlight shape against {quoted(older_cycles, 3)} s"
-        in (rows["0.34.0"])
+        in (versions["0.34.0"])
     )
 
 

@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The README's copy table is true: each file it names imports with only the
-files its last column names beside it, in an empty directory with nothing
-else of this project on the path; the lift runs a user's own RL code there
-(tests/lifted_rl.py): its own trainer class as 2 Ray ranks, FSDP2, the
-server started through the lift, the direct loader's check before a send;
-and helpers.py alone runs one with vLLM's own loader (tests/helpers_alone_rl.py)."""
+"""The README's copy section is true: each file its table names imports with only the files its last column
+names beside it, in an empty directory with nothing else of this project on the path; its line counts are the
+files'; its snippet uses only names it defines, imports or calls yours. Users' own RL code runs there: a
+torchrun trainer through both loaders (tests/torchrun_rl.py), a Ray trainer with the direct loader's check
+before a send (tests/lifted_rl.py), and one with vLLM's own loader (tests/ray_trainer_rl.py)."""
 
 import json
 import os
@@ -18,7 +17,9 @@ import helpers
 from conftest import CPU_LAUNCHER, cpu_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
-LIFT = ["helpers.py", "weight_sync/sources.py"]
+HELPERS = ["helpers.py"]
+DIRECT = ["weight_sync/sources.py", "weight_sync/direct_load.py", "weight_sync/vllm_adapter.py"]
+RAY = ["weight_sync/ray_trainers.py"]
 NOT_COPIED = [
     "rlhf_ipc_fsdp_ep.py",
     "proof/program.py",
@@ -72,7 +73,8 @@ def alone(folder: Path) -> dict:
 
 
 def test_the_table_is_there():
-    assert [files for files, _ in ROWS][0] == LIFT
+    assert [files for files, _ in ROWS][:3] == [HELPERS, DIRECT, RAY]
+    assert [needs for _, needs in ROWS][:3] == [[], HELPERS, HELPERS]
     not_copied = sum((files for files, needs in ROWS if not needs and files[0] in NOT_COPIED), [])
     assert sorted(not_copied) == sorted(NOT_COPIED)
 
@@ -121,13 +123,14 @@ def test_helpers_imports_nothing_of_this_project_even_inside_a_function():
     assert not re.search(r"import_module|__import__", (ROOT / "helpers.py").read_text())
 
 
-def test_helpers_alone_refuses_more_nodes_and_names_what_to_copy(tmp_path):
-    """helpers.py alone cannot start trainer ranks on two nodes (they meet over TCP, through
-    weight_sync/multinode.py): it says so at once, before it asks Ray for anything."""
-    folder = copied(tmp_path / "alone", ["helpers.py"])
+def test_the_ray_trainers_refuse_more_nodes_and_name_what_to_copy(tmp_path):
+    """helpers.py with weight_sync/ray_trainers.py alone cannot start trainer ranks on two nodes (they meet over
+    TCP, through weight_sync/multinode.py): it says so at once, before it asks Ray for anything."""
+    folder = copied(tmp_path / "alone", HELPERS + RAY)
     code = (
         "import sys; sys.path.insert(0, '.')\n"
-        "import ray, helpers\n"
+        "import ray\n"
+        "from weight_sync import ray_trainers\n"
         "try:\n"
         "    ray_trainers.start_trainers(object, 2, num_nodes=2)\n"
         "except ValueError as e:\n"
@@ -144,6 +147,61 @@ def test_helpers_alone_refuses_more_nodes_and_names_what_to_copy(tmp_path):
     assert run.stdout.rstrip().endswith("| ray started: False"), run.stdout
 
 
+def copy_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme[readme.index("## Copy it into your RL code") :].split("\n## ", 1)[0]
+
+
+def test_the_copy_sections_line_counts_are_the_files():
+    """The lines a user copies for each path, as the README says them (to the nearest 10): vLLM's loader alone,
+    the direct loader, and the Ray trainer ranks."""
+    section = " ".join(copy_section().split())
+
+    said = {
+        "helpers": r"`helpers.py` alone is enough \(([\d,]+) lines",
+        "direct": r"second row \(([\d,]+) lines in all\)",
+        "ray": r"`weight_sync/ray_trainers.py` \(([\d,]+)\)",
+    }
+    counts = {k: int(re.search(pattern, section)[1].replace(",", "")) for k, pattern in said.items()}
+    actual = {
+        "helpers": len((ROOT / "helpers.py").read_text().splitlines()),
+        "direct": sum(len((ROOT / f).read_text().splitlines()) for f in HELPERS + DIRECT + ["weight_sync/__init__.py"]),
+        "ray": len((ROOT / RAY[0]).read_text().splitlines()),
+    }
+    assert all(abs(counts[k] - actual[k]) <= 10 for k in said), (counts, actual)
+
+
+def test_the_copy_sections_snippet_uses_only_what_it_defines_imports_or_calls_yours():
+    """Every name the README's snippet reads is imported or assigned in it, a builtin, or one the text before it
+    says is yours; and every call of helpers.py and sources.py that the torchrun trainer makes to sync is in the
+    section (the rest of that file only checks the sync)."""
+    import ast
+    import builtins
+
+    section = copy_section()
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    tree = ast.parse(snippet)
+    bound = {
+        a.asname or a.name.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    bound |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    yours = set(re.findall(r"`(\w+)`", section.split("```python", 1)[0].strip().rsplit("\n\n", 1)[-1]))
+    assert read - bound - set(dir(builtins)) <= yours, (read - bound - set(dir(builtins)), yours)
+    assert {"model", "train_step"} <= yours
+    user = ast.parse((ROOT / "tests" / "torchrun_rl.py").read_text())
+    called = {
+        n.attr
+        for n in ast.walk(user)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("helpers", "sources")
+    }
+    checking = {"request", "start_time", "openai_client", "DEFAULT_LAUNCHER"}  # the file's checks, not its sync
+    assert {name for name in called - checking if f"{name}(" not in section and f".{name}" not in section} == set()
+
+
 def test_each_row_imports_beside_only_what_it_names(tmp_path):
     runs = {}
     for k, (files, needs) in enumerate(r for r in ROWS if r[0][0] not in NOT_COPIED):
@@ -158,11 +216,8 @@ def test_each_row_imports_beside_only_what_it_names(tmp_path):
 
 
 def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
-    ((_, needs),) = [r for r in ROWS if r[0] == LIFT]
-    folder = copied(tmp_path / "my_rl", LIFT + needs)
+    folder = copied(tmp_path / "my_rl", HELPERS + DIRECT + RAY)  # the direct loader, under Ray
     shutil.copy(ROOT / "tests" / "lifted_rl.py", folder)
-    lines = sum(len((folder / f).read_text().splitlines()) for f in LIFT + needs)
-    print(f"the lift: {', '.join(LIFT + needs)}: {lines} lines")
     flags = cpu_serve_args(tiny_checkpoint, worker="weight_sync.direct_load.DirectLoadWorker")[1:]  # what the lift has
     argv = [sys.executable, "lifted_rl.py", str(tiny_checkpoint), json.dumps(flags), json.dumps(CPU_LAUNCHER)]
     run = subprocess.run(argv, cwd=folder, env=alone(folder), capture_output=True, text=True, timeout=600)
@@ -176,14 +231,16 @@ def test_the_lift_runs_a_users_own_trainer(tmp_path, tiny_checkpoint):
     assert "health: True" in out
 
 
-def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, tiny_dense_checkpoint):
-    """helpers.py ALONE in an empty folder beside a user's script (tests/helpers_alone_rl.py), called as
-    helpers.py's docstring shows: its own trainer class, FSDP2 over 2 Ray ranks on gloo, vLLM's ModuleSource
+def test_a_ray_trainer_syncs_through_vllms_loader_beside_helpers_and_ray_trainers_alone(
+    tmp_path, tiny_dense_checkpoint
+):
+    """helpers.py and weight_sync/ray_trainers.py ALONE in an empty folder beside a user's script
+    (tests/ray_trainer_rl.py), called as the README shows: its own trainer class, FSDP2 over 2 Ray ranks on gloo, vLLM's ModuleSource
     over a dense model (tiny Qwen3), and a real CPU vLLM server started with `serving([model,
     *serve_args(name, gpu_ids)])`: dummy weights, vLLM's default worker (serve_args names no extension).
 
     What it checks: ModuleSource's names and shapes are the checkpoint's; rank 0's client
-    (helpers.weight_sync_client in FailAfterSend) makes its real calls to vLLM's weight routes
+    (helpers.WeightSyncClient in FailAfterSend) makes its real calls to vLLM's weight routes
     (/init_weight_transfer_engine, /start_weight_update, /finish_weight_update); after the tensors
     ModuleSource yields are loaded by vLLM's own loader (reload_weights: model.load_weights, as the IPC
     engine's receive_weights calls it), every parameter vLLM holds differs from its dummy weights and
@@ -197,10 +254,10 @@ def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, 
     tensors travel through a file instead, to the same loader; the same program does the real sync on a
     GPU (docs/RESULTS.md). The CPU launcher drops the two flags vLLM on CPU refuses (sleep mode, the
     GPU ids)."""
-    folder = copied(tmp_path / "my_rl", ["helpers.py"])
-    shutil.copy(ROOT / "tests" / "helpers_alone_rl.py", folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["helpers.py", "helpers_alone_rl.py"]
-    argv = [sys.executable, "helpers_alone_rl.py", str(tiny_dense_checkpoint), json.dumps(CPU_LAUNCHER)]
+    folder = copied(tmp_path / "my_rl", HELPERS + RAY)
+    shutil.copy(ROOT / "tests" / "ray_trainer_rl.py", folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["helpers.py", "ray_trainer_rl.py", "weight_sync"]
+    argv = [sys.executable, "ray_trainer_rl.py", str(tiny_dense_checkpoint), json.dumps(CPU_LAUNCHER)]
     run = subprocess.run(argv, cwd=folder, env=alone(folder), capture_output=True, text=True, timeout=600)
     out = run.stdout
     print(out)
@@ -222,14 +279,13 @@ def test_helpers_alone_starts_a_server_and_syncs_through_vllms_loader(tmp_path, 
 
 
 def test_a_torchrun_trainer_syncs_with_the_documented_calls(tmp_path, tiny_dense_checkpoint):
-    """A user's trainer under torchrun, without Ray (tests/torchrun_rl.py), beside the copy table's first row
+    """A user's trainer under torchrun, without Ray (tests/torchrun_rl.py), beside the copy table's first two rows
     alone: 2 gloo ranks, FSDP2, rank 0 starts the server on the checkpoint's real weights, and the ranks run the
     README's torchrun round through both loaders. On CPU the data plane goes through a file (no CUDA IPC, no
     sleep mode; see the file's docstring); the sources, their process-group calls, the direct loader's check and
     its learning on the server are the real ones. After every round vLLM holds the trainer's weights, bit for bit
     what vLLM's own loader makes of them, and the step changed them."""
-    ((_, needs),) = [r for r in ROWS if r[0] == LIFT]
-    folder = copied(tmp_path / "my_rl", LIFT + needs)
+    folder = copied(tmp_path / "my_rl", HELPERS + DIRECT)  # no Ray file: torchrun needs none
     shutil.copy(ROOT / "tests" / "torchrun_rl.py", folder)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += ["torchrun_rl.py", str(tiny_dense_checkpoint), json.dumps(CPU_LAUNCHER)]

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A user's own RL code under torchrun, without Ray, beside the first row of the README's copy table.
+"""A user's own RL code under torchrun, without Ray, beside the copy table's first two rows.
 
     torchrun --nproc-per-node N torchrun_rl.py MODEL_DIR [LAUNCHER_JSON]
 
@@ -56,11 +56,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-
-
-def healthy(server: helpers.Server) -> str:
-    helpers.wait_until_healthy(server, timeout_s=900)
-    return server.socket_path
 
 
 def checksums(sock: str) -> dict:
