@@ -10,8 +10,8 @@
 #    bit for bit. A sixth sync of each loader, the direct loader's profiled (cProfile on the trainer and the
 #    engine); the five before it are the numbers.
 # b1: the README's tiny command again (warm caches), alone; b2: the same checkpoint with the routed experts served
-#    in FP8 (direct loader, 5 syncs and a sixth profiled, compiled) and, side by side while its server starts: helpers.py alone in an
-#    empty folder with a user's own trainer (tests/helpers_alone_rl.py: IPC send, vLLM's loader, a dense model),
+#    in FP8 (direct loader, 5 syncs and a sixth profiled, compiled) and, side by side while its server starts: helpers.py and weight_sync/ray_trainers.py alone in an
+#    empty folder with a user's own trainer (tests/ray_trainer_rl.py: IPC send, vLLM's loader, a dense model),
 #    tiny with --rounds 3, tiny-deepseek-v3 with --train.
 # b3: side by side, eager: every preset family through each loader it takes (2 syncs each, then both bit for
 #    bit), tiny-mixtral in FP8 with --train, and a stale engine (tests/stale_block_worker.py: from the second
@@ -150,11 +150,12 @@ path = models.build_preset("tiny-qwen3", Path("/root/dense"))
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
 models.init_random_weights(model, seed=2)
 model.save_pretrained(path)
-Path("/root/alone").mkdir(exist_ok=True)
-for f in ["helpers.py", "tests/helpers_alone_rl.py"]:
-    shutil.copy(f, "/root/alone")
+Path("/root/alone/weight_sync").mkdir(parents=True, exist_ok=True)
+for f, to in [("helpers.py", ""), ("weight_sync/__init__.py", "weight_sync"), ("weight_sync/ray_trainers.py", "weight_sync"),
+              ("tests/ray_trainer_rl.py", "")]:
+    shutil.copy(f, Path("/root/alone", to))
 EOF
-   cd /root/alone && timeout 300 python3 helpers_alone_rl.py /root/dense 2>&1 | stamp
+   cd /root/alone && timeout 300 python3 ray_trainer_rl.py /root/dense 2>&1 | stamp
    cp /root/alone/server.log "$R/logs/helpers-alone.server.log") > "$R/logs/helpers-alone.out" 2>&1
   wait
 fi

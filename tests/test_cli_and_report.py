@@ -1436,7 +1436,7 @@ def test_main_runs_the_steps_and_the_proof_is_called_around_them(monkeypatch):
     monkeypatch.setattr(script, "ray_get_all", lambda refs: [{"tensors": 3, "experts": True}])
     monkeypatch.setattr(script, "run_round", lambda job, args, round_proof: calls.append("round"))
     batch = [generation.Completion("", [1], [2])]
-    monkeypatch.setattr(helpers, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)
+    monkeypatch.setattr(generation, "completions", lambda sock, model, prompts, *a: calls.append("generate") or batch)
     assert script.main(["--model", "tiny", "--rounds", "2", "--prompt", "a", "--check-coverage"]) == 0
     assert calls[:9] == [
         "before_gpu_work",

@@ -289,12 +289,13 @@ def test_sigterm_still_unwinds_after_ray_starts():
     aborts the process (exit 134) a few seconds into the cleanup; the script
     starts Ray through program.init_ray, after which SIGTERM unwinds with
     143 and the cleanup runs to its end. The signal comes while the driver
-    waits in Ray (as send_all does during a send), whose wait turns any
+    waits in Ray (as ray_trainers.send_all does during a send), whose wait turns any
     exception from a signal handler but KeyboardInterrupt into exit code 1."""
     driver = _driver("""
         import time
-        import ray, helpers
+        import ray
         from proof import program
+        from weight_sync import ray_trainers
 
         @ray.remote
         def slow():
