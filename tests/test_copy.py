@@ -304,3 +304,10 @@ def test_a_torchrun_trainer_syncs_with_the_documented_calls(tmp_path, tiny_dense
             assert line and line[1] == "True", out
             assert 0 < int(line[2]) <= int(line[3]), line[0]
     assert re.search(r"serves after the rounds: [1-9]", out) and "left: processes [] | its folder: False" in out, out
+
+
+def test_what_a_user_reads_first_stays_one_sittings_read():
+    """helpers.py, the file every path copies, at most 1,000 lines (ruff-formatted, as CI checks); the README at
+    most 160."""
+    assert len((ROOT / "helpers.py").read_text().splitlines()) <= 1000
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
