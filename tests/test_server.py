@@ -541,8 +541,8 @@ def test_forgetting_a_client_is_safe_beside_first_requests_in_other_threads(monk
     try:
         with ThreadPoolExecutor(2) as pool:
             adding = [
-                pool.submit(first_requests, "connections", helpers._connection, 20_000),
-                pool.submit(first_requests, "openai", helpers.openai_client, 300),
+                pool.submit(first_requests, "connections", helpers._connection, 4_000),
+                pool.submit(first_requests, "openai", helpers.openai_client, 100),
             ]
             while not all(f.done() for f in adding):
                 helpers.forget_client("/nowhere/else")
@@ -551,10 +551,10 @@ def test_forgetting_a_client_is_safe_beside_first_requests_in_other_threads(monk
                 f.result()
     finally:
         sys.setswitchinterval(interval)
-    assert added == {"connections": 20_000, "openai": 300}
-    assert len(helpers._connections) == 20_000 and len(helpers._openai_clients) == 300
+    assert added == {"connections": 4_000, "openai": 100}
+    assert len(helpers._connections) == 4_000 and len(helpers._openai_clients) == 100
     helpers.forget_client("/nowhere/connections-7", every_thread=True)
-    assert len(helpers._connections) == 19_999
+    assert len(helpers._connections) == 3_999
 
 
 ENV_SERVER = """
