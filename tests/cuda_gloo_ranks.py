@@ -8,6 +8,8 @@ A default group made with init_process_group("cuda:gloo") runs collectives on CU
 are none: as a user's NCCL-only group cannot take the CPU tensors of a host-side collective. Each line printed by
 rank 0 is one of the sync's calls that runs a collective."""
 
+import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -76,7 +78,12 @@ def main() -> None:
         "| rank 0 returned after every rank was through:",
         returned_at >= max(through),
     )
-    dist.destroy_process_group()
+    # Every rank through its last collective, then out without tearing the groups down: torch's teardown of a
+    # "cuda:gloo" group on a machine without CUDA aborts now and then ("terminate called without an active
+    # exception"), after everything here has run.
+    dist.barrier(group=helpers.sync_group())
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
