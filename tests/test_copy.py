@@ -72,6 +72,18 @@ def alone(folder: Path) -> dict:
     return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(folder)}
 
 
+def python_alone(folder: Path, code: str) -> subprocess.CompletedProcess:
+    """Run `code` in `folder` with only that folder importable of this project (-I: no PYTHONPATH, no user site)."""
+    return subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, '.')\n{code}"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env=alone(folder),
+        timeout=240,
+    )
+
+
 def test_the_table_is_there():
     assert [files for files, _ in ROWS][:3] == [HELPERS, DIRECT, RAY]
     assert [needs for _, needs in ROWS][:3] == [[], HELPERS, HELPERS]
@@ -83,14 +95,7 @@ def test_helpers_imports_nothing_of_this_project(tmp_path):
     """helpers.py alone in an empty directory imports: whatever of this project it
     uses, it imports where it uses it (and says so), not when it is imported."""
     folder = copied(tmp_path / "alone", ["helpers.py"])
-    run = subprocess.run(
-        [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, '.'); import helpers"],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        env=alone(folder),
-        timeout=240,
-    )
+    run = python_alone(folder, "import helpers")
     assert run.returncode == 0, run.stderr[-1500:]
 
 
@@ -99,13 +104,11 @@ def test_helpers_imports_without_ray(tmp_path):
     process-group calls run without it."""
     folder = copied(tmp_path / "alone", ["helpers.py"])
     code = (
-        "import sys; sys.path.insert(0, '.'); sys.modules['ray'] = None  # as if Ray were not installed\n"
+        "sys.modules['ray'] = None  # as if Ray were not installed\n"
         "import helpers\n"
         "print(helpers.rank_gpus(), helpers.on_rank_zero(len, 'abc'))\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-I", "-c", code], cwd=folder, capture_output=True, text=True, env=alone(folder), timeout=240
-    )
+    run = python_alone(folder, code)
     assert run.returncode == 0, run.stderr[-1500:]
     assert run.stdout.strip() == "[{'gpu_id': None, 'gpu_uuid': ''}] 3", run.stdout
 
@@ -128,7 +131,6 @@ def test_the_ray_trainers_refuse_more_nodes_and_name_what_to_copy(tmp_path):
     TCP, through weight_sync/multinode.py): it says so at once, before it asks Ray for anything."""
     folder = copied(tmp_path / "alone", HELPERS + RAY)
     code = (
-        "import sys; sys.path.insert(0, '.')\n"
         "import ray\n"
         "from weight_sync import ray_trainers\n"
         "try:\n"
@@ -136,9 +138,7 @@ def test_the_ray_trainers_refuse_more_nodes_and_name_what_to_copy(tmp_path):
         "except ValueError as e:\n"
         "    print('refused:', e, '| ray started:', ray.is_initialized())\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-I", "-c", code], cwd=folder, capture_output=True, text=True, env=alone(folder), timeout=240
-    )
+    run = python_alone(folder, code)
     assert run.returncode == 0, run.stderr[-1500:]
     assert "refused: trainer ranks on 2 nodes meet over TCP" in run.stdout, run.stdout + run.stderr[-1500:]
     assert (

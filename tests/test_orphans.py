@@ -55,6 +55,16 @@ def _gone_within(pgid: int, timeout_s: float) -> float | None:
     return time.monotonic() - start
 
 
+def _outlives_its_killed_caller(driver: subprocess.Popen, pid: str, start: str, timeout_s: float) -> bool:
+    """SIGKILL the driver, and return whether process `pid`, started at `start`, still runs `timeout_s` later."""
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + timeout_s
+    while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return helpers.start_time(int(pid)) == start
+
+
 def _cleanup(driver: subprocess.Popen, pgid: int | None) -> None:
     driver.kill()
     driver.wait()
@@ -444,12 +454,9 @@ def test_what_else_the_caller_started_goes_even_after_the_server_is_gone(tmp_pat
     """)
     try:
         pid, start = _read_until(driver, "other").split()
-        driver.kill()
-        driver.wait()
-        deadline = time.monotonic() + 10
-        while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert helpers.start_time(int(pid)) != start, "the listed process outlived the caller"
+        assert not _outlives_its_killed_caller(driver, pid, start, timeout_s=10), (
+            "the listed process outlived the caller"
+        )
     finally:
         _cleanup(driver, None)
 
@@ -477,12 +484,7 @@ def test_the_watchdog_takes_a_list_of_processes_of_any_length(tmp_path):
     pid = start = None
     try:
         pid, start = _read_until(driver, "other").split()
-        driver.kill()
-        driver.wait()
-        deadline = time.monotonic() + 30
-        while helpers.start_time(int(pid)) == start and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert helpers.start_time(int(pid)) != start, "the process listed last outlived the caller"
+        assert not _outlives_its_killed_caller(driver, pid, start, timeout_s=30), "the last one outlived the caller"
         assert "stopping 1000 other processes" in (tmp_path / "server.log").read_text()
     finally:
         _cleanup(driver, None)
