@@ -207,8 +207,8 @@ class RoundProof:
 
         The exact check runs in its own thread beside the gate. It is skipped with tensor parallelism,
         because each engine then holds shards, and where vLLM lacks what it needs. The gate checks that vLLM
-        now scores the batch as the trainer does. If the previous sync was proven exact, vLLM held the trainer's weights bit for bit when `before`
-        was measured, so `before` is the change test's reference. It never widens the gate's tolerance; only
+        now scores the batch as the trainer does. If the previous sync was proven exact, vLLM held the
+        trainer's weights bit for bit when `before` was measured, so `before` is the change test's reference. It never widens the gate's tolerance; only
         the trainer's own noise does.
         """
         job, args = self.job, self.args

@@ -8,10 +8,10 @@ One vLLM server spans the nodes through vLLM's multi-node data parallelism. Node
 serves the API and runs its engines. Every other node runs its engines alone with `vllm serve --headless`,
 started and owned by a NodeServer actor in that node's bundle of the trainers' placement group. Each engine
 still reads the CUDA IPC buffer of the trainer rank on its own GPU. When a server exits on any node,
-raise_node_failure names it through helpers' checks: wait_until_ready's `also_check` and send_all's
+raise_node_failure names it through ray_trainers' checks: wait_until_ready's `also_check` and send_all's
 `check_failure`.
 
-On the driver, with helpers' names; start_trainers handles the nodes, and its ranks meet through TCPRendezvous:
+On the driver, with helpers' and ray_trainers' names; start_trainers handles the nodes, and its ranks meet through TCPRendezvous:
 
     trainers, pg = start_trainers(MyTrainer, num_gpus, num_nodes, trainer_args=(...), rendezvous=TCPRendezvous)
     ranks = placements(trainers)                                   # in node order, rank 0 on this node

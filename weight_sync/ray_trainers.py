@@ -135,7 +135,7 @@ def start_trainers(
 
     if num_nodes > 1 and rendezvous is None:
         raise ValueError(
-            f"trainer ranks on {num_nodes} nodes meet over TCP, which helpers.py does not do alone: copy "
+            f"trainer ranks on {num_nodes} nodes meet over TCP, which weight_sync/ray_trainers.py does not do alone: copy "
             "weight_sync/multinode.py beside it and pass start_trainers(..., rendezvous=multinode.TCPRendezvous)"
         )
     rendezvous = rendezvous if num_nodes > 1 else None
